@@ -1,0 +1,123 @@
+"""The `asyncrl` command line.
+
+Every job command takes a config (a preset name such as `quickstart`, or a YAML path) followed by
+dotted overrides (`rollout.sampling.temperature=0.7`); `--dry-run` prints the resolved config and
+exits. Heavy imports (torch, Ray) happen inside the commands so `asyncrl --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from asyncrl.configs import ConfigError, RunConfig, dump_config, load_config, preset_names
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    parser.add_argument(
+        "config",
+        nargs=None if required else "?",
+        help=f"preset name ({', '.join(preset_names())}) or path to a YAML config",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. sft.lr=3e-4")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+
+
+def _resolve(args: argparse.Namespace) -> RunConfig | None:
+    """Load the config; with --dry-run print it and return None (the command then stops)."""
+    config = load_config(args.config, args.overrides)
+    if args.dry_run:
+        print(dump_config(config), end="")
+        return None
+    return config
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    config = _resolve(args)
+    if config is None:
+        return 0
+    from asyncrl.learner.sft import run_sft
+
+    result = run_sft(config)
+    print(f"checkpoint: {result.checkpoint}")
+    print(f"held-out accuracy: {result.eval_accuracy:.1%} after {result.steps} steps in {result.wall_s:.0f} s")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from asyncrl.generate import generate_from_checkpoint
+
+    return generate_from_checkpoint(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from asyncrl.bench import BENCHMARKS
+
+    if args.name not in BENCHMARKS:
+        print(f"asyncrl bench: unknown benchmark {args.name!r} (known: {', '.join(sorted(BENCHMARKS))})", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    config = load_config(args.config, args.overrides)
+    if args.dry_run:
+        print(dump_config(config), end="")
+        return 0
+    results = BENCHMARKS[args.name](config, args.json)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncrl",
+        description="Asynchronous agentic RL post-training: SFT warm start, rollout engines, benchmarks.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sft = sub.add_parser("sft", help="train the policy and its MTP module on synthetic demonstrations")
+    _add_config_arguments(sft)
+    sft.set_defaults(handler=cmd_sft)
+
+    gen = sub.add_parser("generate", help="sample from a checkpoint with the embedded engine")
+    gen.add_argument("checkpoint", help="a Hugging Face model directory (e.g. runs/quickstart/sft/checkpoint)")
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="a user message, rendered with the chat template")
+    source.add_argument("--raw", help="raw text, tokenized as is (no chat template)")
+    source.add_argument("--token-ids", help="comma-separated prompt token ids")
+    gen.add_argument("-n", "--num-samples", type=int, default=1, help="samples to draw (default 1)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (default 1.0)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--tokens", action="store_true", help="print a token-by-token table (id, text, log-prob, version)")
+    gen.add_argument("--json", action="store_true", help="print results as JSON lines")
+    gen.set_defaults(handler=cmd_generate)
+
+    bench = sub.add_parser("bench", help="run a benchmark and write its results as JSON")
+    bench.add_argument("name", help="benchmark name, e.g. engine")
+    bench.add_argument("config", nargs="?", default=None, help="preset or YAML config (default: built-in defaults)")
+    bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    bench.add_argument("--json", default=None, metavar="PATH", help="write results to this JSON file")
+    bench.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    bench.set_defaults(handler=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except ConfigError as err:
+        print(f"asyncrl: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        print("asyncrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
