@@ -1,0 +1,1 @@
+"""The policy: the tiny model, its tokenizer, the MTP module and checkpoints."""

@@ -1,0 +1,174 @@
+"""The multi-token-prediction (MTP) layer in the GLM-5 / DeepSeek-V3 shape, trained beside the policy.
+
+One parameter set, applied recurrently: at depth k, position i combines the previous depth's hidden
+state h^{k-1}_i (depth 0: the policy's final, normed hidden state, which is what vLLM hands its MTP
+drafter) with the embedding of token t_{i+k}, and predicts token t_{i+k+1}:
+
+    h^k_i = block(eh_proj([enorm(embed(t_{i+k})), hnorm(h^{k-1}_i)]))     # embedding first, as in
+    logits = lm_head(shared_head.norm(h^k_i))                              # DeepSeek-V3 and vLLM
+
+`block` is one decoder layer of the policy's own family (its transformers class, layer index
+`num_hidden_layers`), so the MTP layer can sit in the checkpoint as `model.layers.{N}.*`, where
+vLLM's DeepSeek/GLM MTP loaders look for it. The embedding and LM head are the policy's own (shared,
+not copied); `asyncrl.policy.checkpoint` writes copies of them under the MTP layer for loaders
+that want them. As in vLLM, the token embedding at position 0 is zeroed, so a drafter served by
+vLLM builds the same MTP key/value cache as the one trained here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_causal_mask
+
+# Per-layer lists in the policy config that the MTP layer's index must also be valid for.
+_PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "indexer_types")
+
+
+def mtp_layer_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The policy config extended by one layer, so a decoder layer can be built at index N."""
+    extended = copy.deepcopy(config)
+    for name in _PER_LAYER_FIELDS:
+        values = getattr(extended, name, None)
+        if isinstance(values, list) and len(values) == config.num_hidden_layers:
+            # The MTP layer is a layer like the last one, except that it always runs its own DSA
+            # indexer: there is no earlier layer in its stack to share top-k positions with.
+            setattr(extended, name, values + ["full" if name == "indexer_types" else values[-1]])
+    extended.num_hidden_layers = config.num_hidden_layers + 1
+    return extended
+
+
+class MTPLayer(nn.Module):
+    """enorm, hnorm, eh_proj, one decoder block, shared_head.norm (the LM head is the policy's)."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.layer_index: int = policy.config.num_hidden_layers
+        self.config = mtp_layer_config(policy.config)
+        hidden = self.config.hidden_size
+        decoder_layer_class = type(policy.model.layers[0])
+        self.block = decoder_layer_class(self.config, self.layer_index)
+        norm_class = type(self.block.input_layernorm)
+        self.enorm = norm_class(hidden, eps=self.config.rms_norm_eps)
+        self.hnorm = norm_class(hidden, eps=self.config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = norm_class(hidden, eps=self.config.rms_norm_eps)
+        # The policy's own initialiser, so experts and router start as the policy's layers did.
+        self.apply(policy._init_weights)
+
+    def forward(
+        self,
+        previous_hidden: torch.Tensor,
+        token_embeds: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        cache=None,
+    ) -> torch.Tensor:
+        """One depth: [B, S, H] hidden states in, [B, S, H] (before shared_head.norm) out."""
+        token_embeds = token_embeds.masked_fill((position_ids == 0).unsqueeze(-1), 0.0)
+        mixed = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(previous_hidden)], dim=-1))
+        out = self.block(
+            mixed,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            cache=cache,
+            use_cache=cache is not None,
+        )
+        # GLM-DSA layers also return their DSA top-k indices; dense layers return the tensor alone.
+        return out[0] if isinstance(out, tuple) else out
+
+
+def build_mtp(policy: nn.Module, seed: int | None = None) -> MTPLayer:
+    if seed is not None:
+        torch.manual_seed(seed)
+    layer = MTPLayer(policy)
+    return layer.to(dtype=next(policy.parameters()).dtype, device=next(policy.parameters()).device)
+
+
+def policy_hidden_and_logits(
+    policy: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's final (normed) hidden states and its logits, from one forward pass."""
+    hidden = policy.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return hidden, policy.lm_head(hidden)
+
+
+def draft_step(
+    policy: nn.Module,
+    mtp: MTPLayer,
+    previous_hidden: torch.Tensor,
+    next_token_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    cache=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MTP depth for drafting: (logits [B, S, V], hidden [B, S, H] for the next depth).
+
+    `previous_hidden[:, s]` is the hidden state at position `position_ids[:, s]` (the policy's
+    final hidden state, or the previous depth's output) and `next_token_ids[:, s]` the token that
+    follows that position; the logits predict the token after that one. `attention_mask` is the
+    2D padding mask over cached plus new positions; `cache`, if given, is a transformers cache
+    built with `mtp.config` (the MTP layer keeps its keys and values at index `mtp.layer_index`).
+    """
+    embeds = policy.model.embed_tokens(next_token_ids)
+    mask = create_causal_mask(
+        config=mtp.config,
+        inputs_embeds=embeds,
+        attention_mask=attention_mask,
+        cache=cache,
+        position_ids=position_ids,
+        allow_is_causal_skip=False,  # the DSA indexer needs a real mask
+    )
+    rotary = policy.model.rotary_emb(previous_hidden, position_ids=position_ids)
+    hidden = mtp(previous_hidden, embeds, rotary, mask, position_ids, cache=cache)
+    return policy.lm_head(mtp.shared_head.norm(hidden)), hidden
+
+
+def mtp_logits(
+    policy: nn.Module,
+    mtp: MTPLayer,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    depth: int,
+) -> list[torch.Tensor]:
+    """Logits at depths 1..depth over a whole (right-padded) batch; entry k-1 predicts t_{i+k+1}.
+
+    The last k positions of depth k have no token t_{i+k} to read; they see a zero embedding
+    and their predictions are never trained.
+    """
+    batch, length = input_ids.shape
+    position_ids = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, -1)
+    out, previous = [], hidden
+    for k in range(1, depth + 1):
+        shifted = F.pad(input_ids[:, k:], (0, k), value=0)
+        logits, previous = draft_step(policy, mtp, previous, shifted, position_ids, attention_mask)
+        out.append(logits)
+    return out
+
+
+def mtp_loss(
+    policy: nn.Module,
+    mtp: MTPLayer,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    depth: int,
+) -> torch.Tensor:
+    """Mean over depths of the masked token-mean cross-entropy (`loss_mask[:, j]` = train token j)."""
+    losses = []
+    for k, logits in enumerate(mtp_logits(policy, mtp, hidden, input_ids, attention_mask, depth), start=1):
+        targets, weights = input_ids[:, k + 1 :], loss_mask[:, k + 1 :]
+        per_token = F.cross_entropy(
+            logits[:, : -k - 1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+        )
+        losses.append((per_token * weights.reshape(-1)).sum() / weights.sum().clamp(min=1.0))
+    return torch.stack(losses).mean()

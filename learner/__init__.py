@@ -1,0 +1,1 @@
+"""The learner: SFT warm start, held-out evaluation and the RL objectives."""

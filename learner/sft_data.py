@@ -1,0 +1,97 @@
+"""Synthetic SFT demonstrations: token IDs plus a loss mask that is 1 exactly on assistant tokens.
+
+"Assistant tokens" means what the model itself writes after the generation prompt: the answer, any
+tool-call markup, and the EOS that ends the turn. The role header `<|assistant|>` is not one of
+them (the harness appends it, as `add_generation_prompt` does), nor are system, user or tool
+tokens. This is the same rule as the RL sample's loss mask, so SFT and RL train the same positions.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.configs.schema import ArithmeticTaskConfig
+from asyncrl.envs.arithmetic import ArithmeticTask
+from asyncrl.envs.tool_demos import PYTHON_TOOL, sample_tool_problem
+
+
+@dataclass
+class Demo:
+    token_ids: list[int]
+    loss_mask: list[int]
+    """1 where token_ids[j] is a target the model is trained to produce."""
+
+
+def render_demo(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Demo:
+    """Tokenize a conversation with the chat template and mark the assistant-written spans.
+
+    Each assistant span is the difference between the conversation rendered through that message
+    and the conversation before it rendered with the generation prompt. The pieces are tokenized
+    one by one, which equals tokenizing the whole text because the tokenizer is character-level
+    with atomic special tokens.
+    """
+
+    def render(upto: int, generation_prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(
+            messages[:upto], tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    spans: list[tuple[str, int]] = []
+    done = render(0)
+    spans.append((done, 0))
+    for index, message in enumerate(messages):
+        full = render(index + 1)
+        if message["role"] == "assistant":
+            prompt = render(index, generation_prompt=True)
+            if not (prompt.startswith(done) and full.startswith(prompt)):
+                raise ValueError("chat template is not prefix-stable; cannot mark assistant tokens")
+            spans += [(prompt[len(done) :], 0), (full[len(prompt) :], 1)]
+        else:
+            spans.append((full[len(done) :], 0))
+        done = full
+
+    token_ids: list[int] = []
+    loss_mask: list[int] = []
+    for text, trained in spans:
+        ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+        token_ids += ids
+        loss_mask += [trained] * len(ids)
+    return Demo(token_ids, loss_mask)
+
+
+class DemoStream:
+    """An endless, seeded mix of arithmetic demonstrations and tool-call demonstrations."""
+
+    def __init__(
+        self, tokenizer, task_config: ArithmeticTaskConfig, tool_demo_fraction: float, seed: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.task = ArithmeticTask(task_config)
+        self.tool_demo_fraction = tool_demo_fraction
+        self.rng = random.Random(seed)
+
+    def next(self) -> Demo:
+        if self.rng.random() < self.tool_demo_fraction:
+            problem = sample_tool_problem(self.rng)
+            return render_demo(self.tokenizer, problem.demonstration(), tools=[PYTHON_TOOL])
+        return render_demo(self.tokenizer, self.task.sample(self.rng).demonstration())
+
+    def batch(self, size: int) -> list[Demo]:
+        return [self.next() for _ in range(size)]
+
+
+def collate(demos: list[Demo], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors: input_ids, attention_mask and loss_mask, all [batch, longest]."""
+    longest = max(len(d.token_ids) for d in demos)
+    input_ids = torch.full((len(demos), longest), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(demos), longest), dtype=torch.long)
+    loss_mask = torch.zeros((len(demos), longest), dtype=torch.float32)
+    for row, demo in enumerate(demos):
+        n = len(demo.token_ids)
+        input_ids[row, :n] = torch.tensor(demo.token_ids)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(demo.loss_mask, dtype=torch.float32)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
