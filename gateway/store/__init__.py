@@ -1,0 +1,57 @@
+"""Trajectory stores: where the gateway records turns and the learner takes completed rollouts.
+
+`open_store` picks the backend from the address: a `redis://` (or `rediss://`, `unix://`) URL is the
+Redis store, anything else is a SQLite file (a directory means `trajectories.db` inside it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import (
+    COUNT_KEYS,
+    DEFAULT_VISIBILITY_TIMEOUT_S,
+    RolloutClosed,
+    StoreError,
+    TrajectoryStore,
+    UnknownRollout,
+)
+from .sqlite import SQLiteStore
+
+SQLITE_FILENAME = "trajectories.db"
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def open_store(
+    url_or_path: str | Path,
+    *,
+    namespace: str = "default",
+    visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S,
+) -> TrajectoryStore:
+    """Open (creating if needed) the store at `url_or_path`.
+
+    `namespace` separates runs that share one Redis server (a SQLite file is already one run).
+    `visibility_timeout_s` is how long a claimed, unacked trajectory stays with its consumer before
+    another claim may take it: longer than the learner's slowest step, short enough to recover soon.
+    """
+    address = str(url_or_path)
+    if address.startswith(_REDIS_SCHEMES):
+        from .redis import RedisStore  # imported here so SQLite users never need a Redis client
+
+        return RedisStore(address, namespace=namespace, visibility_timeout_s=visibility_timeout_s)
+    path = Path(address.removeprefix("sqlite:///"))
+    if path.is_dir():
+        path = path / SQLITE_FILENAME
+    return SQLiteStore(path, visibility_timeout_s=visibility_timeout_s)
+
+
+__all__ = [
+    "COUNT_KEYS",
+    "DEFAULT_VISIBILITY_TIMEOUT_S",
+    "RolloutClosed",
+    "SQLiteStore",
+    "StoreError",
+    "TrajectoryStore",
+    "UnknownRollout",
+    "open_store",
+]

@@ -1,0 +1,132 @@
+"""The trajectory store contract, shared by the SQLite and Redis backends.
+
+Life of a rollout: `open` -> `append` turns -> `finish` (or `abort`). Every rollout that reaches a
+terminal status, aborted ones included, is handed to the consumer (the learner) exactly once:
+`claim` leases it to a named consumer, `ack` ends the lease for good. A lease that is not acked
+within the visibility timeout (the consumer died) is handed out again to the next `claim`, so a
+learner that crashes and restarts neither loses nor double-trains a trajectory, provided it acks
+within the timeout. Aborted rollouts are handed over too, so the learner can close their GRPO groups
+and account for them instead of waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Iterable, Protocol, runtime_checkable
+
+from ..records import FINISH_STATUSES, Trajectory, Turn
+
+COUNT_KEYS = ("running", *FINISH_STATUSES, "aborted", "pending", "claimed", "acked")
+"""Keys of `counts()`: rollouts per status, then the hand-off of terminal ones: `pending` (not yet
+claimed), `claimed` (leased, not acked; includes expired leases awaiting re-delivery), `acked`."""
+
+DEFAULT_VISIBILITY_TIMEOUT_S = 300.0
+
+
+class StoreError(Exception):
+    """A store call the store refuses; the message says which rollout and why."""
+
+
+class UnknownRollout(StoreError, LookupError):
+    """No rollout with this id was ever opened in this store."""
+
+
+class RolloutClosed(StoreError):
+    """The rollout is already finished or aborted; it takes no more turns or status changes."""
+
+
+@runtime_checkable
+class TrajectoryStore(Protocol):
+    """Where turns are recorded and completed trajectories wait for the learner."""
+
+    def open(
+        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None
+    ) -> str:
+        """Start a rollout; returns its id (a fresh one unless given). An id in use is a StoreError."""
+        ...
+
+    def append(self, turn: Turn) -> int:
+        """Record a turn of a running rollout; returns the index the store gave it (0, 1, ...)."""
+        ...
+
+    def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> None:
+        """End a running rollout with its reward and one of ok, env_crash, timeout, error."""
+        ...
+
+    def abort(self, rollout_id: str, reason: str = "") -> None:
+        """End a running rollout without a reward (status aborted)."""
+        ...
+
+    def claim(self, consumer: str, max_n: int, block_s: float = 0.0) -> list[Trajectory]:
+        """Lease up to `max_n` terminal trajectories to `consumer`, oldest first: expired leases of
+        dead consumers and never-claimed ones. Waits up to `block_s` seconds when none is ready."""
+        ...
+
+    def ack(self, consumer: str, rollout_ids: Iterable[str]) -> int:
+        """End `consumer`'s leases for good; returns how many it still held. A lease that expired and
+        went to another consumer is not this consumer's to ack and is not counted."""
+        ...
+
+    def get(self, rollout_id: str) -> Trajectory:
+        """One trajectory with all its turns; UnknownRollout if there is none."""
+        ...
+
+    def list(
+        self, *, status: str | None = None, group_id: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> list[Trajectory]:
+        """Trajectories with their turns in the order they were opened, filtered, one page at a time."""
+        ...
+
+    def counts(self) -> dict[str, int]:
+        """Rollouts per status and the state of the hand-off; keys are COUNT_KEYS."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def check_finish(rollout_id: str, reward: float, status: str) -> None:
+    if status not in FINISH_STATUSES:
+        hint = " (use abort() to abort a rollout)" if status == "aborted" else ""
+        raise StoreError(f"rollout {rollout_id!r}: finish status must be one of {', '.join(FINISH_STATUSES)}, got {status!r}{hint}")
+    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+        raise StoreError(f"rollout {rollout_id!r}: reward must be a finite number, got {reward!r}")
+
+
+def check_claim(consumer: str, max_n: int, block_s: float) -> None:
+    if not consumer:
+        raise StoreError("claim needs a consumer name (it owns the leases until it acks them)")
+    if max_n < 1:
+        raise StoreError(f"claim max_n must be at least 1, got {max_n}")
+    if block_s < 0:
+        raise StoreError(f"claim block_s must be >= 0, got {block_s}")
+
+
+def check_index(turn: Turn, index: int) -> None:
+    """A caller that numbers its own turns must agree with the store (it catches lost or doubled turns)."""
+    if turn.index not in (-1, index):
+        raise StoreError(
+            f"rollout {turn.rollout_id!r}: turn says index {turn.index} but it would be turn {index}; "
+            "leave index at -1 to let the store number turns"
+        )
+
+
+def turn_json(turn: Turn) -> str:
+    """The stored form of a turn. The index is left out: the store keeps it as the turn's position."""
+    data = turn.to_dict()
+    del data["index"]
+    data["created_at"] = turn.created_at or time.time()
+    return json.dumps(data, separators=(",", ":"))
+
+
+def turn_from_json(text: str, index: int) -> Turn:
+    return Turn.from_dict({**json.loads(text), "index": index})
+
+
+def closed_error(rollout_id: str, status: str, verb: str) -> RolloutClosed:
+    return RolloutClosed(f"rollout {rollout_id!r} is {status}; cannot {verb} it")
+
+
+def unknown_error(rollout_id: str) -> UnknownRollout:
+    return UnknownRollout(f"no rollout {rollout_id!r} in this store (never opened, or another run's store)")

@@ -1,0 +1,264 @@
+"""The embedded trajectory store: one SQLite file per run, in WAL mode.
+
+WAL lets readers (a debugging view, an export) run while the gateway writes. Every write is a short
+`BEGIN IMMEDIATE` transaction, which takes the write lock up front: two processes can then never
+both read, decide, and deadlock upgrading to a write. Each thread (and each forked process) gets its
+own connection, because a sqlite3 connection must not be shared across either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ..records import Trajectory, Turn
+from .base import (
+    COUNT_KEYS,
+    DEFAULT_VISIBILITY_TIMEOUT_S,
+    StoreError,
+    check_claim,
+    check_finish,
+    check_index,
+    closed_error,
+    turn_from_json,
+    turn_json,
+    unknown_error,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS trajectories (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    rollout_id TEXT NOT NULL UNIQUE,
+    task TEXT NOT NULL,
+    group_id TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    status TEXT NOT NULL,
+    reward REAL,
+    metrics TEXT NOT NULL DEFAULT '{}',
+    reason TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    finished_at REAL,
+    done_seq INTEGER,      -- order of reaching a terminal status: the hand-off order
+    claimed_by TEXT,
+    claimed_at REAL,
+    deliveries INTEGER NOT NULL DEFAULT 0,
+    acked_at REAL
+);
+CREATE INDEX IF NOT EXISTS handoff ON trajectories(done_seq) WHERE acked_at IS NULL;
+CREATE TABLE IF NOT EXISTS turns (
+    rollout_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (rollout_id, idx)
+) WITHOUT ROWID;
+"""
+
+_HEADER = "rollout_id, task, group_id, metadata, status, reward, metrics, reason, created_at, finished_at"
+_POLL_S = 0.05
+"""How often a blocking claim looks again: SQLite has no cross-process notification."""
+
+
+class SQLiteStore:
+    """`TrajectoryStore` over one SQLite file, safe from several threads and processes."""
+
+    def __init__(self, path: str | Path, *, visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S) -> None:
+        self.path = Path(path)
+        self.visibility_timeout_s = visibility_timeout_s
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._db().executescript(_SCHEMA)
+
+    def __repr__(self) -> str:
+        return f"SQLiteStore({str(self.path)!r})"
+
+    # -- connections and transactions -------------------------------------------------------------
+
+    def _db(self) -> sqlite3.Connection:
+        if self._closed:
+            raise StoreError(f"{self!r} is closed")
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            # isolation_level=None: we issue BEGIN ourselves, so no transaction opens behind our back.
+            db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode survives a process crash; only a power loss can drop the last commits.
+            db.execute("PRAGMA synchronous=NORMAL")
+            local.db, local.pid = db, os.getpid()
+            with self._lock:
+                self._connections.append(db)
+        return local.db
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            for db in self._connections:
+                db.close()
+            self._connections.clear()
+
+    # -- the rollout lifecycle --------------------------------------------------------------------
+
+    def open(
+        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None
+    ) -> str:
+        rollout_id = rollout_id or uuid.uuid4().hex
+        try:
+            with self._write() as db:
+                db.execute(
+                    "INSERT INTO trajectories (rollout_id, task, group_id, metadata, status, created_at)"
+                    " VALUES (?, ?, ?, ?, 'running', ?)",
+                    (rollout_id, task, group_id, json.dumps(metadata or {}), time.time()),
+                )
+        except sqlite3.IntegrityError:
+            raise StoreError(f"rollout id {rollout_id!r} is already in use in {self!r}") from None
+        return rollout_id
+
+    def append(self, turn: Turn) -> int:
+        with self._write() as db:
+            self._require_running(db, turn.rollout_id, "append a turn to")
+            (index,) = db.execute("SELECT COUNT(*) FROM turns WHERE rollout_id = ?", (turn.rollout_id,)).fetchone()
+            check_index(turn, index)
+            db.execute("INSERT INTO turns VALUES (?, ?, ?)", (turn.rollout_id, index, turn_json(turn)))
+        return index
+
+    def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> None:
+        check_finish(rollout_id, reward, status)
+        self._end(rollout_id, status, float(reward), metrics or {}, reason, "finish")
+
+    def abort(self, rollout_id: str, reason: str = "") -> None:
+        self._end(rollout_id, "aborted", None, {}, reason, "abort")
+
+    def _end(self, rollout_id: str, status: str, reward: float | None, metrics: dict, reason: str, verb: str) -> None:
+        with self._write() as db:
+            self._require_running(db, rollout_id, verb)
+            db.execute(
+                "UPDATE trajectories SET status = ?, reward = ?, metrics = ?, reason = ?, finished_at = ?,"
+                " done_seq = (SELECT COALESCE(MAX(done_seq), 0) + 1 FROM trajectories) WHERE rollout_id = ?",
+                (status, reward, json.dumps(metrics), reason, time.time(), rollout_id),
+            )
+
+    def _require_running(self, db: sqlite3.Connection, rollout_id: str, verb: str) -> None:
+        row = db.execute("SELECT status FROM trajectories WHERE rollout_id = ?", (rollout_id,)).fetchone()
+        if row is None:
+            raise unknown_error(rollout_id)
+        if row[0] != "running":
+            raise closed_error(rollout_id, row[0], verb)
+
+    # -- the hand-off to the learner --------------------------------------------------------------
+
+    def claim(self, consumer: str, max_n: int, block_s: float = 0.0) -> list[Trajectory]:
+        check_claim(consumer, max_n, block_s)
+        deadline = time.monotonic() + block_s
+        while True:
+            now = time.time()
+            with self._write() as db:
+                ids = [
+                    row[0]
+                    for row in db.execute(
+                        "SELECT rollout_id FROM trajectories WHERE done_seq IS NOT NULL AND acked_at IS NULL"
+                        " AND (claimed_at IS NULL OR claimed_at <= ?) ORDER BY done_seq LIMIT ?",
+                        (now - self.visibility_timeout_s, max_n),
+                    )
+                ]
+                db.executemany(
+                    "UPDATE trajectories SET claimed_by = ?, claimed_at = ?, deliveries = deliveries + 1"
+                    " WHERE rollout_id = ?",
+                    [(consumer, now, rollout_id) for rollout_id in ids],
+                )
+            # Terminal trajectories never change again, so reading them outside the claim is safe.
+            if ids:
+                return [self.get(rollout_id) for rollout_id in ids]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            time.sleep(min(_POLL_S, remaining))
+
+    def ack(self, consumer: str, rollout_ids: Iterable[str]) -> int:
+        now = time.time()
+        with self._write() as db:
+            before = db.total_changes
+            db.executemany(
+                "UPDATE trajectories SET acked_at = ? WHERE rollout_id = ? AND claimed_by = ? AND acked_at IS NULL",
+                [(now, rollout_id, consumer) for rollout_id in rollout_ids],
+            )
+            return db.total_changes - before
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def get(self, rollout_id: str) -> Trajectory:
+        db = self._db()
+        row = db.execute(f"SELECT {_HEADER} FROM trajectories WHERE rollout_id = ?", (rollout_id,)).fetchone()
+        if row is None:
+            raise unknown_error(rollout_id)
+        turns = db.execute("SELECT idx, data FROM turns WHERE rollout_id = ? ORDER BY idx", (rollout_id,))
+        return _trajectory(row, [turn_from_json(data, index) for index, data in turns])
+
+    def list(
+        self, *, status: str | None = None, group_id: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> list[Trajectory]:
+        where, params = [], []
+        for column, value in (("status", status), ("group_id", group_id)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        sql = "SELECT rollout_id FROM trajectories"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY seq LIMIT ? OFFSET ?"
+        params += [-1 if limit is None else limit, offset]
+        ids = [row[0] for row in self._db().execute(sql, params)]
+        return [self.get(rollout_id) for rollout_id in ids]
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(COUNT_KEYS, 0)
+        db = self._db()
+        # One read transaction, so the numbers are a consistent snapshot.
+        db.execute("BEGIN")
+        try:
+            counts.update(db.execute("SELECT status, COUNT(*) FROM trajectories GROUP BY status").fetchall())
+            pending, claimed, acked = db.execute(
+                "SELECT COALESCE(SUM(done_seq IS NOT NULL AND claimed_at IS NULL AND acked_at IS NULL), 0),"
+                " COALESCE(SUM(claimed_at IS NOT NULL AND acked_at IS NULL), 0),"
+                " COALESCE(SUM(acked_at IS NOT NULL), 0) FROM trajectories"
+            ).fetchone()
+        finally:
+            db.execute("COMMIT")
+        counts.update(pending=pending, claimed=claimed, acked=acked)
+        return counts
+
+
+def _trajectory(row: tuple, turns: list[Turn]) -> Trajectory:
+    rollout_id, task, group_id, metadata, status, reward, metrics, reason, created_at, finished_at = row
+    return Trajectory(
+        rollout_id=rollout_id,
+        task=task,
+        group_id=group_id,
+        metadata=json.loads(metadata),
+        turns=turns,
+        status=status,
+        reward=reward,
+        metrics=json.loads(metrics),
+        reason=reason,
+        created_at=created_at,
+        finished_at=finished_at,
+    )

@@ -1,0 +1,304 @@
+"""The trajectory store contract, run against both backends: a SQLite file and a real Redis server."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from asyncrl.gateway.records import Turn
+from asyncrl.gateway.store import (
+    COUNT_KEYS,
+    RolloutClosed,
+    SQLiteStore,
+    StoreError,
+    TrajectoryStore,
+    UnknownRollout,
+    open_store,
+)
+
+REDIS_URL = os.environ.get("ASYNCRL_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _require_redis():
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as error:
+        message = (
+            f"REDIS UNREACHABLE at {REDIS_URL} ({error}): the Redis half of the store contract did NOT run. "
+            "Start one with `source scripts/services.sh && ensure_redis`."
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return client
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def make_store(request, tmp_path):
+    """Opens store objects on one shared backing store: several objects stand for several processes."""
+    opened: list[TrajectoryStore] = []
+    if request.param == "sqlite":
+        address, namespace = tmp_path / "run.db", "default"
+    else:
+        client = _require_redis()
+        address, namespace = REDIS_URL, f"test-{uuid.uuid4().hex}"
+
+    def make(visibility_timeout_s: float = 30.0) -> TrajectoryStore:
+        store = open_store(address, namespace=namespace, visibility_timeout_s=visibility_timeout_s)
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+    if request.param == "redis":
+        keys = list(client.scan_iter(match=f"asyncrl:{namespace}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def _turn(rollout_id: str, prompt: list[int], completion: list[int], version: int = 0) -> Turn:
+    # Log-probs that print with many digits: a lossy round trip would show.
+    logprobs = [-math.pi / (i + 1) for i in range(len(completion))]
+    return Turn(rollout_id, prompt, completion, logprobs, [version] * len(completion), engine_id="e0")
+
+
+def _finished(store: TrajectoryStore, n: int, group_id: str = "g") -> list[str]:
+    ids = []
+    for i in range(n):
+        rollout_id = store.open("task", group_id)
+        store.append(_turn(rollout_id, [1, 2, i % 100], [3, 4]))
+        store.finish(rollout_id, reward=float(i))
+        ids.append(rollout_id)
+    return ids
+
+
+def test_a_rollout_round_trips_exactly(make_store) -> None:
+    store = make_store()
+    rollout_id = store.open("arithmetic", "group-7", {"seed": 3, "tags": ["a"]})
+    first = _turn(rollout_id, [5, 6, 7], [8, 9, 1], version=2)
+    second = Turn(rollout_id, [5, 6, 7, 8, 9, 1, 10], [11], [math.nextafter(-1.0, 0.0)], [3], finish_reason="length")
+    assert (store.append(first), store.append(second)) == (0, 1)
+    assert store.get(rollout_id).status == "running"
+    store.finish(rollout_id, reward=0.75, status="ok", metrics={"steps": 2, "passed": True})
+
+    got = store.get(rollout_id)
+    assert (got.task, got.group_id, got.metadata) == ("arithmetic", "group-7", {"seed": 3, "tags": ["a"]})
+    assert (got.status, got.reward, got.metrics) == ("ok", 0.75, {"steps": 2, "passed": True})
+    assert got.created_at <= got.finished_at
+    assert [t.index for t in got.turns] == [0, 1]
+    assert got.turns[0].logprobs == first.logprobs  # float equality: bit for bit
+    assert got.turns[1].logprobs == [math.nextafter(-1.0, 0.0)]
+    assert got.turns[1].prompt_token_ids == [5, 6, 7, 8, 9, 1, 10]
+    assert (got.turns[1].versions, got.turns[1].finish_reason) == ([3], "length")
+    assert got.turns[0].engine_id == "e0" and got.turns[0].created_at > 0
+
+
+def test_closed_and_unknown_rollouts_are_refused(make_store) -> None:
+    store = make_store()
+    with pytest.raises(UnknownRollout, match="no rollout 'nope'"):
+        store.append(_turn("nope", [1], [2]))
+    with pytest.raises(UnknownRollout):
+        store.finish("nope", 1.0)
+    with pytest.raises(UnknownRollout):
+        store.get("nope")
+
+    aborted = store.open("t")
+    store.abort(aborted, reason="client went away")
+    with pytest.raises(RolloutClosed, match="is aborted; cannot append a turn"):
+        store.append(_turn(aborted, [1], [2]))
+    with pytest.raises(RolloutClosed, match="is aborted; cannot finish"):
+        store.finish(aborted, 1.0)
+    assert (store.get(aborted).reward, store.get(aborted).reason) == (None, "client went away")
+
+    done = store.open("t")
+    store.finish(done, 0.0, status="env_crash")
+    with pytest.raises(RolloutClosed, match="is env_crash; cannot abort"):
+        store.abort(done)
+    with pytest.raises(RolloutClosed):
+        store.append(_turn(done, [1], [2]))
+
+    running = store.open("t", rollout_id="fixed-id")
+    assert running == "fixed-id"
+    with pytest.raises(StoreError, match="already in use"):
+        store.open("t", rollout_id="fixed-id")
+    with pytest.raises(StoreError, match="use abort"):
+        store.finish(running, 1.0, status="aborted")
+    with pytest.raises(StoreError, match="finite"):
+        store.finish(running, float("nan"))
+    with pytest.raises(StoreError, match="turn 0"):
+        store.append(Turn(running, [1], [2], [0.0], [0], index=4))
+    assert store.get(running).status == "running"
+
+
+def test_turns_must_be_aligned() -> None:
+    with pytest.raises(ValueError, match="2 completion tokens but 1 log-probs"):
+        Turn("r", [1], [2, 3], [0.0], [0, 0])
+
+
+def test_hand_off_survives_a_consumer_crash_without_loss_or_duplicates(make_store) -> None:
+    timeout = 0.5
+    producer = make_store(timeout)
+    ids = _finished(producer, 240)
+    aborted = [producer.open("task", "g") for _ in range(60)]
+    for rollout_id in aborted:
+        producer.abort(rollout_id)
+    everything = set(ids) | set(aborted)
+
+    # Consumer "a" claims, never acks, and dies with its connection.
+    crashed = make_store(timeout)
+    lost_lease = [t.rollout_id for t in crashed.claim("a", 120)]
+    assert len(lost_lease) == 120
+    crashed.close()
+
+    # A restarted learner gets everything else at once, and the dead consumer's leases only after the timeout.
+    learner = make_store(timeout)
+    started = time.monotonic()
+    delivered = []
+    while len(delivered) < len(everything):
+        batch = learner.claim("b", 50, block_s=0.2)
+        assert learner.ack("b", [t.rollout_id for t in batch]) == len(batch)
+        if time.monotonic() - started < timeout * 0.8:
+            assert not set(t.rollout_id for t in batch) & set(lost_lease), "a lease was handed out before its timeout"
+        delivered += batch
+        assert time.monotonic() - started < 30, "the dead consumer's leases never came back"
+
+    delivered_ids = [t.rollout_id for t in delivered]
+    assert len(delivered_ids) == len(set(delivered_ids)) == len(everything)
+    assert set(delivered_ids) == everything
+    assert {t.status for t in delivered if t.rollout_id in set(aborted)} == {"aborted"}
+    assert all(t.turns and t.reward is not None for t in delivered if t.rollout_id in set(ids))
+    assert learner.claim("b", 50) == []
+    # The dead consumer's late ack counts for nothing: its leases went to "b".
+    assert make_store(timeout).ack("a", lost_lease) == 0
+    counts = learner.counts()
+    assert (counts["acked"], counts["pending"], counts["claimed"]) == (300, 0, 0)
+    assert (counts["ok"], counts["aborted"], counts["running"]) == (240, 60, 0)
+
+
+def test_acked_work_is_never_handed_out_again(make_store) -> None:
+    store = make_store(0.05)
+    ids = _finished(store, 5)
+    claimed = store.claim("c", 3)
+    assert [t.rollout_id for t in claimed] == ids[:3]  # oldest first
+    assert store.ack("c", ids[:3]) == 3
+    assert store.ack("c", ids[:3]) == 0
+    time.sleep(0.1)
+    assert [t.rollout_id for t in store.claim("d", 10)] == ids[3:]
+    counts = store.counts()
+    assert (counts["acked"], counts["claimed"], counts["pending"]) == (3, 2, 0)
+
+
+def test_claim_waits_for_the_next_finished_rollout(make_store) -> None:
+    store = make_store()
+    assert store.claim("c", 4) == []
+    rollout_id = store.open("t")
+    finisher = threading.Timer(0.2, store.finish, args=(rollout_id, 1.0))
+    finisher.start()
+    try:
+        got = store.claim("c", 4, block_s=10.0)
+    finally:
+        finisher.join()
+    assert [t.rollout_id for t in got] == [rollout_id]
+
+
+def test_list_filters_and_pages_in_opening_order(make_store) -> None:
+    store = make_store()
+    ids = [store.open("t", group_id=f"g{i % 2}") for i in range(7)]
+    store.finish(ids[1], 1.0)
+    store.finish(ids[4], 0.0, status="timeout")
+    store.abort(ids[5])
+    assert [t.rollout_id for t in store.list()] == ids
+    assert [t.rollout_id for t in store.list(limit=3, offset=2)] == ids[2:5]
+    assert [t.rollout_id for t in store.list(group_id="g1")] == ids[1::2]
+    assert [t.rollout_id for t in store.list(status="running", limit=2, offset=1)] == [ids[2], ids[3]]
+    assert [t.rollout_id for t in store.list(status="timeout")] == [ids[4]]
+    assert store.list(limit=0) == []
+    counts = store.counts()
+    assert set(counts) == set(COUNT_KEYS)
+    assert counts == {**dict.fromkeys(COUNT_KEYS, 0), "running": 4, "ok": 1, "timeout": 1, "aborted": 1, "pending": 3}
+
+
+def test_concurrent_writers_keep_every_turn_in_order(make_store) -> None:
+    store = make_store()
+    shared = store.open("t")
+    errors: list[BaseException] = []
+
+    def writer(worker: int) -> None:
+        try:
+            for i in range(10):
+                own = store.open("t", metadata={"worker": worker})
+                for step in range(4):
+                    store.append(_turn(own, [worker, i, step], [step]))
+                    store.append(_turn(shared, [worker], [i, step]))
+                store.finish(own, reward=float(worker))
+        except BaseException as error:  # surfaced below: a thread's exception would vanish otherwise
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+
+    turns = store.get(shared).turns
+    assert [t.index for t in turns] == list(range(6 * 10 * 4))
+    assert sorted((t.prompt_token_ids[0], *t.completion_token_ids) for t in turns) == sorted(
+        (w, i, s) for w in range(6) for i in range(10) for s in range(4)
+    )
+    finished = store.list(status="ok")
+    assert len(finished) == 60
+    for trajectory in finished:
+        worker = trajectory.metadata["worker"]
+        assert trajectory.reward == worker
+        assert [t.prompt_token_ids[2] for t in trajectory.turns] == [0, 1, 2, 3]
+        assert {t.prompt_token_ids[0] for t in trajectory.turns} == {worker}
+
+
+_WRITER = """
+import sys
+from asyncrl.gateway.records import Turn
+from asyncrl.gateway.store import open_store
+store = open_store(sys.argv[1])
+for i in range(40):
+    rollout_id = store.open("t", metadata={"process": sys.argv[2]})
+    for step in range(3):
+        store.append(Turn(rollout_id, [step], [i], [-0.5], [0]))
+    store.finish(rollout_id, 1.0)
+"""
+
+
+def test_sqlite_is_safe_across_processes(tmp_path) -> None:
+    path = tmp_path / "run.db"
+    SQLiteStore(path).close()
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(p)]) for p in range(3)]
+    assert [w.wait(timeout=120) for w in writers] == [0, 0, 0]
+    store = SQLiteStore(path)
+    done = store.list(status="ok")
+    assert len(done) == 120
+    assert all([t.index for t in d.turns] == [0, 1, 2] for d in done)
+    assert store.counts()["pending"] == 120
+
+
+def test_open_store_picks_the_backend(tmp_path) -> None:
+    in_dir = open_store(tmp_path)
+    assert isinstance(in_dir, SQLiteStore) and in_dir.path == tmp_path / "trajectories.db"
+    by_url = open_store(f"sqlite:///{tmp_path / 'other.db'}")
+    assert by_url.path == tmp_path / "other.db"
+    assert isinstance(in_dir, TrajectoryStore)
+    in_dir.close()
+    by_url.close()
+    with pytest.raises(StoreError, match="closed"):
+        in_dir.open("t")
