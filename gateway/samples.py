@@ -1,0 +1,86 @@
+"""From a completed trajectory to the samples the learner trains on.
+
+A multi-turn rollout is one token sequence as long as every turn's prompt starts with the exact
+tokens of what came before (earlier prompt plus sampled completion, bit for bit): the new tokens
+between two completions are the environment's (tool results, user messages) and are masked out.
+When a prompt does not extend any earlier sequence, the agent rewrote its context (dropped or edited
+messages, retried a turn): the trajectory forks, the turn starts a new sample, and every sample
+shares the trajectory's reward. A later turn continues whichever earlier sequence it extends, so an
+agent that alternates between two contexts yields two samples, not one per turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .records import Trajectory
+
+UNSAMPLED_VERSION = -1
+"""Version recorded for tokens the policy did not sample (prompt, tool and environment tokens)."""
+
+
+@dataclass
+class Sample:
+    """One token sequence for the learner, every list aligned with `token_ids`."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    """1 exactly on tokens the policy sampled; 0 on prompt, tool and environment tokens."""
+    logprobs: list[float]
+    """Rollout log-prob of each sampled token; 0.0 where the mask is 0."""
+    versions: list[int]
+    """Policy version of each sampled token; UNSAMPLED_VERSION where the mask is 0."""
+    reward: float
+    group_id: str
+    rollout_id: str
+    status: str
+    task: str = ""
+    branch: int = 0
+    """Which fork of its trajectory this is (0 for the first); forks share the reward."""
+    turn_indices: list[int] = field(default_factory=list)
+    """The trajectory's turns merged into this sample, in order."""
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The staleness rule's input: the oldest policy version among sampled tokens (None if none)."""
+        sampled = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(sampled) if sampled else None
+
+
+def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
+    """The samples of a finished trajectory, one per fork, in the order the forks began.
+
+    An aborted trajectory has nothing to train on and gives none; a running one is an error.
+    """
+    if trajectory.status == "aborted":
+        return []
+    if trajectory.status == "running" or trajectory.reward is None:
+        raise ValueError(f"rollout {trajectory.rollout_id!r} is not finished (status {trajectory.status}); no samples yet")
+    samples: list[Sample] = []
+    for turn in trajectory.turns:
+        prompt = turn.prompt_token_ids
+        sample = _longest_extended(samples, prompt)
+        if sample is None:
+            sample = Sample(
+                token_ids=[], loss_mask=[], logprobs=[], versions=[],
+                reward=trajectory.reward, group_id=trajectory.group_id, rollout_id=trajectory.rollout_id,
+                status=trajectory.status, task=trajectory.task, branch=len(samples),
+            )  # fmt: skip
+            samples.append(sample)
+        unsampled = len(prompt) - len(sample.token_ids)
+        sample.token_ids += prompt[len(sample.token_ids) :] + turn.completion_token_ids
+        sample.loss_mask += [0] * unsampled + [1] * len(turn.completion_token_ids)
+        sample.logprobs += [0.0] * unsampled + turn.logprobs
+        sample.versions += [UNSAMPLED_VERSION] * unsampled + turn.versions
+        sample.turn_indices.append(turn.index)
+    return samples
+
+
+def _longest_extended(samples: list[Sample], prompt: list[int]) -> Sample | None:
+    """The sample whose tokens are the longest exact prefix of `prompt`; the latest one on a tie."""
+    best = None
+    for sample in samples:
+        n = len(sample.token_ids)
+        if n <= len(prompt) and prompt[:n] == sample.token_ids and (best is None or n >= len(best.token_ids)):
+            best = sample
+    return best
