@@ -1,0 +1,56 @@
+"""Export of a run's trajectories to JSONL and Parquet, and reading them back unchanged."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+
+from asyncrl.gateway.export import export_trajectories, read_trajectories
+from asyncrl.gateway.records import Turn
+from asyncrl.gateway.store import open_store
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = open_store(tmp_path / "run.db")
+    done = store.open("arithmetic", "g0", {"problem": "2+2", "nested": {"k": [1, None]}})
+    store.append(Turn(done, [1, 2], [3, 4], [-math.pi, math.nextafter(0.0, -1.0)], [0, 1], timings={"total": 0.25}))
+    store.append(Turn(done, [1, 2, 3, 4, 9], [5], [-1e-300], [2], finish_reason="length", engine_id="e1"))
+    store.finish(done, 1.0, metrics={"tool_calls": 1})
+    store.abort(store.open("arithmetic", "g0"), reason="timeout in client")
+    store.open("other", "g1")  # still running: exported as it stands
+    yield store
+    store.close()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_export_round_trips_exactly(store, tmp_path, suffix) -> None:
+    if suffix == ".parquet":
+        pytest.importorskip("pyarrow", reason="Parquet export needs pyarrow")
+    path = tmp_path / "out" / f"trajectories{suffix}"
+    assert export_trajectories(store, path) == 3
+    assert read_trajectories(path) == store.list()
+    assert not list(path.parent.glob("*.partial"))
+
+
+def test_export_filters_by_status(store, tmp_path) -> None:
+    path = tmp_path / "ok.jsonl"
+    assert export_trajectories(store, path, status="ok") == 1
+    (only,) = read_trajectories(path)
+    assert (only.status, len(only.turns), only.turns[1].logprobs) == ("ok", 2, [-1e-300])
+
+
+def test_parquet_without_pyarrow_is_a_clear_error(store, tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` fail like a missing package
+    path = tmp_path / "t.parquet"
+    with pytest.raises(ImportError, match="pip install pyarrow.*jsonl"):
+        export_trajectories(store, path)
+    assert not path.exists() and not list(tmp_path.glob("*.partial"))
+
+
+def test_an_unknown_format_is_refused(store, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"\.jsonl or \.parquet"):
+        export_trajectories(store, tmp_path / "t.csv")
+    assert export_trajectories(store, tmp_path / "t.data", format="jsonl") == 3
