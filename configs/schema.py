@@ -183,6 +183,25 @@ class RolloutConfig(Section):
     """Default sampling options."""
 
 
+class StoreConfig(Section):
+    """The trajectory store between the gateway and the learner."""
+
+    type: Literal["sqlite", "redis"] = "sqlite"
+    """Backend: an embedded SQLite file (one machine) or a Redis server (many machines)."""
+    path: str | None = None
+    """SQLite file; None means <run directory>/trajectories.db."""
+    url: str = "redis://127.0.0.1:6379/0"
+    """Redis server address (type=redis)."""
+    namespace: str | None = None
+    """Redis key prefix; None means the run name."""
+    visibility_timeout_s: float = Field(300.0, gt=0)
+    """How long a claimed, unacknowledged trajectory stays with its consumer before it is handed out again."""
+    claim_block_s: float = Field(1.0, ge=0)
+    """How long one learner claim waits for completed trajectories."""
+    claim_batch: int = Field(64, ge=1)
+    """Most trajectories one claim takes."""
+
+
 class EvalConfig(Section):
     """Held-out evaluation (greedy exact match)."""
 
@@ -220,5 +239,6 @@ class RunConfig(Section):
     tasks: TasksConfig = TasksConfig()
     sft: SFTConfig = SFTConfig()
     rollout: RolloutConfig = RolloutConfig()
+    store: StoreConfig = StoreConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
