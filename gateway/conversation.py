@@ -1,0 +1,183 @@
+"""Token-exact multi-turn: the prompt of every turn starts with the exact tokens of the turns before.
+
+A `Conversation` (one per rollout) keeps branches. A branch holds the exact token IDs so far, the
+rendered prompts and the sampled completions bit for bit, and the (normalised) messages they stand
+for, with a mark at every turn boundary: `marks[n] = t` means the first n messages are exactly the
+first t tokens.
+
+For a request with messages M, the longest recorded prefix of M that ends on a mark is reused as
+tokens, and only the rest of M is rendered. The suffix is never tokenized together with earlier
+text: the template renders M[:k] and M, the full text must start with the prefix text, and only the
+difference is tokenized (exact for the char-level tokenizer, and never re-tokenizes earlier turns
+for a BPE one). When the agent rewrote its context, the request's prefix match ends before the
+branch does and the conversation forks: the new branch keeps the exact tokens of the shared turns.
+Nothing matching (or a template that is not prefix-stable) starts a branch rendered fresh.
+
+Not thread-safe: the gateway calls it from one event loop, and prepare/commit do not await.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .toolcalls import to_template_messages, to_template_tools
+
+MessageKey = tuple[str, str, tuple[tuple[str, str], ...]]
+ForkReason = Literal["fresh", "rewrite", "concurrent", "template"]
+
+
+class ConversationError(ValueError):
+    """A request this conversation refuses (too many branches); the gateway answers it with a 4xx."""
+
+
+def message_key(message: Mapping) -> MessageKey:
+    """What makes two template-form messages the same turn: role, text, tool calls.
+
+    Tool-call ids, names of tool results and argument key order are ignored: agents regenerate ids
+    and re-serialise JSON, and treating those echoes as rewrites would fork every turn.
+    """
+    calls = tuple(
+        (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True, ensure_ascii=False))
+        for c in message.get("tool_calls") or ()
+    )
+    return (message["role"], message.get("content") or "", calls)
+
+
+@dataclass
+class Branch:
+    """One line of the conversation. Sample assembly decides forks from the tokens themselves; the
+    branch id is a label for records and replay."""
+
+    id: int
+    token_ids: list[int]
+    messages: list[MessageKey]
+    marks: dict[int, int]
+    """message count -> token count at each turn boundary (after a sampled assistant message)."""
+    tools_key: str
+    parent: int | None = None
+    fork_reason: ForkReason = "fresh"
+    turns: int = 0
+    """Turns committed on this branch itself (turns inherited from the parent not counted)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare` decided; unpacks as `branch_id, prompt_token_ids, turn_index`."""
+
+    branch_id: int
+    """The branch this turn extends, or (for a new branch) the id `commit` will most likely give it."""
+    prompt_token_ids: list[int]
+    turn_index: int
+    """Unique per call within the conversation, in call order (failed calls leave gaps)."""
+    reused_tokens: int
+    """Leading prompt tokens taken verbatim from earlier turns."""
+    _source: int | None = field(repr=False)
+    _base_messages: int = field(repr=False)
+    _messages: tuple[MessageKey, ...] = field(repr=False)
+    _tools_key: str = field(repr=False)
+    _fork_reason: ForkReason = field(repr=False)
+
+    def __iter__(self):
+        return iter((self.branch_id, self.prompt_token_ids, self.turn_index))
+
+
+class Conversation:
+    """The token-exact state of one rollout. `tokenizer`: a Hugging Face tokenizer with a chat template."""
+
+    def __init__(self, tokenizer: Any, *, max_branches: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_branches = max_branches
+        self._branches: dict[int, Branch] = {}
+        self._next_branch = 0
+        self._calls = 0
+
+    @property
+    def branches(self) -> list[Branch]:
+        return list(self._branches.values())
+
+    def branch(self, branch_id: int) -> Branch:
+        return self._branches[branch_id]
+
+    def prepare(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None) -> Prepared:
+        """The exact prompt token IDs for a chat request (OpenAI messages and tools).
+
+        Raises `toolcalls.MessageError` for messages it cannot render and `ConversationError` when a
+        new branch would exceed `max_branches`.
+        """
+        msgs, tool_defs = to_template_messages(messages), to_template_tools(tools)
+        keys = tuple(message_key(m) for m in msgs)
+        tools_key = json.dumps(tool_defs, sort_keys=True, ensure_ascii=False)
+        full = self._render(msgs, tool_defs, generation_prompt=True)
+        source, k = self._longest_match(keys, tools_key)
+        reason: ForkReason = "fresh" if not self._branches else "rewrite"
+        if source is not None:
+            prefix = self._render(msgs[:k], tool_defs, generation_prompt=False)
+            if full.startswith(prefix):
+                base = source.token_ids[: source.marks[k]]
+                prompt = base + self._encode(full[len(prefix) :])
+                target = source.id if k == len(source.messages) else None  # None: a fork at mark k
+                return self._prepared(target, prompt, len(base), source.id, k, keys, tools_key, reason)
+            reason = "template"  # the template rewrites earlier turns (e.g. drops old reasoning)
+        return self._prepared(None, self._encode(full), 0, None, 0, keys, tools_key, reason)
+
+    def commit(self, prepared: Prepared, completion_token_ids: Sequence[int], assistant_message: Mapping) -> int:
+        """Record a finished turn: its completion tokens and the assistant message the gateway returned
+        (what the agent will echo back). Returns the branch id the turn landed on.
+        """
+        (assistant,) = to_template_messages([assistant_message])
+        messages = list(prepared._messages) + [message_key(assistant)]
+        tokens = list(prepared.prompt_token_ids) + list(completion_token_ids)
+        source = self._branches.get(prepared._source) if prepared._source is not None else None
+        # Every commit adds a message, so an unchanged length means nobody extended the branch meanwhile.
+        if source is not None and prepared._base_messages == len(source.messages):
+            target = source
+        else:
+            reason = prepared._fork_reason if prepared.branch_id != getattr(source, "id", None) else "concurrent"
+            inherited = {n: t for n, t in source.marks.items() if n <= prepared._base_messages} if source else {}
+            target = Branch(self._next_branch, [], [], inherited, prepared._tools_key, prepared._source, reason)
+            self._branches[target.id] = target
+            self._next_branch += 1
+        target.token_ids, target.messages = tokens, messages
+        target.marks[len(messages)] = len(tokens)
+        target.turns += 1
+        return target.id
+
+    def _longest_match(self, keys: tuple[MessageKey, ...], tools_key: str) -> tuple[Branch | None, int]:
+        """The branch and mark k with M[:k] recorded on it, k as large as possible; extending a branch
+        beats forking one at the same k, then the oldest branch wins (deterministic)."""
+        best, best_rank = None, (0, False)
+        for branch in self._branches.values():
+            if branch.tools_key != tools_key:
+                continue
+            common = 0
+            for recorded, wanted in zip(branch.messages, keys):
+                if recorded != wanted:
+                    break
+                common += 1
+            k = max((n for n in branch.marks if n <= common), default=0)
+            rank = (k, k == len(branch.messages))
+            if k and rank > best_rank:
+                best, best_rank = branch, rank
+        return best, best_rank[0]
+
+    def _prepared(self, branch_id, prompt, reused, source, base_messages, keys, tools_key, reason) -> Prepared:
+        if branch_id is None and self.max_branches is not None and len(self._branches) >= self.max_branches:
+            raise ConversationError(
+                f"this rollout already has {len(self._branches)} branches (max_branches); "
+                "rewriting earlier messages starts a new one"
+            )
+        self._calls += 1
+        next_id = self._next_branch if branch_id is None else branch_id
+        return Prepared(next_id, prompt, self._calls - 1, reused, source, base_messages, keys, tools_key, reason)
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        # The template writes its own special tokens (BOS included, where a model has one) as text.
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []

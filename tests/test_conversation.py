@@ -1,0 +1,201 @@
+"""Token-exact multi-turn: prompts reuse earlier turns bit for bit; rewrites fork, both branches kept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncrl.gateway.conversation import Conversation, ConversationError
+from asyncrl.gateway.toolcalls import parse_completion, to_template_messages
+from asyncrl.policy.tokenizer import EOS, build_tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object", "properties": {}}}}]
+SYSTEM = {"role": "system", "content": "You can run python."}
+USER = {"role": "user", "content": "123*456"}
+
+
+class RecordingTokenizer:
+    """The real tokenizer, remembering every text it was asked to encode."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer, self.encoded = tokenizer, []
+
+    def encode(self, text, **kwargs):
+        self.encoded.append(text)
+        return self._tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@pytest.fixture(scope="module")
+def base_tok():
+    return build_tokenizer()
+
+
+@pytest.fixture
+def tok(base_tok):
+    return RecordingTokenizer(base_tok)
+
+
+def chars(tok, text: str) -> list[int]:
+    """Token ids one character at a time: what a model sampling markup as plain characters produces."""
+    return [tok.convert_tokens_to_ids(c) for c in text]
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def sample(tok, text: str):
+    """(completion token ids, the assistant message the gateway returns for them)."""
+    ids = encode(tok, text)
+    return ids, parse_completion(ids, tok, TOOLS).message()
+
+
+def tool_turn(tok, conv, messages, answer="56088"):
+    """One tool-call turn: prepare, 'sample', commit; returns messages extended as an agent would."""
+    prepared = conv.prepare(messages, TOOLS)
+    ids, returned = sample(tok, "<tool_call>python<arg_key> code </arg_key><arg_value>print(123*456)</arg_value></tool_call>" + EOS)
+    conv.commit(prepared, ids, returned)
+    return prepared, messages + [json.loads(json.dumps(returned)), {"role": "tool", "tool_call_id": "x", "content": answer}]
+
+
+def test_first_turn_is_the_rendered_prompt(tok) -> None:
+    conv = Conversation(tok)
+    branch_id, prompt, turn = conv.prepare([SYSTEM, USER], TOOLS)
+    expected = tok.apply_chat_template([SYSTEM, USER], tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert (branch_id, turn) == (0, 0)
+    assert prompt == encode(tok, expected)
+    assert conv.branches == []  # nothing is recorded until a turn is committed
+
+
+def test_next_turn_starts_with_the_exact_sampled_tokens(tok) -> None:
+    conv = Conversation(tok)
+    first, messages = tool_turn(tok, conv, [SYSTEM, USER])
+    tok.encoded.clear()
+    second = conv.prepare(messages, TOOLS)
+    completion = encode(tok, "<tool_call>python<arg_key> code </arg_key><arg_value>print(123*456)</arg_value></tool_call>" + EOS)
+    suffix = "<|observation|><tool_response>56088</tool_response><|assistant|>"
+    # The model wrote " code " with spaces; a re-render would say "code". The prompt keeps what it saw.
+    assert second.prompt_token_ids == first.prompt_token_ids + completion + encode(tok, suffix)
+    assert (second.branch_id, second.turn_index, second.reused_tokens) == (0, 1, len(first.prompt_token_ids) + len(completion))
+    assert tok.encoded[-1:] == [suffix]  # only the new messages were tokenized
+
+
+def test_completion_tokens_are_kept_even_when_text_would_tokenize_differently(tok) -> None:
+    conv = Conversation(tok)
+    prepared = conv.prepare([USER])
+    # Markup spelled in characters is plain content; encoding its text would give the special token.
+    completion = chars(tok, "<tool_call>") + [tok.eos_token_id]
+    returned = parse_completion(completion, tok).message()
+    assert returned == {"role": "assistant", "content": "<tool_call>"}
+    conv.commit(prepared, completion, returned)
+    follow_up = [USER, returned, {"role": "user", "content": "again"}]
+    _, prompt, _ = conv.prepare(follow_up)
+    assert prompt[: len(prepared.prompt_token_ids) + len(completion)] == prepared.prompt_token_ids + completion
+    fresh = encode(tok, tok.apply_chat_template(follow_up, tokenize=False, add_generation_prompt=True))
+    assert prompt != fresh and len(prompt) > len(fresh)
+
+
+def test_echo_variations_do_not_fork(tok) -> None:
+    conv = Conversation(tok)
+    prepared = conv.prepare([USER], TOOLS)
+    call_text = "<tool_call>python<arg_key>b</arg_key><arg_value>2</arg_value><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"
+    ids, returned = sample(tok, "Ok." + call_text + EOS)
+    conv.commit(prepared, ids, returned)
+    call = returned["tool_calls"][0]
+    echoed = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Ok."}],
+        "tool_calls": [{"id": "other-id", "type": "function", "function": {"name": "python", "arguments": '{"a":"1",  "b":"2"}'}}],
+    }
+    assert call["id"] != "other-id"
+    branch_id, prompt, _ = conv.prepare([USER, echoed, {"role": "tool", "content": "3"}], TOOLS)
+    assert branch_id == 0 and prompt[: len(prepared.prompt_token_ids) + len(ids)] == prepared.prompt_token_ids + ids
+
+
+def test_edited_history_forks_fresh_and_keeps_both_branches(tok) -> None:
+    conv = Conversation(tok)
+    _, messages = tool_turn(tok, conv, [SYSTEM, USER])
+    before = list(conv.branch(0).token_ids)
+    edited = [SYSTEM, {"role": "user", "content": "123*457"}] + messages[2:]
+    prepared = conv.prepare(edited, TOOLS)
+    assert prepared.reused_tokens == 0 and prepared.branch_id == 1
+    # Fresh means the template renders the (converted) messages: the tool call as markup again.
+    rendered = tok.apply_chat_template(to_template_messages(edited), tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "<tool_call>python<arg_key>code</arg_key>" in rendered
+    assert prepared.prompt_token_ids == encode(tok, rendered)
+    assert conv.commit(prepared, encode(tok, "x" + EOS), {"role": "assistant", "content": "x"}) == 1
+    assert [b.id for b in conv.branches] == [0, 1]
+    assert conv.branch(0).token_ids == before
+    assert (conv.branch(1).parent, conv.branch(1).fork_reason) == (None, "rewrite")
+
+
+def test_dropped_turns_fork_from_the_last_shared_turn(tok) -> None:
+    conv = Conversation(tok)
+    first, turn2 = tool_turn(tok, conv, [SYSTEM, USER])
+    second, turn3 = tool_turn(tok, conv, turn2, answer="0")
+    shared = conv.branch(0).marks[len(turn2) - 1]  # tokens through the first assistant message
+    # The agent throws away the second turn and retries it with another tool result.
+    retry = turn2[:-1] + [{"role": "tool", "content": "56088!"}]
+    prepared = conv.prepare(retry, TOOLS)
+    assert prepared.branch_id == 1 and prepared.reused_tokens == shared
+    assert prepared.prompt_token_ids[:shared] == conv.branch(0).token_ids[:shared]
+    assert conv.commit(prepared, encode(tok, "1" + EOS), {"role": "assistant", "content": "1"}) == 1
+    fork = conv.branch(1)
+    assert (fork.parent, fork.fork_reason, fork.turns) == (0, "rewrite", 1)
+    assert fork.marks[len(turn2) - 1] == shared
+    # The original line goes on as before.
+    assert conv.prepare(turn3, TOOLS).branch_id == 0
+
+
+def test_concurrent_turns_on_one_branch_fork_at_commit(tok) -> None:
+    conv = Conversation(tok)
+    _, messages = tool_turn(tok, conv, [USER])
+    a, b = conv.prepare(messages, TOOLS), conv.prepare(messages, TOOLS)
+    assert a.branch_id == b.branch_id == 0 and a.prompt_token_ids == b.prompt_token_ids
+    assert (a.turn_index, b.turn_index) == (1, 2)
+    assert conv.commit(a, encode(tok, "A" + EOS), {"role": "assistant", "content": "A"}) == 0
+    assert conv.commit(b, encode(tok, "B" + EOS), {"role": "assistant", "content": "B"}) == 1
+    assert (conv.branch(1).parent, conv.branch(1).fork_reason) == (0, "concurrent")
+    assert conv.branch(0).token_ids[-2:] == encode(tok, "A" + EOS)
+    assert conv.branch(1).token_ids[-2:] == encode(tok, "B" + EOS)
+    assert conv.branch(1).token_ids[:-2] == conv.branch(0).token_ids[:-2]
+
+
+def test_an_abandoned_call_leaves_no_trace(tok) -> None:
+    conv = Conversation(tok)
+    _, messages = tool_turn(tok, conv, [USER])
+    failed = conv.prepare(messages, TOOLS)  # the engine died; never committed
+    retried = conv.prepare(messages, TOOLS)
+    assert retried.prompt_token_ids == failed.prompt_token_ids and retried.branch_id == 0
+    assert len(conv.branches) == 1 and conv.branch(0).turns == 1
+
+
+def test_changed_tools_start_a_new_branch(tok) -> None:
+    conv = Conversation(tok)
+    _, messages = tool_turn(tok, conv, [USER])
+    prepared = conv.prepare(messages, None)
+    assert prepared.reused_tokens == 0 and prepared.branch_id == 1
+
+
+def test_template_that_rewrites_history_starts_fresh(base_tok) -> None:
+    tok = build_tokenizer()
+    tok.chat_template = "{{ messages | length }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    conv = Conversation(tok)
+    prepared = conv.prepare([USER])
+    conv.commit(prepared, encode(tok, "ok"), {"role": "assistant", "content": "ok"})
+    again = conv.prepare([USER, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
+    assert again.reused_tokens == 0 and again.prompt_token_ids == encode(tok, "3123*456okmore")
+    conv.commit(again, [], {"role": "assistant", "content": ""})
+    assert conv.branch(again.branch_id).fork_reason == "template"
+
+
+def test_max_branches(tok) -> None:
+    conv = Conversation(tok, max_branches=1)
+    _, messages = tool_turn(tok, conv, [USER])
+    conv.prepare(messages, TOOLS)  # extending is always allowed
+    with pytest.raises(ConversationError, match="max_branches"):
+        conv.prepare([{"role": "user", "content": "something else"}], TOOLS)
