@@ -1,0 +1,9 @@
+"""Rollout engines: token IDs in, sampled token IDs with log-probs and policy versions out.
+
+`EmbeddedEngine` is the in-process torch engine; `asyncrl.rollout.worker` wraps engines in Ray actors.
+"""
+
+from .engine import EmbeddedEngine
+from .types import Engine, GenerationResult, RequestError, SamplingParams
+
+__all__ = ["EmbeddedEngine", "Engine", "GenerationResult", "RequestError", "SamplingParams"]

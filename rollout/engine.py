@@ -1,0 +1,372 @@
+"""The embedded rollout engine: continuous batching over a native forward pass and a slot KV cache.
+
+`step()` is the whole engine, synchronous and readable: schedule (admit waiting requests into free
+slots, or decode everything running), execute (one forward, one sampling call), update (append
+tokens, finish requests, release slots). A background thread calls `step()` while there is work,
+and `async generate()` hands requests to it; weight updates are applied at the start of a step,
+so in-flight requests carry on and their later tokens carry the new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from asyncrl.configs.schema import RolloutConfig
+
+from .kv_cache import ForwardBatch, KVCache, SlotManager
+from .models import build_model
+from .sampler import sample
+from .types import FinishReason, GenerationResult, RequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_PREFILL_TOKENS = 8192
+"""Padded prompt tokens (rows x longest suffix) admitted into one prefill step; bounds its memory."""
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    session_id: str | None
+    stop_ids: frozenset[int]
+    rng: random.Random
+    on_finish: Callable[[GenerationResult], None] | None
+    submitted: float = field(default_factory=time.perf_counter)
+    scheduled: float = 0.0
+    first_token: float = 0.0
+    slot: int = -1
+    computed: int = 0  # leading tokens of prompt + output whose KV is in the slot
+    cached_prompt_tokens: int = 0
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def pending_tokens(self) -> list[int]:
+        """Tokens the next forward must feed: the uncached prompt suffix, or the last sampled token."""
+        if self.output:
+            return self.output[self.computed - len(self.prompt) :]
+        return self.prompt[self.computed :]
+
+
+class EmbeddedEngine:
+    """Implements the `Engine` protocol in-process on CPU or one GPU, for `glm_moe_dsa` and `qwen3`."""
+
+    def __init__(
+        self,
+        model,
+        config: RolloutConfig | None = None,
+        *,
+        engine_id: str = "embedded",
+        version: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """`model`: a transformers causal LM in memory, or a directory `from_pretrained` can load."""
+        self.config = config = config or RolloutConfig()
+        torch.set_num_threads(config.torch_threads)
+        if isinstance(model, (str, Path)):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+        hf_config = model.config
+        self.engine_id = engine_id
+        self.device = torch.device(
+            "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
+        )
+        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        if self.max_model_len > hf_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{hf_config.max_position_embeddings}"
+            )
+        self.model = build_model(
+            hf_config, model.state_dict(), max_len=self.max_model_len, dtype=dtype, device=self.device
+        )
+        self.vocab_size = hf_config.vocab_size
+        eos = hf_config.eos_token_id
+        self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.slots = SlotManager(config.max_num_seqs, config.retained_prefixes)
+        self.cache = KVCache(
+            self.model.cache_layout(), self.slots.num_slots, self.max_model_len, dtype=dtype, device=self.device
+        )
+        self.version = version
+        self.generated_tokens = 0
+        self.last_error: str | None = None
+        self._ids = itertools.count()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        # Shared with other threads (submitters, update_weights); everything else is the stepping thread's.
+        self._cv = threading.Condition()
+        self._inbox: deque[_Request] = deque()
+        self._aborts: set[str] = set()
+        self._pending_weights: tuple[dict, int] | None = None
+        self._weights_applied = threading.Event()
+        self._weights_error: Exception | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: RolloutConfig | None = None, **kwargs) -> "EmbeddedEngine":
+        return cls(path, config, **kwargs)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | dict | None = None,
+        *,
+        session_id: str | None = None,
+        on_finish: Callable[[GenerationResult], None] | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Bad input raises RequestError here, and only here."""
+        params = self._sampling_params(sampling)
+        prompt = self._validate_prompt(prompt_token_ids, params)
+        request = _Request(
+            id=f"{self.engine_id}-{next(self._ids)}",
+            prompt=prompt,
+            params=params,
+            session_id=session_id,
+            stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
+            rng=random.Random(params.seed),  # seed None draws from OS entropy
+            on_finish=on_finish,
+        )
+        with self._cv:
+            self._inbox.append(request)
+            self._cv.notify()
+        return request.id
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request early with reason "abort" (at the next step)."""
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify()
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | dict | None = None,
+        *,
+        session_id: str | None = None,
+    ) -> GenerationResult:
+        """Sample a completion on the background thread; `session_id` enables prefix reuse across turns."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[GenerationResult] = loop.create_future()
+
+        def deliver(result: GenerationResult) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+        request_id = self.add_request(prompt_token_ids, sampling, session_id=session_id, on_finish=deliver)
+        self.start()
+        try:
+            return await done
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+
+    def _sampling_params(self, sampling: SamplingParams | dict | None) -> SamplingParams:
+        if isinstance(sampling, SamplingParams):
+            sampling.validate()
+            return sampling
+        if sampling is None or isinstance(sampling, dict):
+            defaults = self.config.sampling.model_dump()
+            return SamplingParams.from_dict({**defaults, **(sampling or {})})
+        raise RequestError(f"sampling must be SamplingParams, a dict or None, got {type(sampling).__name__}")
+
+    def _validate_prompt(self, prompt_token_ids, params: SamplingParams) -> list[int]:
+        try:
+            prompt = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError) as error:
+            raise RequestError(f"prompt_token_ids must be a list of integers: {error}") from None
+        if not prompt:
+            raise RequestError("prompt_token_ids is empty")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {self.max_model_len}"
+            )
+        return prompt
+
+    # --- weights and status --------------------------------------------------------------------
+
+    def update_weights(self, state_dict: dict, version: int) -> None:
+        """Swap in new weights between two steps; returns once they are in use."""
+        with self._cv:
+            self._pending_weights = (state_dict, version)
+            self._weights_applied.clear()
+            self._cv.notify()
+        while not self._weights_applied.wait(0.05):
+            if self._thread is None or not self._thread.is_alive() or threading.current_thread() is self._thread:
+                self._apply_pending_weights()  # no stepping thread: we are between steps already
+        if self._weights_error is not None:
+            error, self._weights_error = self._weights_error, None
+            raise error
+
+    def _apply_pending_weights(self) -> None:
+        with self._cv:
+            pending, self._pending_weights = self._pending_weights, None
+        if pending is None:
+            return
+        state_dict, version = pending
+        try:
+            self.model.load_state_dict(state_dict)  # builds every tensor before swapping: all or nothing
+        except Exception as error:
+            self._weights_error = error
+        else:
+            self.version = version
+            # Retained prefixes hold KV of the old weights; reusing it would mix policies in one turn.
+            self.slots.drop_retained()
+        self._weights_applied.set()
+
+    def health(self) -> dict:
+        return {
+            "engine_id": self.engine_id,
+            "alive": self._thread is None or self._thread.is_alive(),
+            "version": self.version,
+            "running": len(self._running),
+            "waiting": len(self._waiting) + len(self._inbox),
+            "retained_prefixes": self.slots.num_retained,
+            "generated_tokens": self.generated_tokens,
+            "device": str(self.device),
+            "last_error": self.last_error,
+        }
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting or self._inbox)
+
+    # --- the engine core ------------------------------------------------------------------------
+
+    def step(self) -> list[GenerationResult]:
+        """One engine iteration: schedule -> execute -> update. Returns the requests it finished."""
+        self._apply_pending_weights()
+        finished = self._drain_inbox()
+        batch = self._schedule()
+        if batch:
+            finished += self._execute_and_update(batch)
+        return finished
+
+    def _drain_inbox(self) -> list[GenerationResult]:
+        with self._cv:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts, self._aborts = self._aborts, set()
+        finished = []
+        for request in [r for r in (*self._waiting, *self._running) if r.id in aborts]:
+            finished.append(self._finish(request, "abort"))
+        return finished
+
+    def _schedule(self) -> list[_Request]:
+        """Newly admitted requests (their prefill), else every running request (one decode token)."""
+        admitted: list[_Request] = []
+        longest = 0
+        while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            longest = max(longest, len(request.prompt))
+            if admitted and (len(admitted) + 1) * longest > MAX_PREFILL_TOKENS:
+                break
+            self._waiting.popleft()
+            request.slot, request.computed = self.slots.acquire(request.session_id, request.prompt)
+            request.cached_prompt_tokens = request.computed
+            request.scheduled = time.perf_counter()
+            admitted.append(request)
+        if admitted:
+            self._running = sorted(self._running + admitted, key=lambda r: r.slot)
+            return sorted(admitted, key=lambda r: r.slot)
+        return self._running
+
+    def _execute_and_update(self, batch: list[_Request]) -> list[GenerationResult]:
+        rows = [r.pending_tokens() for r in batch]
+        try:
+            forward = ForwardBatch.build([r.slot for r in batch], rows, [r.computed for r in batch], self.device)
+            logits = self.model.forward(forward, self.cache)
+            tokens, logprobs = sample(logits, [r.params for r in batch], [r.rng for r in batch])
+        except Exception as error:  # a bug or resource failure: fail this batch, keep the engine
+            log.exception("engine step failed")
+            self.last_error = f"{type(error).__name__}: {error}"
+            return [self._finish(r, "error", error=self.last_error) for r in batch]
+        now = time.perf_counter()
+        finished = []
+        for request, row, token, logprob in zip(batch, rows, tokens, logprobs):
+            request.computed += len(row)
+            if not request.output:
+                request.first_token = now
+            request.output.append(token)
+            request.logprobs.append(logprob)
+            request.versions.append(self.version)
+            if token in request.stop_ids:
+                finished.append(self._finish(request, "stop"))
+            elif len(request.output) >= request.params.max_tokens:
+                finished.append(self._finish(request, "length"))
+        self.generated_tokens += len(batch)
+        return finished
+
+    def _finish(self, request: _Request, reason: FinishReason, error: str | None = None) -> GenerationResult:
+        if request in self._running:
+            self._running.remove(request)
+            cached = (request.prompt + request.output)[: request.computed]
+            self.slots.release(request.slot, request.session_id if reason != "error" else None, cached)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        now = time.perf_counter()
+        result = GenerationResult(
+            request_id=request.id,
+            prompt_token_ids=request.prompt,
+            token_ids=request.output,
+            logprobs=request.logprobs,
+            versions=request.versions,
+            finish_reason=reason,
+            engine_id=self.engine_id,
+            cached_prompt_tokens=request.cached_prompt_tokens,
+            timings={
+                "queued": (request.scheduled or now) - request.submitted,
+                "prefill": (request.first_token - request.scheduled) if request.first_token else 0.0,
+                "total": now - request.submitted,
+            },
+            error=error,
+        )
+        if request.on_finish is not None:
+            request.on_finish(result)
+        return result
+
+    # --- the background loop --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background stepping thread (idempotent); `generate` calls it."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name=f"engine-{self.engine_id}", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the background thread after its current step; unfinished requests stay queued."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not (
+                    self._inbox or self._waiting or self._running or self._aborts or self._pending_weights
+                ):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            self.step()

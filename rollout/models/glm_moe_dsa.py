@@ -1,0 +1,222 @@
+"""Native forward of transformers' `glm_moe_dsa` (GLM-5): MLA attention with interleaved RoPE, the DSA
+indexer choosing each query's top-k key positions, and MoE layers (sigmoid router with
+e_score_correction_bias, group-limited choice, one shared expert) after the first dense layers.
+
+Unlike transformers, which caches MLA latents and re-expands them for every past token at every
+step, the cache holds expanded per-head K and V: decode then costs one projection per new token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding, yarn_apply_mscale
+
+from ..kv_cache import CacheLayout, ForwardBatch, KVCache
+from .common import RopeTable, attend, last_tokens, rotate, swiglu, weight_getter
+
+LATENT_NORM_EPS = 1e-6
+"""transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with this eps, not rms_norm_eps."""
+DENSE_EXPERTS_MAX = 32
+"""Up to this many routed experts, every expert runs on every token (two matmuls, unchosen experts
+weighted by exactly 0); beyond it, experts run one by one on the tokens routed to them."""
+
+
+class GlmMoeDsaModel:
+    def __init__(self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device):
+        if config.hidden_act != "silu":
+            raise ValueError(f"glm_moe_dsa: only silu MLPs are supported, got {config.hidden_act!r}")
+        self.config = config
+        self.dtype, self.device = dtype, device
+        self.vocab_size = config.vocab_size
+        self.heads = config.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.q_rank, self.kv_rank = config.q_lora_rank, config.kv_lora_rank
+        self.index_heads, self.index_dim, self.index_topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
+        self.scale = yarn_apply_mscale(config.rope_parameters, (self.nope + self.rope_dim) ** -0.5)
+        self.has_indexer = [kind == "full" for kind in config.indexer_types]
+        if not self.has_indexer[0]:
+            raise ValueError("glm_moe_dsa: the first layer must run its own indexer")
+        self.is_moe = [kind == "sparse" for kind in config.mlp_layer_types]
+        self.rope = RopeTable(GlmMoeDsaRotaryEmbedding(config), max_len, dtype=dtype, device=device)
+        self.load_state_dict(state_dict)
+
+    def cache_layout(self) -> CacheLayout:
+        kv = {"k": (self.heads, self.nope + self.rope_dim), "v": (self.heads, self.v_dim)}
+        return [dict(kv, index_k=(1, self.index_dim)) if full else dict(kv) for full in self.has_indexer]
+
+    # --- weights -------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take transformers-named weights and fuse what reads the same input into one matrix."""
+        get = weight_getter(state_dict, dtype=self.dtype, device=self.device)
+        layers = [self._layer_weights(get, i) for i in range(self.config.num_hidden_layers)]
+        embed = get("model.embed_tokens.weight")
+        tied = self.config.tie_word_embeddings and "lm_head.weight" not in state_dict
+        self.weights = dict(
+            embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=embed if tied else get("lm_head.weight")
+        )
+
+    def _layer_weights(self, get, i: int) -> dict:
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        # Everything that reads the normed layer input is one matmul: q and kv latents, the
+        # indexer's key and its per-head weights.
+        in_proj = [get(a + "q_a_proj.weight"), get(a + "kv_a_proj_with_mqa.weight")]
+        if self.has_indexer[i]:
+            in_proj += [get(a + "indexer.wk.weight"), get(a + "indexer.weights_proj.weight")]
+        in_bias = None
+        if self.config.attention_bias:
+            zeros = in_proj[2:]
+            in_bias = torch.cat(
+                [get(a + "q_a_proj.bias"), get(a + "kv_a_proj_with_mqa.bias")] + [w.new_zeros(w.shape[0]) for w in zeros]
+            )
+        w = dict(
+            ln1=get(p + "input_layernorm.weight"),
+            in_proj=torch.cat(in_proj),
+            in_bias=in_bias,
+            q_norm=get(a + "q_a_layernorm.weight"),
+            q_b=get(a + "q_b_proj.weight"),
+            kv_norm=get(a + "kv_a_layernorm.weight"),
+            kv_b=get(a + "kv_b_proj.weight"),
+            o=get(a + "o_proj.weight"),
+            o_bias=get(a + "o_proj.bias") if self.config.attention_bias else None,
+            ln2=get(p + "post_attention_layernorm.weight"),
+        )
+        if self.has_indexer[i]:
+            w.update(
+                index_q=get(a + "indexer.wq_b.weight"),
+                index_norm_w=get(a + "indexer.k_norm.weight"),
+                index_norm_b=get(a + "indexer.k_norm.bias"),
+            )
+        w.update(self._moe_weights(get, p + "mlp.") if self.is_moe[i] else self._mlp_weights(get, p + "mlp."))
+        return w
+
+    @staticmethod
+    def _mlp_weights(get, p: str) -> dict:
+        return dict(gate_up=torch.cat([get(p + "gate_proj.weight"), get(p + "up_proj.weight")]), down=get(p + "down_proj.weight"))
+
+    def _moe_weights(self, get, p: str) -> dict:
+        gate_up = get(p + "experts.gate_up_proj")  # [E, 2I, H]: gate rows then up rows per expert
+        down = get(p + "experts.down_proj")  # [E, H, I]
+        shared = self._mlp_weights(get, p + "shared_experts.")
+        w = dict(router=get(p + "gate.weight"), router_bias=get(p + "gate.e_score_correction_bias"))
+        if self.experts > DENSE_EXPERTS_MAX:
+            return dict(w, expert_gate_up=gate_up, expert_down=down, shared=shared)
+        experts, inner, hidden = down.shape[0], down.shape[2], down.shape[1]
+        shared_gate, shared_up = shared["gate_up"].chunk(2)
+        # All experts plus the shared one as a single MLP of width M = E*I + I_shared: gate rows of
+        # every expert, then up rows of every expert, so one chunk(2) splits them.
+        gates, ups = gate_up.view(experts, 2, inner, hidden).unbind(1)
+        routed_down = down.permute(1, 0, 2).reshape(hidden, experts * inner)
+        # expand[e, m] = 1 where column m belongs to expert e (row E is the shared expert): turns
+        # per-token routing weights [N, E+1] into per-column scales [N, M] with one exact matmul.
+        width = experts * inner + shared_gate.shape[0]
+        expand = torch.zeros(experts + 1, width, dtype=down.dtype, device=down.device)
+        for e in range(experts):
+            expand[e, e * inner : (e + 1) * inner] = 1
+        expand[experts, experts * inner :] = 1
+        return dict(
+            w,
+            gate_up=torch.cat([gates.reshape(-1, hidden), shared_gate, ups.reshape(-1, hidden), shared_up]),
+            down=torch.cat([routed_down, shared["down"]], dim=1),
+            expand=expand,
+        )
+
+    # --- forward -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Logits [B, vocab] at each row's last token; K/V and indexer keys of real tokens go into the cache."""
+        w, eps = self.weights, self.config.rms_norm_eps
+        hidden = self.config.hidden_size
+        cos, sin = self.rope.at(batch.positions)
+        h = F.embedding(batch.tokens, w["embed"])
+        visible = batch.mask  # "shared" indexer layers reuse the previous full layer's choice
+        for i, lw in enumerate(w["layers"]):
+            x = F.rms_norm(h, (hidden,), lw["ln1"], eps)
+            o, visible = self._attention(i, lw, x, batch, cache, cos, sin, visible)
+            h = h + o
+            x = F.rms_norm(h, (hidden,), lw["ln2"], eps)
+            h = h + (self._moe(lw, x) if self.is_moe[i] else swiglu(x, lw["gate_up"], lw["down"]))
+        last = F.rms_norm(last_tokens(h, batch), (hidden,), w["norm"], eps)
+        return F.linear(last, w["lm_head"])
+
+    def _attention(self, i, lw, x, batch: ForwardBatch, cache: KVCache, cos, sin, visible):
+        bsz, width, _ = x.shape
+        heads, nope, rope = self.heads, self.nope, self.rope_dim
+        splits = [self.q_rank, self.kv_rank, rope] + ([self.index_dim, self.index_heads] if self.has_indexer[i] else [])
+        parts = F.linear(x, lw["in_proj"], lw["in_bias"]).split(splits, dim=-1)
+        q_latent, kv_latent, k_rot = parts[:3]
+
+        q_resid = F.rms_norm(q_latent, (self.q_rank,), lw["q_norm"], LATENT_NORM_EPS)
+        q = F.linear(q_resid, lw["q_b"]).view(bsz, width, heads, nope + rope)
+        q = torch.cat((q[..., :nope], rotate(q[..., nope:], cos, sin, interleaved=True)), dim=-1)
+
+        kv = F.linear(F.rms_norm(kv_latent, (self.kv_rank,), lw["kv_norm"], LATENT_NORM_EPS), lw["kv_b"])
+        k_nope, v = kv.view(bsz, width, heads, nope + self.v_dim).split([nope, self.v_dim], dim=-1)
+        k_rot = rotate(k_rot.unsqueeze(2), cos, sin, interleaved=True).expand(-1, -1, heads, -1)
+        cache.write(i, "k", batch, torch.cat((k_nope, k_rot), dim=-1))
+        cache.write(i, "v", batch, v)
+
+        if self.has_indexer[i]:
+            index_k, index_weights = parts[3:]
+            visible = self._select(i, lw, q_resid, index_k, index_weights, batch, cache, cos, sin)
+        o = attend(q, cache.read(i, "k", batch), cache.read(i, "v", batch), visible, self.scale)
+        return F.linear(o, lw["o"], lw["o_bias"]), visible
+
+    def _select(self, i, lw, q_resid, index_k, index_weights, batch: ForwardBatch, cache: KVCache, cos, sin):
+        """DSA: each query sees at most index_topk cached positions, those its indexer scores highest."""
+        rope = self.rope_dim
+        k = F.layer_norm(index_k, (self.index_dim,), lw["index_norm_w"], lw["index_norm_b"], LATENT_NORM_EPS)
+        k = torch.cat((rotate(k[..., :rope], cos[:, :, 0], sin[:, :, 0], interleaved=True), k[..., rope:]), dim=-1)
+        cache.write(i, "index_k", batch, k.unsqueeze(2))
+        if batch.context_len <= self.index_topk:
+            return batch.mask  # no query has more than top-k visible positions: all are kept
+        bsz, width, _ = q_resid.shape
+        q = F.linear(q_resid, lw["index_q"]).view(bsz, width, self.index_heads, self.index_dim)
+        q = torch.cat((rotate(q[..., :rope], cos, sin, interleaved=True), q[..., rope:]), dim=-1)
+        keys = cache.read(i, "index_k", batch)  # [B, 1, L, D]
+        scores = F.relu(torch.matmul(q, keys.transpose(-1, -2)) * self.index_dim**-0.5)  # [B, T, heads, L]
+        weights = index_weights * self.index_heads**-0.5
+        index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2).masked_fill(~batch.mask, float("-inf"))
+        # A stable sort, not topk: equal scores (every head's ReLU at zero) then resolve to the
+        # earliest positions whatever the padding, so the choice never depends on the batch.
+        chosen = index.sort(dim=-1, descending=True, stable=True).indices[..., : self.index_topk]
+        return torch.zeros_like(batch.mask).scatter_(-1, chosen, True) & batch.mask
+
+    def _moe(self, lw, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        chosen, weights = self._route(lw, x)
+        if "expand" not in lw:
+            return self._moe_loop(lw, x, chosen, weights).view(shape)
+        route = torch.zeros(x.shape[0], self.experts + 1, dtype=x.dtype, device=x.device)
+        route[:, self.experts] = 1  # the shared expert always runs with weight 1
+        route.scatter_(1, chosen, weights)
+        gate, up = F.linear(x, lw["gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up * (route @ lw["expand"]), lw["down"]).view(shape)
+
+    def _route(self, lw, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid scores; choice by score + correction bias within the best groups; weights from scores."""
+        cfg = self.config
+        scores = F.linear(x.float(), lw["router"].float()).sigmoid()
+        choice = scores + lw["router_bias"]
+        if cfg.n_group > 1:
+            grouped = choice.view(-1, cfg.n_group, self.experts // cfg.n_group)
+            best_groups = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(cfg.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, self.experts)
+        chosen = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return chosen, (weights * cfg.routed_scaling_factor).to(x.dtype)
+
+    def _moe_loop(self, lw, x, chosen, weights) -> torch.Tensor:
+        out = swiglu(x, lw["shared"]["gate_up"], lw["shared"]["down"])
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            y = swiglu(x[rows], lw["expert_gate_up"][e], lw["expert_down"][e])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
