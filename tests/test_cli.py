@@ -1,0 +1,43 @@
+"""The CLI as users call it: `asyncrl generate` on a saved checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.configs.schema import PolicyConfig, TinyModelConfig
+from asyncrl.policy.checkpoint import build_policy, save_policy
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=64)
+    model, tokenizer, mtp = build_policy(PolicyConfig(tiny=shape), seed=0)
+    return str(save_policy(tmp_path_factory.mktemp("ckpt"), model, tokenizer, mtp))
+
+
+def test_generate_json_lines_align_tokens_logprobs_versions(checkpoint, capsys):
+    assert main(["generate", checkpoint, "--prompt", "1+2=", "-n", "2", "--seed", "3", "--max-tokens", "5", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["sample"] for line in lines] == [0, 1]
+    for line in lines:
+        assert 1 <= len(line["token_ids"]) <= 5
+        assert len(line["token_ids"]) == len(line["logprobs"]) == len(line["versions"])
+        assert all(lp <= 0.0 for lp in line["logprobs"])
+        assert line["finish_reason"] in ("stop", "length")
+        assert line["prompt_token_ids"][-1] == 4  # the chat template ends with <|assistant|>
+
+
+def test_generate_is_reproducible_with_a_seed(checkpoint, capsys):
+    args = ["generate", checkpoint, "--raw", "7+8=", "--seed", "11", "--max-tokens", "6", "--json"]
+    main(args)
+    first = capsys.readouterr().out
+    main(args)
+    assert capsys.readouterr().out == first
+
+
+def test_generate_bad_token_id_is_a_clear_error(checkpoint, capsys):
+    assert main(["generate", checkpoint, "--token-ids", "5,999"]) == 2
+    assert "token id 999 is outside the vocabulary" in capsys.readouterr().err
