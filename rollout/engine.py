@@ -286,7 +286,7 @@ class EmbeddedEngine:
         if admitted:
             self._running = sorted(self._running + admitted, key=lambda r: r.slot)
             return sorted(admitted, key=lambda r: r.slot)
-        return self._running
+        return list(self._running)  # a copy: finishing requests leave _running while the batch is updated
 
     def _execute_and_update(self, batch: list[_Request]) -> list[GenerationResult]:
         rows = [r.pending_tokens() for r in batch]

@@ -1,0 +1,57 @@
+"""Rollout workers: one `EmbeddedEngine` per Ray actor, on a fraction of a CPU or one GPU.
+
+Methods are async so one actor serves many concurrent `generate` calls, which the engine batches.
+Weights arrive as a state dict; pass an `ObjectRef` from `ray.put` so N workers share one copy in
+the object store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from asyncrl.configs.schema import RolloutConfig
+
+from .engine import EmbeddedEngine
+from .types import GenerationResult, SamplingParams
+
+
+@ray.remote
+class RolloutWorker:
+    def __init__(self, model, config: RolloutConfig | dict, engine_id: str, version: int = 0) -> None:
+        """`model`: a transformers causal LM (or an ObjectRef to one) or a model directory."""
+        self.engine = EmbeddedEngine(model, RolloutConfig.model_validate(config), engine_id=engine_id, version=version)
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
+    ) -> GenerationResult:
+        return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
+
+    async def update_weights(self, state_dict: dict, version: int) -> int:
+        # Waiting for the swap blocks; a thread keeps this actor's event loop serving generate calls.
+        await asyncio.to_thread(self.engine.update_weights, state_dict, version)
+        return self.engine.version
+
+    async def health(self) -> dict:
+        return self.engine.health()
+
+    async def version(self) -> int:
+        return self.engine.version
+
+
+def create_workers(model, config: RolloutConfig, *, name_prefix: str = "rollout") -> list:
+    """Start `config.num_workers` RolloutWorker actors (call after `ray.init()`).
+
+    CPU engines ask for `cpus_per_worker` (fractions allowed); GPU engines for `gpus_per_worker`,
+    or one whole GPU each when it is 0 and the engine will run on CUDA.
+    """
+    gpus = config.gpus_per_worker
+    if gpus == 0 and (config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)):
+        gpus = 1
+    shared = model if isinstance(model, (str, ray.ObjectRef)) else ray.put(model)
+    options = dict(num_cpus=config.cpus_per_worker, num_gpus=gpus)
+    return [
+        RolloutWorker.options(**options).remote(shared, config.model_dump(), f"{name_prefix}-{i}")
+        for i in range(config.num_workers)
+    ]

@@ -1,0 +1,212 @@
+"""Engine behaviour: continuous batching, prefix reuse, weight updates, stopping, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from conftest import make_tiny_model, run_to_completion
+
+from asyncrl.configs.schema import RolloutConfig
+from asyncrl.rollout import EmbeddedEngine, RequestError, SamplingParams
+
+PROMPT = [5, 17, 33, 9, 64, 2, 71]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """No EOS, so every request runs to max_tokens and lengths are known in advance."""
+    return make_tiny_model("glm_moe_dsa", eos_token_id=None, seed=1)
+
+
+def new_engine(model, **options) -> EmbeddedEngine:
+    return EmbeddedEngine(model, RolloutConfig(**{"max_num_seqs": 8, "retained_prefixes": 2, **options}))
+
+
+def assert_same_sample(a, b) -> None:
+    assert a.token_ids == b.token_ids
+    assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_requests_joining_mid_decode_sample_what_they_would_alone(model):
+    prompts = [PROMPT, [40, 41, 42], list(range(20, 45)), [99] * 12]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10 + 3 * i, seed=100 + i) for i in range(4)]
+    alone = [run_to_completion(new_engine(model), [(p, s)])[0] for p, s in zip(prompts, params)]
+
+    engine = new_engine(model)
+    ids = [engine.add_request(prompts[0], params[0]), engine.add_request(prompts[1], params[1])]
+    done = {}
+    for _ in range(4):  # the first two are decoding when the others arrive
+        done.update((r.request_id, r) for r in engine.step())
+    ids += [engine.add_request(prompts[2], params[2]), engine.add_request(prompts[3], params[3])]
+    while engine.has_unfinished():
+        done.update((r.request_id, r) for r in engine.step())
+    for i, expected in zip(ids, alone):
+        assert_same_sample(done[i], expected)
+        assert done[i].finish_reason == "length"
+
+
+def test_max_num_seqs_queues_the_rest(model):
+    engine = new_engine(model, max_num_seqs=2)
+    params = SamplingParams(temperature=1.0, max_tokens=5, seed=1)
+    results = run_to_completion(engine, [(PROMPT, params)] * 5)
+    assert all(len(r.token_ids) == 5 for r in results)
+    assert all(r.token_ids == results[0].token_ids for r in results)  # same seed, same prompt
+
+
+def test_next_turn_of_a_session_reuses_the_prefix_and_samples_the_same(model):
+    turn1 = SamplingParams(temperature=1.0, max_tokens=6, seed=1)
+    turn2 = SamplingParams(temperature=1.0, max_tokens=8, seed=2)
+    engine = new_engine(model)
+    (first,) = run_to_completion(engine, [(PROMPT, turn1)], session_id="rollout-1")
+    assert engine.health()["retained_prefixes"] == 1
+    second_prompt = PROMPT + first.token_ids + [11, 12, 13]  # e.g. a tool response
+    (second,) = run_to_completion(engine, [(second_prompt, turn2)], session_id="rollout-1")
+    # Every token whose KV exists is reused: the prompt and all but the last sampled token.
+    assert second.cached_prompt_tokens == len(PROMPT) + len(first.token_ids) - 1
+    (fresh,) = run_to_completion(new_engine(model, retained_prefixes=0), [(second_prompt, turn2)])
+    assert fresh.cached_prompt_tokens == 0
+    assert_same_sample(second, fresh)
+
+
+def test_prefix_reuse_stops_at_the_first_differing_token_and_needs_the_same_session(model):
+    params = SamplingParams(temperature=0, max_tokens=4)
+    engine = new_engine(model)
+    run_to_completion(engine, [(PROMPT, params)], session_id="a")
+    (other,) = run_to_completion(engine, [(PROMPT + [3], params)], session_id="b")
+    assert other.cached_prompt_tokens == 0
+    (edited,) = run_to_completion(engine, [(PROMPT[:3] + [8, 8, 8, 8, 8], params)], session_id="a")
+    assert edited.cached_prompt_tokens == 3
+    (fresh,) = run_to_completion(new_engine(model), [(PROMPT[:3] + [8, 8, 8, 8, 8], params)])
+    assert_same_sample(edited, fresh)
+
+
+def test_retained_prefixes_are_evicted_least_recently_used(model):
+    params = SamplingParams(temperature=0, max_tokens=3)
+    engine = new_engine(model, retained_prefixes=2)
+    firsts = {s: run_to_completion(engine, [(PROMPT + [i], params)], session_id=s)[0] for i, s in enumerate("abc")}
+    assert engine.health()["retained_prefixes"] == 2
+    follow = {s: r.prompt_token_ids + r.token_ids for s, r in firsts.items()}
+    (a,) = run_to_completion(engine, [(follow["a"], params)], session_id="a")
+    (c,) = run_to_completion(engine, [(follow["c"], params)], session_id="c")
+    assert a.cached_prompt_tokens == 0  # "a" was the oldest when "c" finished
+    assert c.cached_prompt_tokens == len(follow["c"]) - 1
+
+
+def test_weight_update_mid_request_switches_versions_without_dropping_it(model):
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=4)
+    (baseline,) = run_to_completion(new_engine(model), [(PROMPT, params)])
+    other = make_tiny_model("glm_moe_dsa", eos_token_id=None, seed=2).state_dict()
+
+    for state, version in ((model.state_dict(), 1), (other, 7)):
+        engine = new_engine(model)
+        request = engine.add_request(PROMPT, params)
+        for _ in range(5):
+            assert engine.step() == []
+        engine.update_weights(state, version)
+        assert engine.health()["version"] == version
+        (result,) = [r for _ in range(20) for r in engine.step()][:1]
+        assert result.request_id == request and result.finish_reason == "length"
+        assert result.versions == [0] * 5 + [version] * 7
+        assert result.token_ids[:5] == baseline.token_ids[:5]
+        if version == 1:  # the same weights again: nothing else changes
+            assert_same_sample(result, baseline)
+        else:  # tokens after the swap come from the new weights
+            assert result.logprobs[5] != pytest.approx(baseline.logprobs[5], abs=1e-3)
+
+
+def test_weight_update_drops_retained_prefixes(model):
+    engine = new_engine(model)
+    run_to_completion(engine, [(PROMPT, SamplingParams(temperature=0, max_tokens=3))], session_id="s")
+    engine.update_weights(model.state_dict(), 1)
+    assert engine.health()["retained_prefixes"] == 0
+
+
+def test_a_bad_state_dict_is_refused_and_the_old_weights_stay(model):
+    engine = new_engine(model)
+    broken = {k: v for k, v in model.state_dict().items() if "lm_head" not in k}
+    with pytest.raises(KeyError, match="lm_head"):
+        engine.update_weights(broken, 3)
+    assert engine.version == 0
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert_same_sample(run_to_completion(engine, [(PROMPT, params)])[0], run_to_completion(new_engine(model), [(PROMPT, params)])[0])
+
+
+def test_stop_tokens_and_eos_end_a_request_and_are_returned(model):
+    (free,) = run_to_completion(new_engine(model), [(PROMPT, SamplingParams(temperature=0, max_tokens=10))])
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=(stop,))
+    (stopped,) = run_to_completion(new_engine(model), [(PROMPT, params)])
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
+
+    with_eos = make_tiny_model("glm_moe_dsa", eos_token_id=stop, seed=1)
+    (eos,) = run_to_completion(new_engine(with_eos), [(PROMPT, SamplingParams(temperature=0, max_tokens=10))])
+    assert eos.finish_reason == "stop" and eos.token_ids == free.token_ids[: first + 1]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+
+
+def test_abort_finishes_a_request_early(model):
+    engine = new_engine(model)
+    request = engine.add_request(PROMPT, SamplingParams(max_tokens=50))
+    engine.step()
+    engine.abort(request)
+    (result,) = engine.step()
+    assert result.finish_reason == "abort" and len(result.token_ids) == 1
+    assert not engine.has_unfinished()
+
+
+BAD_REQUESTS = {
+    "token above vocab": ([1, 2, 128], {}),
+    "negative token": ([1, -1], {}),
+    "not a token": ([1, "x"], {}),
+    "empty prompt": ([], {}),
+    "max_tokens zero": ([1, 2], {"max_tokens": 0}),
+    "too long": ([1] * 100, {"max_tokens": 29}),
+    "unknown option": ([1, 2], {"temprature": 0.5}),
+    "negative temperature": ([1, 2], {"temperature": -1.0}),
+    "top_p zero": ([1, 2], {"top_p": 0.0}),
+}
+
+
+def test_bad_requests_fail_alone_while_others_finish(model):
+    engine = new_engine(model)
+
+    async def scenario():
+        good = [asyncio.create_task(engine.generate(PROMPT, {"max_tokens": 20, "seed": i})) for i in range(3)]
+        await asyncio.sleep(0)
+        errors = {}
+        for name, (prompt, options) in BAD_REQUESTS.items():
+            with pytest.raises(RequestError) as caught:
+                await engine.generate(prompt, options)
+            errors[name] = str(caught.value)
+        return await asyncio.gather(*good), errors
+
+    results, errors = asyncio.run(scenario())
+    engine.shutdown()
+    assert [len(r.token_ids) for r in results] == [20, 20, 20]
+    assert "128" in errors["token above vocab"] and "temprature" in errors["unknown option"]
+    assert "max_model_len 128" in errors["too long"]
+    assert engine.health()["last_error"] is None
+
+
+def test_async_generate_with_a_concurrent_weight_update(model):
+    engine = new_engine(model, max_num_seqs=4)
+    other = make_tiny_model("glm_moe_dsa", eos_token_id=None, seed=3).state_dict()
+
+    async def scenario():
+        task = asyncio.create_task(engine.generate(PROMPT, {"max_tokens": 110, "seed": 0}))
+        while engine.health()["generated_tokens"] == 0:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(engine.update_weights, other, 5)
+        after = await engine.generate([3, 4], {"max_tokens": 3})
+        return await task, after
+
+    result, after = asyncio.run(scenario())
+    engine.shutdown()
+    assert len(result.token_ids) == 110 and result.finish_reason == "length"
+    assert result.versions[0] == 0 and result.versions[-1] == 5 and result.versions == sorted(result.versions)
+    assert after.versions == [5, 5, 5]
+    health = engine.health()
+    assert health["version"] == 5 and health["running"] == 0 and health["generated_tokens"] == 113

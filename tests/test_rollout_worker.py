@@ -1,0 +1,47 @@
+"""The Ray rollout worker: generate and update_weights round-trip through a real local Ray session."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_model
+
+from asyncrl.configs.schema import RolloutConfig
+from asyncrl.rollout import RequestError, SamplingParams
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow  # one Ray start (~4 s) plus a worker process importing torch
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_worker_generates_and_takes_new_weights(ray_session):
+    from asyncrl.rollout.worker import create_workers
+
+    model = make_tiny_model("qwen3", eos_token_id=None)
+    config = RolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4, retained_prefixes=1)
+    workers = create_workers(model, config)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=9)
+
+    first = ray.get([w.generate.remote([5, 6, 7], params) for w in workers])
+    assert [len(r.token_ids) for r in first] == [6, 6]
+    assert first[0].token_ids == first[1].token_ids  # same weights, same seed
+    assert {r.engine_id for r in first} == {"rollout-0", "rollout-1"}
+
+    new_weights = ray.put(make_tiny_model("qwen3", eos_token_id=None, seed=4).state_dict())
+    assert ray.get([w.update_weights.remote(new_weights, 2) for w in workers]) == [2, 2]
+    after = ray.get(workers[0].generate.remote([5, 6, 7], {"temperature": 1.0, "max_tokens": 6, "seed": 9}))
+    assert after.versions == [2] * 6 and after.logprobs != first[0].logprobs
+    assert ray.get(workers[1].version.remote()) == 2
+    assert ray.get(workers[1].health.remote())["generated_tokens"] == 6
+
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        ray.get(workers[0].generate.remote([5, 999], params))
+    assert len(ray.get(workers[0].generate.remote([5], params)).token_ids) == 6  # the worker carries on
+    for worker in workers:
+        ray.kill(worker)
