@@ -202,6 +202,45 @@ class StoreConfig(Section):
     """Most trajectories one claim takes."""
 
 
+class GatewayConfig(Section):
+    """The TITO gateway: where it listens, how it routes and watches engines, and what it refuses."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; the default is reachable from this machine only (rollout keys are the only auth)."""
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port; 0 picks a free one (printed at start)."""
+    engines: Literal["in_process", "ray"] = "in_process"
+    """Where `asyncrl serve` runs its engines: in the gateway's process, or as Ray RolloutWorker actors."""
+    heartbeat_interval_s: float = Field(1.0, gt=0, le=60)
+    """How often in-process engines are asked for their health (remote engines send heartbeats themselves)."""
+    heartbeat_timeout_s: float = Field(10.0, gt=0, le=3600)
+    """An engine silent for this long is taken out of routing; its in-flight requests are retried or failed."""
+    route_vnodes: int = Field(128, ge=1, le=4096)
+    """Points per engine on the consistent-hash ring (more: smoother shares, slower rebuilds)."""
+    route_load_factor: float = Field(0.25, ge=0.0, le=10.0)
+    """Bounded loads: an engine takes no new rollouts above (1 + this) x the average in-flight load."""
+    request_timeout_s: float = Field(300.0, gt=0, le=86400)
+    """Longest a generation request may take, retries included; then it fails with 504."""
+    engine_retries: int = Field(1, ge=0, le=16)
+    """Times a request is re-sent to another engine after its engine failed; 0 fails fast with 503."""
+    max_prompt_tokens: int = Field(32768, ge=1)
+    """Longest prompt, in tokens, the gateway forwards."""
+    max_tokens: int = Field(4096, ge=1)
+    """Largest max_tokens a request may ask for (requests without one get rollout.sampling.max_tokens)."""
+    max_messages: int = Field(1024, ge=1)
+    """Most messages in one chat request."""
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Largest request body; bigger ones are refused with 413 before they are parsed."""
+    max_branches: int = Field(64, ge=1, le=100000)
+    """Most forks one rollout may have (each rewrite of earlier context starts one)."""
+
+    @model_validator(mode="after")
+    def _check_heartbeats(self) -> "GatewayConfig":
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s (else live engines expire)")
+        return self
+
+
 class EvalConfig(Section):
     """Held-out evaluation (greedy exact match)."""
 
@@ -240,5 +279,6 @@ class RunConfig(Section):
     sft: SFTConfig = SFTConfig()
     rollout: RolloutConfig = RolloutConfig()
     store: StoreConfig = StoreConfig()
+    gateway: GatewayConfig = GatewayConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()

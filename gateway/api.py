@@ -1,0 +1,219 @@
+"""The gateway's wire format: the subset of the OpenAI API agents use, the rollout lifecycle, the
+token-level endpoint and engine registration, as pydantic models (they are the OpenAPI schema too).
+
+OpenAI request models allow unknown fields: clients send many optional ones (`user`, `metadata`,
+`parallel_tool_calls`, ...) that change nothing about sampling. Options that would change the
+sampled distribution without the gateway knowing are refused where they are checked (`service`).
+Message and tool shapes are checked here only loosely; `toolcalls.to_template_messages` checks them
+fully and says exactly what is wrong.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .records import FINISH_STATUSES
+
+_INT64 = dict(ge=0, le=2**63 - 1)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ToolCallFunction(_Open):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class SamplingFields(_Open):
+    """Sampling options shared by chat and text completions (OpenAI names, plus vLLM's top_k and
+    stop_token_ids). Unset options take `rollout.sampling`'s defaults."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=2**31)
+    max_tokens: int | None = Field(None, ge=1, le=2**31)
+    seed: int | None = Field(None, **_INT64)
+    stop: str | list[str] | None = None
+    """Stop strings; each must be a single token (use stop_token_ids otherwise)."""
+    stop_token_ids: list[int] | None = None
+    n: int | None = Field(None, ge=1, le=2**31)
+    stream: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    """One prompt: text, or token ids (a list of several prompts is refused)."""
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class TokenGenerateRequest(_Closed):
+    """Token ids in, token ids out, for rollout code that keeps its own tokens."""
+
+    prompt_token_ids: list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=2**31)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=2**31)
+    seed: int | None = Field(None, **_INT64)
+    stop_token_ids: list[int] | None = None
+
+
+class TokenGenerateResponse(_Closed):
+    rollout_id: str
+    turn_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    engine_id: str
+
+
+class OpenRolloutRequest(_Closed):
+    task: str = Field("", max_length=4096)
+    group_id: str = Field("", max_length=4096)
+    """Rollouts of the same prompt that the learner compares (a GRPO group)."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class OpenRolloutResponse(_Closed):
+    rollout_id: str
+    api_key: str
+    """Send as `Authorization: Bearer <api_key>` with OpenAI calls; it identifies the rollout."""
+
+
+class FinishRolloutRequest(_Closed):
+    reward: float = Field(allow_inf_nan=False)
+    status: Literal[FINISH_STATUSES] = "ok"  # type: ignore[valid-type]
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    reason: str = Field("", max_length=65536)
+
+
+class AbortRolloutRequest(_Closed):
+    reason: str = Field("", max_length=65536)
+
+
+class RolloutInfo(_Closed):
+    rollout_id: str
+    task: str
+    group_id: str
+    metadata: dict[str, Any]
+    status: str
+    reward: float | None
+    metrics: dict[str, Any]
+    reason: str
+    turns: int
+    in_flight: int
+    """Generation requests of this rollout running now on this gateway."""
+
+
+class RegisterEngineRequest(_Closed):
+    engine_id: str = Field(min_length=1, max_length=256)
+    address: str = Field(min_length=1, max_length=2048)
+    """`http(s)://host:port` of an `engine_app`, or `ray:[NAMESPACE/]ACTOR` for a named RolloutWorker."""
+    capacity: float = Field(1.0, gt=0.0, le=1e6)
+    health: dict[str, Any] = Field(default_factory=dict)
+
+
+class HeartbeatRequest(_Closed):
+    health: dict[str, Any] = Field(default_factory=dict)
+
+
+class HeartbeatResponse(_Closed):
+    registered: bool
+    """False: the gateway dropped this engine (missed heartbeats); register again."""
+
+
+class ErrorBody(_Closed):
+    message: str
+    type: str
+    code: str
+    param: str | None = None
+
+
+class ErrorResponse(_Closed):
+    """Every refusal, in the OpenAI error shape the `openai` client reads."""
+
+    error: ErrorBody
+
+
+def _envelope(kind, model, choice, result, prompt_tokens, reused, rollout_id, index, branch) -> dict:
+    """The fields every completion shares, plus an `asyncrl` field saying where the turn was recorded."""
+    completion_tokens = len(result.token_ids)
+    return {
+        "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{rollout_id}-{index}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": reused},
+        },
+        "asyncrl": {"rollout_id": rollout_id, "turn_index": index, "branch": branch, "engine_id": result.engine_id},
+    }
+
+
+def chat_response(model, rollout_id, index, branch, message, finish_reason, result, prompt_tokens, reused, logprobs) -> dict:
+    """An OpenAI `chat.completion`."""
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    if logprobs is not None:
+        choice["logprobs"] = {
+            "content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in logprobs]
+        }
+    return _envelope("chat.completion", model, choice, result, prompt_tokens, reused, rollout_id, index, branch)
+
+
+def completion_response(model, rollout_id, index, text, result, prompt_tokens, reused, logprobs) -> dict:
+    """An OpenAI `text_completion`; a stop token other than EOS stays in `text` (it was sampled)."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
+    if logprobs is not None:
+        offsets, at = [], 0
+        for token, _ in logprobs:
+            offsets.append(at)
+            at += len(token)
+        choice["logprobs"] = {
+            "tokens": [t for t, _ in logprobs],
+            "token_logprobs": [lp for _, lp in logprobs],
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+    return _envelope("text_completion", model, choice, result, prompt_tokens, reused, rollout_id, index, 0)

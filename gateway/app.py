@@ -1,0 +1,199 @@
+"""The gateway's HTTP face: FastAPI routes over `GatewayService`, and the error contract.
+
+Every refusal is an OpenAI-shaped error body (`{"error": {"message", "type", "code"}}`) with a 4xx
+status whose message says what is wrong: a request can be refused, never crash the gateway. 5xx
+statuses mean the gateway's side failed (no engine, store down, timeout), never the request. 4xx
+answers carry `x-should-retry: false`, which the `openai` client honours, so an agent does not
+re-send a request that cannot succeed (it would otherwise retry 409s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from asyncrl.rollout.types import RequestError
+
+from . import api
+from .conversation import ConversationError
+from .engines import connect
+from .pool import Abandoned, EngineUnavailable, GenerationTimeout
+from .service import GatewayError, GatewayService
+from .store import RolloutClosed, StoreError, UnknownRollout
+from .toolcalls import MessageError
+
+log = logging.getLogger(__name__)
+_bearer = HTTPBearer(auto_error=False, description="the rollout's api_key from POST /rollouts")
+
+# exception type -> (status, code); the first match in this order wins.
+_ERRORS: list[tuple[type[BaseException], int, str]] = [
+    (UnknownRollout, 404, "rollout_not_found"),
+    (RolloutClosed, 409, "rollout_closed"),
+    (Abandoned, 409, "rollout_closed"),
+    (StoreError, 400, "invalid_request"),
+    (RequestError, 400, "invalid_request"),
+    (MessageError, 400, "invalid_messages"),
+    (ConversationError, 400, "too_many_branches"),
+    (EngineUnavailable, 503, "engine_unavailable"),
+    (GenerationTimeout, 504, "timeout"),
+]
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    headers = {"x-should-retry": "false"} if status < 500 else None
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": None}}, status, headers=headers)
+
+
+class BodyLimit:
+    """Refuses bodies over `max_bytes` with 413 before anything parses them (declared or streamed)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        too_big = f"request body exceeds gateway.max_body_bytes ({self.max_bytes} bytes)"
+        if not declared.isdigit():
+            return await error_response(400, "invalid_request", "invalid Content-Length header")(scope, receive, send)
+        if int(declared) > self.max_bytes:
+            return await error_response(413, "body_too_large", too_big)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge(too_big)
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge as error:
+            await error_response(413, "body_too_large", error.detail)(scope, receive, send)
+
+
+class _TooLarge(HTTPException):
+    # An HTTPException, because FastAPI turns any other error while reading a body into a vague 400.
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message)
+
+
+def _key(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str | None:
+    return credentials.credentials if credentials else None
+
+
+def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
+    """The gateway app. With `heartbeats`, its lifespan runs the pool's heartbeat loop."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(service.pool.run_heartbeats()) if heartbeats else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    app = FastAPI(title="asyncrl TITO gateway", version="1", lifespan=lifespan, responses={
+        400: {"model": api.ErrorResponse}, 401: {"model": api.ErrorResponse}, 409: {"model": api.ErrorResponse},
+    })  # fmt: skip
+    app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
+    _install_errors(app)
+
+    @app.post("/v1/chat/completions", tags=["openai"])
+    async def chat_completions(request: api.ChatCompletionRequest, key: str | None = Depends(_key)) -> dict:
+        return await service.chat(key, request)
+
+    @app.post("/v1/completions", tags=["openai"])
+    async def completions(request: api.CompletionRequest, key: str | None = Depends(_key)) -> dict:
+        return await service.complete(key, request)
+
+    @app.get("/v1/models", tags=["openai"])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}]}
+
+    @app.post("/v1/tokens/generate", tags=["tokens"])
+    async def tokens_generate(request: api.TokenGenerateRequest, key: str | None = Depends(_key)) -> api.TokenGenerateResponse:
+        return await service.generate_tokens(key, request)
+
+    @app.post("/rollouts", tags=["lifecycle"])
+    async def open_rollout(request: api.OpenRolloutRequest) -> api.OpenRolloutResponse:
+        return await service.open_rollout(request)
+
+    @app.post("/rollouts/{rollout_id}/finish", tags=["lifecycle"])
+    async def finish_rollout(rollout_id: str, request: api.FinishRolloutRequest) -> api.RolloutInfo:
+        return await service.finish_rollout(rollout_id, request)
+
+    @app.post("/rollouts/{rollout_id}/abort", tags=["lifecycle"])
+    async def abort_rollout(rollout_id: str, request: api.AbortRolloutRequest | None = None) -> api.RolloutInfo:
+        return await service.abort_rollout(rollout_id, request or api.AbortRolloutRequest())
+
+    @app.get("/rollouts/{rollout_id}", tags=["lifecycle"])
+    async def get_rollout(rollout_id: str) -> api.RolloutInfo:
+        return await service.rollout_info(rollout_id)
+
+    @app.post("/engines/register", tags=["engines"])
+    async def register_engine(request: api.RegisterEngineRequest) -> api.HeartbeatResponse:
+        try:
+            handle = connect(request.address, request.engine_id)
+        except ValueError as error:
+            raise GatewayError(400, "invalid_engine", str(error)) from None
+        service.pool.register(handle, request.capacity, request.health)
+        return api.HeartbeatResponse(registered=True)
+
+    @app.post("/engines/{engine_id}/heartbeat", tags=["engines"])
+    async def engine_heartbeat(engine_id: str, request: api.HeartbeatRequest | None = None) -> api.HeartbeatResponse:
+        return api.HeartbeatResponse(registered=service.pool.heartbeat(engine_id, (request or api.HeartbeatRequest()).health))
+
+    @app.get("/health", tags=["status"])
+    async def health() -> dict:
+        return service.health()
+
+    return app
+
+
+def _install_errors(app: FastAPI) -> None:
+    # One handler per type: handlers for Exception itself run in Starlette's outermost middleware,
+    # which logs the error as a crash and re-raises it; these answer and are done.
+    def answer(status: int, code: str):
+        async def handler(request: Request, error: Exception) -> JSONResponse:
+            return error_response(status, code, str(error))
+
+        return handler
+
+    for kind, status, code in _ERRORS:
+        app.add_exception_handler(kind, answer(status, code))
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, error: GatewayError) -> JSONResponse:
+        return error_response(error.status, error.code, str(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(error.status_code, "http_error")
+        return error_response(error.status_code, code, str(error.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = []
+        for problem in error.errors():
+            where = ".".join(str(p) for p in problem.get("loc", ()) if p != "body") or "body"
+            problems.append(f"{where}: {problem.get('msg', 'invalid')}")
+        return error_response(400, "invalid_request", "; ".join(problems[:10]) or "invalid request")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", f"the gateway failed: {type(error).__name__}: {error}")

@@ -1,0 +1,139 @@
+"""Engines as the gateway sees them: one small handle interface over three ways to reach an engine.
+
+- `LocalEngine`: an engine object in the gateway's own process (`EmbeddedEngine`, or anything with
+  its `generate` / `health` verbs).
+- `RayEngine`: a `RolloutWorker` actor (`rollout/worker.py`), by handle or by name.
+- `HttpEngine`: an engine in another process that serves `engine_app(engine)` (two routes:
+  `POST /generate`, `GET /health`). Remote engines announce themselves to the gateway with
+  `POST /engines/register` and keep themselves alive with `POST /engines/{id}/heartbeat`.
+
+Handles keep the engine's own error split: `RequestError` is the request's fault (the client gets a
+400), `EngineFailure` is the engine's (the gateway may retry the same prompt tokens elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import httpx
+
+from asyncrl.rollout.types import GenerationResult, RequestError, SamplingParams
+
+
+class EngineFailure(RuntimeError):
+    """The engine could not answer this request (died, unreachable, failed its batch); another may."""
+
+
+@runtime_checkable
+class EngineHandle(Protocol):
+    engine_id: str
+
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str) -> GenerationResult: ...
+
+    async def health(self) -> dict: ...
+
+
+class LocalEngine:
+    """An in-process engine; the gateway's heartbeat loop asks it for its health."""
+
+    def __init__(self, engine: Any, engine_id: str | None = None) -> None:
+        self.engine = engine
+        self.engine_id = engine_id or engine.engine_id
+
+    async def generate(self, prompt_token_ids, sampling, session_id):
+        return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
+
+    async def health(self) -> dict:
+        return self.engine.health()
+
+
+class RayEngine:
+    """A `RolloutWorker` actor. Ray re-raises a task's RequestError as an instance of RequestError,
+    so refusals still reach the client as 400s; any other Ray error means the actor is gone."""
+
+    def __init__(self, actor: Any, engine_id: str) -> None:
+        self.actor, self.engine_id = actor, engine_id
+
+    async def generate(self, prompt_token_ids, sampling, session_id):
+        import ray
+
+        try:
+            return await self.actor.generate.remote(prompt_token_ids, dataclasses.asdict(sampling), session_id)
+        except RequestError:
+            raise
+        except ray.exceptions.RayError as error:
+            raise EngineFailure(f"Ray actor failed: {type(error).__name__}: {error}") from None
+
+    async def health(self) -> dict:
+        return await self.actor.health.remote()
+
+
+class HttpEngine:
+    """An engine behind `engine_app`, reached over HTTP."""
+
+    def __init__(self, url: str, engine_id: str) -> None:
+        self.url, self.engine_id = url.rstrip("/"), engine_id
+        # No client-side timeout: the gateway's own deadline and heartbeat window bound every call.
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=None)
+
+    async def generate(self, prompt_token_ids, sampling, session_id):
+        body = {"prompt_token_ids": list(prompt_token_ids), "sampling": dataclasses.asdict(sampling), "session_id": session_id}
+        try:
+            response = await self._client.post("/generate", json=body)
+        except httpx.HTTPError as error:
+            raise EngineFailure(f"{self.url} unreachable: {type(error).__name__}: {error}") from None
+        if response.status_code == 400:
+            raise RequestError(response.json().get("detail", response.text))
+        if response.status_code != 200:
+            raise EngineFailure(f"{self.url} answered HTTP {response.status_code}: {response.text[:200]}")
+        return GenerationResult(**response.json())
+
+    async def health(self) -> dict:
+        response = await self._client.get("/health")
+        response.raise_for_status()
+        return response.json()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def connect(address: str, engine_id: str) -> EngineHandle:
+    """A handle from a registration address: `http(s)://host:port` (an `engine_app`) or
+    `ray:[NAMESPACE/]ACTOR` (a named RolloutWorker in the Ray cluster this process is connected to)."""
+    if address.startswith(("http://", "https://")):
+        return HttpEngine(address, engine_id)
+    if address.startswith("ray:"):
+        import ray
+
+        if not ray.is_initialized():
+            raise ValueError("this gateway is not connected to a Ray cluster; it cannot reach ray: engines")
+        namespace, _, name = address[4:].rpartition("/")
+        try:
+            return RayEngine(ray.get_actor(name, namespace=namespace or None), engine_id)
+        except ValueError as error:
+            raise ValueError(f"no Ray actor {address[4:]!r}: {error}") from None
+    raise ValueError(f"engine address must start with http://, https:// or ray:, got {address!r}")
+
+
+def engine_app(engine: Any):
+    """A FastAPI app that serves one engine to gateways on other machines (see `HttpEngine`)."""
+    from fastapi import Body, FastAPI, HTTPException
+
+    app = FastAPI(title="asyncrl engine")
+
+    @app.post("/generate")
+    async def generate(
+        prompt_token_ids: list[int] = Body(...), sampling: dict = Body(...), session_id: str | None = Body(None)
+    ) -> dict:
+        try:
+            result = await engine.generate(prompt_token_ids, SamplingParams.from_dict(sampling), session_id=session_id)
+        except RequestError as error:
+            raise HTTPException(400, str(error)) from None
+        return dataclasses.asdict(result)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return engine.health()
+
+    return app

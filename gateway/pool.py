@@ -1,0 +1,169 @@
+"""The gateway's engines: registered and heartbeated (`registry`), routed (`routing`), and called with
+retries and deadlines, so that no request waits forever on an engine that died.
+
+A request waits for the first of four things: its result; its engine leaving the registry (missed
+heartbeats, or deregistered); the caller abandoning it (its rollout was finished or aborted); the
+deadline. When the engine fails or leaves, the same prompt tokens go to another engine, up to
+`engine_retries` times; with 0 retries the failure is reported at once.
+
+Everything here runs on the gateway's event loop; the registry and router are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from asyncrl.configs.schema import GatewayConfig
+from asyncrl.rollout.types import GenerationResult, RequestError, SamplingParams
+
+from .engines import EngineFailure, EngineHandle
+from .registry import EngineRegistry, RegistryEvent
+from .routing import NoEngineError, Router
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(RuntimeError):
+    """No engine could serve the request: none is registered, or every one failed it."""
+
+
+class GenerationTimeout(TimeoutError):
+    """The request's deadline passed before any engine answered."""
+
+
+class Abandoned(RuntimeError):
+    """The caller gave the request up while it ran (its rollout ended)."""
+
+
+class EnginePool:
+    def __init__(self, config: GatewayConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.registry = EngineRegistry(config.heartbeat_timeout_s, clock=clock)
+        self.router = Router(vnodes=config.route_vnodes, load_factor=config.route_load_factor)
+        self.registry.subscribe(self.router.apply)
+        self.registry.subscribe(self._on_event)
+        self._polled: dict[str, tuple[EngineHandle, float]] = {}
+        # Per engine: wake-up futures of the requests waiting on it, resolved when it leaves.
+        self._waiting: dict[str, set[asyncio.Future]] = {}
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def add_local(self, handle: EngineHandle, capacity: float = 1.0) -> None:
+        """An engine the gateway heartbeats itself (in-process or a Ray actor it started)."""
+        self._polled[handle.engine_id] = (handle, capacity)
+        self.registry.register(handle.engine_id, handle, capacity)
+
+    def register(self, handle: EngineHandle, capacity: float = 1.0, health: dict | None = None) -> None:
+        """A remote engine that sends its own heartbeats."""
+        self.registry.register(handle.engine_id, handle, capacity, health)
+
+    def heartbeat(self, engine_id: str, health: dict | None = None) -> bool:
+        return self.registry.heartbeat(engine_id, health)
+
+    def _on_event(self, event: RegistryEvent) -> None:
+        if event.kind == "deregistered":
+            reason = f"engine {event.engine.id} left the gateway ({event.reason})"
+            for wake in self._waiting.pop(event.engine.id, ()):
+                if not wake.done():
+                    wake.set_result(reason)
+            log.warning(reason)
+
+    async def run_heartbeats(self) -> None:
+        """Ask the engines this gateway owns for their health, forever; silence lets them expire."""
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    async def poll_once(self) -> None:
+        polled = list(self._polled.items())
+        reports = await asyncio.gather(
+            *(asyncio.wait_for(handle.health(), self.config.heartbeat_interval_s) for _, (handle, _) in polled),
+            return_exceptions=True,
+        )
+        for (engine_id, (handle, capacity)), health in zip(polled, reports):
+            if isinstance(health, BaseException) or not health.get("alive", True):
+                continue  # no heartbeat: after heartbeat_timeout_s the registry drops the engine
+            if not self.registry.heartbeat(engine_id, health):
+                self.registry.register(engine_id, handle, capacity, health)  # it came back
+        self.registry.expire()
+
+    def describe(self) -> list[dict]:
+        return [
+            {"engine_id": e.id, "capacity": e.capacity, "in_flight": e.in_flight, "health": e.health}
+            for e in self.registry.alive()
+        ]
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        key: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        deadline: float,
+        abandon: set[asyncio.Future] | None = None,
+    ) -> tuple[GenerationResult, int]:
+        """(result, retries used). `key` routes (a rollout id: its turns share an engine's KV cache);
+        `deadline` is on the event loop's clock; a future put in `abandon` and resolved with a reason
+        gives the request up. Raises RequestError, EngineUnavailable, GenerationTimeout, Abandoned."""
+        failed: list[str] = []
+        errors: list[str] = []
+        while True:
+            try:
+                engine_id = self.router.route(key, self.registry.loads(), exclude=failed)
+            except NoEngineError as error:
+                tried = f"; failed here: {'; '.join(errors)}" if errors else ""
+                raise EngineUnavailable(f"no engine can take the request ({error}){tried}") from None
+            with self.registry.acquire(engine_id) as lease:
+                try:
+                    result = await self._attempt(lease.info.handle, engine_id, key, prompt_token_ids, sampling, deadline, abandon)
+                    return result, len(failed)
+                except EngineFailure as error:
+                    failed.append(engine_id)
+                    errors.append(f"{engine_id}: {error}")
+            if len(failed) > self.config.engine_retries:
+                raise EngineUnavailable(
+                    f"engine failed while generating ({'; '.join(errors)}); "
+                    f"gave up after {len(failed) - 1} retries (gateway.engine_retries={self.config.engine_retries})"
+                )
+
+    async def _attempt(self, handle, engine_id, key, prompt, sampling, deadline, abandon) -> GenerationResult:
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(handle.generate(prompt, sampling, key))
+        wake = loop.create_future()
+        watchers = self._waiting.setdefault(engine_id, set())
+        watchers.add(wake)
+        if abandon is not None:
+            abandon.add(wake)
+        try:
+            done, _ = await asyncio.wait((task, wake), timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watchers.discard(wake)
+            if abandon is not None:
+                abandon.discard(wake)
+            if not task.done():
+                task.cancel()  # an in-process engine aborts the request; a remote one stops waiting
+        if task in done:
+            return _checked(task, engine_id)
+        if wake in done:
+            reason = wake.result()
+            if reason.startswith("engine "):
+                raise EngineFailure(reason)
+            raise Abandoned(reason)
+        raise GenerationTimeout(f"no answer within gateway.request_timeout_s={self.config.request_timeout_s}")
+
+
+def _checked(task: asyncio.Future, engine_id: str) -> GenerationResult:
+    try:
+        result = task.result()
+    except (RequestError, EngineFailure):
+        raise
+    except Exception as error:  # a handle that died in its own way: the engine, not the request, failed
+        raise EngineFailure(f"{type(error).__name__}: {error}") from None
+    if result.finish_reason in ("error", "abort"):
+        raise EngineFailure(f"engine {engine_id} ended the request with {result.finish_reason}: {result.error or ''}")
+    return result

@@ -1,0 +1,314 @@
+"""The gateway's core, without HTTP: rollouts by API key, and the path of every generation call.
+
+    key -> rollout -> render (token-exact, `conversation`) -> route + generate (`pool`)
+        -> parse tool calls -> commit the turn to the conversation -> record the Turn in the store
+
+A rollout key is `rk-<rollout id>.<HMAC of the id>`, so any gateway that shares the secret can check
+a key without a lookup, and after a restart a key still finds its rollout in the store (its next
+turn then starts a fresh branch, which sample assembly handles as a fork). Store calls run on a
+small thread pool: SQLite and Redis clients block.
+
+Nothing here knows HTTP; `app.py` maps the exceptions raised here to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import hmac
+import secrets
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.configs.schema import GatewayConfig, SamplingConfig
+from asyncrl.rollout.types import GenerationResult, SamplingParams
+
+from . import api
+from .conversation import Conversation, ConversationError
+from .pool import EnginePool
+from .records import Turn
+from .store import RolloutClosed, StoreError, TrajectoryStore, UnknownRollout
+from .toolcalls import MessageError, parse_completion
+
+MAX_TOMBSTONES = 100_000
+"""Ended rollouts remembered in memory (older ones are looked up in the store)."""
+TEXT_HISTORY = 8
+"""Text-completion turns per rollout whose exact tokens a later prompt may reuse."""
+
+
+class GatewayError(Exception):
+    """A refusal with an HTTP status and an OpenAI-style error code."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def bad_request(message: str) -> GatewayError:
+    return GatewayError(400, "invalid_request", message)
+
+
+@dataclass(eq=False)
+class Rollout:
+    id: str
+    conversation: Conversation
+    texts: list[tuple[str, list[int]]] = field(default_factory=list)
+    """(text, its exact tokens) of recent text-completion turns, prompt plus completion."""
+    abandon: set[asyncio.Future] = field(default_factory=set)
+    """Wake-ups of this rollout's requests in flight; resolved when the rollout ends."""
+    broken: str | None = None
+
+
+class GatewayService:
+    def __init__(
+        self,
+        store: TrajectoryStore,
+        tokenizer: Any,
+        pool: EnginePool,
+        config: GatewayConfig,
+        sampling: SamplingConfig,
+        *,
+        secret: bytes | None = None,
+        model_name: str = "asyncrl-policy",
+        io_threads: int = 4,
+    ) -> None:
+        self.store, self.tokenizer, self.pool = store, tokenizer, pool
+        self.config, self.sampling, self.model_name = config, sampling, model_name
+        self._secret = secret or secrets.token_bytes(32)
+        self._live: dict[str, Rollout] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="gateway-store")
+        self.in_flight = 0
+
+    def close(self) -> None:
+        self._io_pool.shutdown(wait=True)
+
+    async def _io(self, fn, *args, **kwargs):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._io_pool, functools.partial(fn, *args, **kwargs))
+        except StoreError:
+            raise
+        except Exception as error:  # the store's connection or disk, not the request
+            raise GatewayError(503, "store_unavailable", f"trajectory store failed: {type(error).__name__}: {error}") from error
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def open_rollout(self, request: api.OpenRolloutRequest) -> api.OpenRolloutResponse:
+        rollout_id = await self._io(self.store.open, request.task, request.group_id, request.metadata)
+        self._live[rollout_id] = self._new_rollout(rollout_id)
+        return api.OpenRolloutResponse(rollout_id=rollout_id, api_key=self._key(rollout_id))
+
+    async def finish_rollout(self, rollout_id: str, request: api.FinishRolloutRequest) -> api.RolloutInfo:
+        await self._io(self.store.finish, rollout_id, request.reward, request.status, request.metrics, request.reason)
+        self._end(rollout_id, request.status)
+        return await self.rollout_info(rollout_id)
+
+    async def abort_rollout(self, rollout_id: str, request: api.AbortRolloutRequest) -> api.RolloutInfo:
+        await self._io(self.store.abort, rollout_id, request.reason)
+        self._end(rollout_id, "aborted")
+        return await self.rollout_info(rollout_id)
+
+    async def rollout_info(self, rollout_id: str) -> api.RolloutInfo:
+        t = await self._io(self.store.get, rollout_id)
+        live = self._live.get(rollout_id)
+        return api.RolloutInfo(
+            rollout_id=t.rollout_id, task=t.task, group_id=t.group_id, metadata=t.metadata, status=t.status,
+            reward=t.reward, metrics=t.metrics, reason=t.reason, turns=len(t.turns),
+            in_flight=len(live.abandon) if live else 0,
+        )  # fmt: skip
+
+    def _end(self, rollout_id: str, status: str | None) -> None:
+        """Forget a rollout that ended (status None: ended elsewhere, ask the store next time)."""
+        rollout = self._live.pop(rollout_id, None)
+        if status is not None:
+            self._ended[rollout_id] = status
+            while len(self._ended) > MAX_TOMBSTONES:
+                self._ended.popitem(last=False)
+        for wake in list(rollout.abandon if rollout else ()):
+            if not wake.done():
+                wake.set_result(f"rollout {rollout_id} was {status or 'ended'} while this request was running; nothing was recorded")
+
+    def _new_rollout(self, rollout_id: str) -> Rollout:
+        return Rollout(rollout_id, Conversation(self.tokenizer, max_branches=self.config.max_branches))
+
+    def _key(self, rollout_id: str) -> str:
+        return f"rk-{rollout_id}.{self._mac(rollout_id)}"
+
+    def _mac(self, rollout_id: str) -> str:
+        return hmac.new(self._secret, rollout_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+    async def rollout_for_key(self, key: str | None) -> Rollout:
+        """The running rollout a key stands for; 401 for a key this gateway never issued, 409 for an ended rollout."""
+        if not key:
+            raise GatewayError(401, "missing_api_key", "send the rollout key as `Authorization: Bearer <api_key>` (open a rollout with POST /rollouts)")
+        rollout_id, _, mac = key.removeprefix("rk-").rpartition(".")
+        if not key.startswith("rk-") or not rollout_id or not hmac.compare_digest(mac, self._mac(rollout_id)):
+            raise GatewayError(401, "invalid_api_key", "unknown rollout key (open a rollout with POST /rollouts and use its api_key)")
+        rollout = self._live.get(rollout_id)
+        if rollout is not None:
+            if rollout.broken:
+                raise GatewayError(409, "rollout_broken", f"rollout {rollout_id} cannot continue: {rollout.broken}; abort it")
+            return rollout
+        status = self._ended.get(rollout_id)
+        if status is None:  # issued before a restart, or ended long ago: the store knows
+            try:
+                status = (await self._io(self.store.get, rollout_id)).status
+            except UnknownRollout:
+                raise GatewayError(401, "invalid_api_key", f"rollout {rollout_id} is not in this gateway's store") from None
+            if status == "running":
+                return self._live.setdefault(rollout_id, self._new_rollout(rollout_id))
+        raise GatewayError(409, "rollout_closed", f"rollout {rollout_id} is {status}; it takes no more calls")
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def chat(self, key: str | None, request: api.ChatCompletionRequest) -> dict:
+        started = time.perf_counter()
+        rollout = await self.rollout_for_key(key)
+        if len(request.messages) > self.config.max_messages:
+            raise bad_request(f"{len(request.messages)} messages; gateway.max_messages is {self.config.max_messages}")
+        if isinstance(request.tool_choice, dict) or request.tool_choice == "required":
+            raise bad_request("tool_choice that forces a tool is not supported (the policy decides); use auto or none")
+        sampling = self._sampling(request, request.max_completion_tokens or request.max_tokens)
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        prepared = _render(rollout.conversation.prepare, messages, request.tools)
+        result, timings = await self._generate(rollout, prepared.prompt_token_ids, sampling)
+        parsed = parse_completion(result.token_ids, self.tokenizer, request.tools)
+        message = parsed.message()
+        branch = rollout.conversation.commit(prepared, result.token_ids, message)
+        index = await self._record(rollout, prepared.prompt_token_ids, result, branch, timings, started)
+        logprobs = self._token_logprobs(result) if request.logprobs else None
+        return api.chat_response(
+            self.model_name, rollout.id, index, branch, message, parsed.finish_reason(result.finish_reason),
+            result, len(prepared.prompt_token_ids), prepared.reused_tokens, logprobs,
+        )  # fmt: skip
+
+    async def complete(self, key: str | None, request: api.CompletionRequest) -> dict:
+        started = time.perf_counter()
+        rollout = await self.rollout_for_key(key)
+        if request.echo or request.suffix:
+            raise bad_request("echo and suffix are not supported")
+        sampling = self._sampling(request, request.max_tokens)
+        text, prompt, reused = self._text_prompt(rollout, request.prompt)
+        result, timings = await self._generate(rollout, prompt, sampling)
+        completion = _strip_eos(result.token_ids, self.tokenizer)
+        completion_text = self.tokenizer.decode(completion, skip_special_tokens=False)
+        if text is not None:
+            rollout.texts = (rollout.texts + [(text + completion_text, prompt + completion)])[-TEXT_HISTORY:]
+        index = await self._record(rollout, prompt, result, 0, timings, started)
+        logprobs = self._token_logprobs(result) if request.logprobs is not None else None
+        return api.completion_response(self.model_name, rollout.id, index, completion_text, result, len(prompt), reused, logprobs)
+
+    async def generate_tokens(self, key: str | None, request: api.TokenGenerateRequest) -> api.TokenGenerateResponse:
+        started = time.perf_counter()
+        rollout = await self.rollout_for_key(key)
+        sampling = self._sampling(request, request.max_tokens)
+        result, timings = await self._generate(rollout, request.prompt_token_ids, sampling)
+        index = await self._record(rollout, request.prompt_token_ids, result, 0, timings, started)
+        return api.TokenGenerateResponse(
+            rollout_id=rollout.id, turn_index=index, token_ids=result.token_ids, logprobs=result.logprobs,
+            versions=result.versions, finish_reason=result.finish_reason, engine_id=result.engine_id,
+        )  # fmt: skip
+
+    def _sampling(self, request: Any, max_tokens: int | None) -> SamplingParams:
+        if getattr(request, "stream", None):
+            raise bad_request("stream=true is not supported by this gateway; send stream=false (or leave it out)")
+        if (getattr(request, "n", None) or 1) != 1:
+            raise bad_request("n must be 1; send n requests (each is recorded as its own turn)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(request, name, None):
+                raise bad_request(f"{name} is not supported: recorded log-probs must come from the policy's own distribution")
+        defaults, cap = self.sampling, self.config.max_tokens
+        max_tokens = max_tokens or min(defaults.max_tokens, cap)
+        if max_tokens > cap:
+            raise bad_request(f"max_tokens {max_tokens} exceeds gateway.max_tokens {cap}")
+        stop = getattr(request, "stop", None)
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        pick = lambda value, default: default if value is None else value  # noqa: E731
+        params = SamplingParams(
+            temperature=pick(request.temperature, defaults.temperature), top_p=pick(request.top_p, defaults.top_p),
+            top_k=pick(request.top_k, defaults.top_k), max_tokens=max_tokens, seed=request.seed,
+            stop_token_ids=tuple(request.stop_token_ids or ()) + tuple(self._stop_token(s) for s in stops),
+        )  # fmt: skip
+        params.validate()
+        return params
+
+    def _stop_token(self, text: str) -> int:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise bad_request(f"stop string {text!r} is {len(ids)} tokens; only single-token stops are supported (or send stop_token_ids)")
+        return ids[0]
+
+    def _text_prompt(self, rollout: Rollout, prompt: Any) -> tuple[str | None, list[int], int]:
+        """(text or None, exact prompt tokens, tokens reused): a text prompt that extends an earlier
+        turn's text reuses that turn's exact tokens and encodes only the rest."""
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt), 0
+        if not isinstance(prompt, str):
+            raise bad_request("prompt must be one string or one list of token ids (one prompt per request)")
+        if not prompt:
+            raise bad_request("prompt is empty")
+        base_text, base = max(((t, ids) for t, ids in rollout.texts if prompt.startswith(t)), key=lambda e: len(e[0]), default=("", []))
+        rest = prompt[len(base_text) :]
+        tokens = base + (self.tokenizer.encode(rest, add_special_tokens=False) if rest else [])
+        return prompt, tokens, len(base)
+
+    async def _generate(self, rollout: Rollout, prompt: list[int], sampling: SamplingParams) -> tuple[GenerationResult, dict]:
+        if len(prompt) > self.config.max_prompt_tokens:
+            raise bad_request(f"prompt is {len(prompt)} tokens; gateway.max_prompt_tokens is {self.config.max_prompt_tokens}")
+        loop = asyncio.get_running_loop()
+        began = time.perf_counter()
+        self.in_flight += 1
+        try:
+            result, retries = await self.pool.generate(
+                rollout.id, prompt, sampling, deadline=loop.time() + self.config.request_timeout_s, abandon=rollout.abandon
+            )
+        finally:
+            self.in_flight -= 1
+        return result, {**result.timings, "engine_call_s": time.perf_counter() - began, "retries": float(retries)}
+
+    async def _record(self, rollout: Rollout, prompt, result: GenerationResult, branch: int, timings: dict, started: float) -> int:
+        timings["gateway_s"] = time.perf_counter() - started
+        turn = Turn(
+            rollout.id, list(prompt), result.token_ids, result.logprobs, result.versions, result.finish_reason,
+            branch=branch, engine_id=result.engine_id, timings=timings, created_at=time.time(),
+        )  # fmt: skip
+        try:
+            return await self._io(self.store.append, turn)
+        except RolloutClosed:
+            self._end(rollout.id, None)  # by another gateway, or by a call that raced this one
+            raise
+        except (StoreError, GatewayError) as error:
+            # The conversation already holds this turn; a gap in the record must not pass silently.
+            rollout.broken = f"turn could not be recorded ({error})"
+            raise
+
+    def _token_logprobs(self, result: GenerationResult) -> list[tuple[str, float]]:
+        return [(self.tokenizer.decode([t], skip_special_tokens=False), lp) for t, lp in zip(result.token_ids, result.logprobs)]
+
+    def health(self) -> dict:
+        engines = self.pool.describe()
+        return {
+            "status": "ok" if engines else "no_engines",
+            "engines": engines,
+            "rollouts_running": len(self._live),
+            "requests_in_flight": self.in_flight,
+        }
+
+
+def _render(prepare, messages: list[dict], tools: list | None):
+    """The conversation's prompt; rendering problems are the request's fault, never a 500."""
+    try:
+        return prepare(messages, tools)
+    except (MessageError, ConversationError):
+        raise
+    except Exception as error:  # e.g. a template error on content the template cannot render
+        raise bad_request(f"the messages cannot be rendered with the chat template: {type(error).__name__}: {error}") from None
+
+
+def _strip_eos(token_ids: list[int], tokenizer: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return token_ids[:-1] if token_ids and token_ids[-1] == eos else list(token_ids)

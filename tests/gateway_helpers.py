@@ -1,0 +1,119 @@
+"""Shared by the gateway tests: a real gateway over loopback (uvicorn in a thread) in front of real
+tiny engines, and a policy whose weights are set so it writes a tool call.
+
+The scripted policy is a real model run by the real engine: every layer's output projections are
+zero, so the final hidden state is the last token's embedding and the model is a bigram table. Its
+embeddings and LM head are set so that after `<|assistant|>` it writes the SCRIPT below, each step
+with a logit margin of SHARPNESS: at temperature 1 it follows the script with probability ~1 - 1e-6
+per token, and the log-probs it reports are real (tiny, negative) numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import torch
+import uvicorn
+
+from asyncrl.configs.schema import GatewayConfig, RolloutConfig, SamplingConfig, TinyModelConfig
+from asyncrl.gateway.app import create_app
+from asyncrl.gateway.engines import LocalEngine
+from asyncrl.gateway.pool import EnginePool
+from asyncrl.gateway.service import GatewayService
+from asyncrl.policy.tiny import build_tiny_model
+from asyncrl.policy.tokenizer import (
+    ARG_KEY_CLOSE, ARG_KEY_OPEN, ARG_VALUE_CLOSE, ARG_VALUE_OPEN, ASSISTANT, EOS, TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN, build_tokenizer,
+)  # fmt: skip
+
+SHAPE = dict(arch="qwen3", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=1024)
+SCRIPT = [ASSISTANT, TOOL_CALL_OPEN, "f", ARG_KEY_OPEN, "a", ARG_KEY_CLOSE, ARG_VALUE_OPEN, "7", ARG_VALUE_CLOSE, TOOL_CALL_CLOSE, EOS]
+SHARPNESS = 16.0
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}]
+
+TOKENIZER = build_tokenizer()
+
+
+def scripted_model():
+    model = build_tiny_model(TinyModelConfig(**SHAPE), seed=0).eval()
+    ids = [TOKENIZER.convert_tokens_to_ids(t) for t in SCRIPT]
+    hidden = SHAPE["hidden_size"]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        embed[:, : len(ids)] = 0.0  # the script's dimensions; other tokens live in the rest
+        head.zero_()
+        for dim, (token, successor) in enumerate(zip(ids, ids[1:])):
+            embed[token] = 0.0
+            embed[token, dim] = 1.0
+            head[successor, dim] = SHARPNESS / hidden**0.5  # RMSNorm scales a one-hot row to sqrt(hidden)
+    return model
+
+
+def make_engine(engine_id: str = "e0", model=None):
+    from asyncrl.rollout import EmbeddedEngine
+
+    config = RolloutConfig(device="cpu", torch_threads=1, max_num_seqs=16)
+    return EmbeddedEngine(model if model is not None else scripted_model(), config, engine_id=engine_id)
+
+
+def make_service(store, handles, *, sampling: SamplingConfig | None = None, **gateway) -> GatewayService:
+    config = GatewayConfig(**gateway)
+    pool = EnginePool(config)
+    for handle in handles:
+        pool.add_local(handle if not hasattr(handle, "step") else LocalEngine(handle))
+    return GatewayService(store, TOKENIZER, pool, config, sampling or SamplingConfig(max_tokens=16))
+
+
+class LiveGateway:
+    """The gateway app served by uvicorn on a free loopback port, in a background thread."""
+
+    def __init__(self, service: GatewayService, *, heartbeats: bool = True) -> None:
+        self.service = service
+        config = uvicorn.Config(create_app(service, heartbeats=heartbeats), host="127.0.0.1", port=0, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveGateway":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        self.service.close()
+
+    def open(self, task: str = "task", group_id: str = "g", metadata: dict | None = None) -> tuple[str, str]:
+        response = self.http.post("/rollouts", json={"task": task, "group_id": group_id, "metadata": metadata or {}})
+        response.raise_for_status()
+        return response.json()["rollout_id"], response.json()["api_key"]
+
+    def openai(self, api_key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def on_loop(self, fn, *args):
+        """Run `fn(*args)` on the server's event loop (the pool and registry belong to it)."""
+
+        async def call():
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout=10)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.server.servers[0].get_loop()
