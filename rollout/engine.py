@@ -97,10 +97,14 @@ class EmbeddedEngine:
         self.vocab_size = hf_config.vocab_size
         eos = hf_config.eos_token_id
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        self.slots = SlotManager(config.max_num_seqs, config.retained_prefixes)
         self.cache = KVCache(
-            self.model.cache_layout(), self.slots.num_slots, self.max_model_len, dtype=dtype, device=self.device
+            self.model.cache_layout(),
+            config.max_num_seqs + config.retained_prefixes,
+            self.max_model_len,
+            dtype=dtype,
+            device=self.device,
         )
+        self.slots = SlotManager(self.cache, config.max_num_seqs, config.retained_prefixes)
         self.version = version
         self.generated_tokens = 0
         self.last_error: str | None = None

@@ -2,9 +2,9 @@
 
 A slot is one sequence's row in every cache tensor ([slots, heads, max_len, dim] per layer and per
 name: "k", "v", and for DSA models "index_k"). Requests in flight hold one slot each; a finished
-request of a session may keep its slot (a *retained prefix*) so the next turn of that rollout,
-whose prompt starts with the same tokens, prefills only its new suffix. Retained slots are evicted
-least-recently-used first.
+request of a session may leave its KV behind (a *retained prefix*) so the next turn of that
+rollout, whose prompt starts with the same tokens, prefills only its new suffix. Retained
+prefixes are evicted least-recently-used first.
 
 `ForwardBatch` describes one model call over (slots, ragged token rows, start positions): the same
 shape serves batched prefill (T = longest suffix), decode (T = 1) and, later, speculative
@@ -99,6 +99,12 @@ class KVCache:
             flat = flat[batch.write_rows]
         self.layers[layer][name][batch.write_slots, :, batch.write_positions] = flat
 
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Copy positions 0..length-1 of one slot into another, in every layer."""
+        for buffers in self.layers:
+            for buf in buffers.values():
+                buf[target, :, :length] = buf[source, :, :length]
+
     def read(self, layer: int, name: str, batch: ForwardBatch) -> torch.Tensor:
         """Positions 0..L-1 of the batch's slots: [B, heads, L, dim] (a view when slots are contiguous)."""
         buf = self.layers[layer][name]
@@ -115,55 +121,65 @@ class _Retained:
 
 
 class SlotManager:
-    """Hands out cache slots; keeps finished sessions' slots for prefix reuse, evicting LRU.
+    """Hands out cache slots to requests and keeps finished sessions' KV for prefix reuse.
 
-    Capacity is max_running + max_retained slots, so a request admitted while fewer than
-    max_running are in flight always finds a slot (a free one, or the oldest retained one).
+    Slots 0..max_running-1 serve requests in flight, lowest free first, so a decode batch is
+    usually one contiguous block and reads its KV as a view instead of gathering it. Retained
+    prefixes live in the slots above: a finished turn's KV is copied up there (evicting the least
+    recently used) and copied back down when the session's next turn reuses it. A copy moves one
+    sequence's KV once; gathering scattered slots would cost that every decode step.
     """
 
-    def __init__(self, max_running: int, max_retained: int) -> None:
-        self.num_slots = max_running + max_retained
+    def __init__(self, cache: KVCache, max_running: int, max_retained: int) -> None:
+        if cache.num_slots != max_running + max_retained:
+            raise ValueError("the cache needs max_running + max_retained slots")
+        self.cache = cache
         self.max_retained = max_retained
-        self._free = list(range(self.num_slots))  # a heap: lowest slot first keeps batches contiguous
-        self._retained: OrderedDict[int, _Retained] = OrderedDict()
+        self._free = list(range(max_running))  # heaps: lowest slot first
+        self._free_retained = list(range(max_running, max_running + max_retained))
+        self._retained: OrderedDict[int, _Retained] = OrderedDict()  # least recently used first
 
     @property
     def num_retained(self) -> int:
         return len(self._retained)
 
     def acquire(self, session_id: str | None, prompt: list[int]) -> tuple[int, int]:
-        """A slot for `prompt` and how many of its leading tokens already have KV in that slot."""
-        if session_id is not None:
-            best, best_len = None, 0
-            for slot, kept in self._retained.items():
-                if kept.session_id == session_id:
-                    common = _common_prefix(kept.tokens, prompt)
-                    if common > best_len:
-                        best, best_len = slot, common
-            # At least one prompt token is always fed: its logits give the first sampled token.
-            reuse = min(best_len, len(prompt) - 1)
-            if best is not None and reuse > 0:
-                del self._retained[best]
-                return best, reuse
-        if self._free:
-            return heapq.heappop(self._free), 0
-        slot, _ = self._retained.popitem(last=False)
-        return slot, 0
+        """A slot for `prompt` and how many of its leading tokens already have KV there.
+
+        The caller keeps fewer than max_running requests in flight, so a slot is always free.
+        """
+        slot = heapq.heappop(self._free)
+        best, best_len = None, 0
+        for kept_slot, kept in self._retained.items():
+            if session_id is not None and kept.session_id == session_id:
+                common = _common_prefix(kept.tokens, prompt)
+                if common > best_len:
+                    best, best_len = kept_slot, common
+        # At least one prompt token is always fed: its logits give the first sampled token.
+        reuse = min(best_len, len(prompt) - 1)
+        if best is None or reuse == 0:
+            return slot, 0
+        self.cache.copy(best, slot, reuse)
+        del self._retained[best]
+        heapq.heappush(self._free_retained, best)
+        return slot, reuse
 
     def release(self, slot: int, session_id: str | None, cached_tokens: list[int]) -> None:
-        """Return a finished request's slot; keep it for its session if prefixes are retained."""
-        if session_id is None or self.max_retained == 0:
-            heapq.heappush(self._free, slot)
+        """Free a finished request's slot, first keeping its KV for the session if prefixes are retained."""
+        heapq.heappush(self._free, slot)
+        if session_id is None or self.max_retained == 0 or not cached_tokens:
             return
-        if len(self._retained) >= self.max_retained:
+        if not self._free_retained:
             evicted, _ = self._retained.popitem(last=False)
-            heapq.heappush(self._free, evicted)
-        self._retained[slot] = _Retained(session_id, cached_tokens)
+            heapq.heappush(self._free_retained, evicted)
+        kept = heapq.heappop(self._free_retained)
+        self.cache.copy(slot, kept, len(cached_tokens))
+        self._retained[kept] = _Retained(session_id, cached_tokens)
 
     def drop_retained(self) -> None:
         """Forget every retained prefix (their KV was computed with weights that are gone)."""
         for slot in self._retained:
-            heapq.heappush(self._free, slot)
+            heapq.heappush(self._free_retained, slot)
         self._retained.clear()
 
 

@@ -1,9 +1,9 @@
 """Per-request sampling from a batch of logits, with the log-prob of the distribution sampled from.
 
 Each row has its own temperature, top-k, top-p and random stream. A token is drawn by inverse CDF:
-one uniform number from the request's `random.Random`, walked along the row's distribution in a
-fixed order (probability descending, ties by token id). The draw therefore depends only on that
-request's logits and seed, never on what else is in the batch.
+one uniform number from the request's `random.Random`, walked along the row's distribution in an
+order fixed by the row alone (token id order; probability order when it truncates). The draw
+therefore depends only on that request's logits, options and seed, never on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -26,33 +26,43 @@ def sample(
     """
     rows, vocab = logits.shape
     device = logits.device
-    greedy = [p.temperature == 0 for p in params]
-    temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
+    greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
+    truncates = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
 
     logp = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
-    logp, order = logp.sort(dim=-1, descending=True, stable=True)
+    # Greedy rows ran at temperature 1: their maximum is the raw model log-prob of the argmax.
+    best_logp, best_token = logp.max(dim=-1)
+    order = torch.arange(vocab, device=device).expand(rows, -1)
+    if any(truncates):
+        # Truncating rows walk their distribution by probability, descending (ties by token id);
+        # the others keep token-id order. Either way a row's order depends only on its own options.
+        by_prob, by_prob_order = logp.sort(dim=-1, descending=True, stable=True)
+        truncating = torch.tensor(truncates, device=device)[:, None]
+        logp = torch.where(truncating, by_prob, logp)
+        order = torch.where(truncating, by_prob_order, order)
     keep = torch.arange(vocab, device=device)[None, :] < top_k[:, None]
     logp_k = logp.masked_fill(~keep, float("-inf"))
     logp_k = logp_k - torch.logsumexp(logp_k, dim=-1, keepdim=True)
     # top-p keeps the smallest head of the (top-k renormalised) distribution whose mass reaches p:
     # a token stays while the mass strictly before it is below p, so the first always stays.
+    # top_p = 1 keeps everything outright (a rounded cumulative sum may touch 1 before the tail).
     probs = logp_k.exp()
-    keep &= (probs.cumsum(dim=-1) - probs) < top_p[:, None]
+    keep &= ((probs.cumsum(dim=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1.0)
     final = logp_k.masked_fill(~keep, float("-inf"))
     final = final - torch.logsumexp(final, dim=-1, keepdim=True)
 
-    cdf = final.exp().cumsum(dim=-1)
-    uniform = torch.tensor([0.0 if g else rng.random() for g, rng in zip(greedy, rngs)], device=device, dtype=cdf.dtype)
+    # float64 so a uniform just below 1 does not round up to the end of the CDF.
+    cdf = final.double().exp().cumsum(dim=-1)
+    uniform = torch.tensor([0.0 if p.temperature == 0 else rng.random() for p, rng in zip(params, rngs)], dtype=cdf.dtype, device=device)
     target = (uniform * cdf[:, -1]).unsqueeze(1)
-    # Rounding can push the target onto the last kept token's CDF value; never step past that token.
+    # Rounding can put the target at or past the CDF's end; never step past the last kept token,
+    # and never onto a zero-probability one (right=True skips flat stretches of the CDF).
     index = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    index = torch.minimum(index, keep.sum(dim=-1) - 1)
-    greedy_t = torch.tensor(greedy, device=device)
-    index = index.masked_fill(greedy_t, 0)
-    tokens = order.gather(1, index[:, None]).squeeze(1)
-    chosen = final.gather(1, index[:, None]).squeeze(1)
-    # Greedy rows were computed at temperature 1 with no truncation: logp[:, 0] is the raw log-prob.
-    logprobs = torch.where(greedy_t, logp[:, 0], chosen)
+    last_kept = vocab - 1 - keep.flip(-1).int().argmax(dim=-1)
+    index = torch.minimum(index, last_kept)
+    tokens = torch.where(greedy, best_token, order.gather(1, index[:, None]).squeeze(1))
+    logprobs = torch.where(greedy, best_logp, final.gather(1, index[:, None]).squeeze(1))
     return tokens.tolist(), logprobs.tolist()

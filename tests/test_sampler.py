@@ -63,14 +63,16 @@ def test_empirical_frequencies_match_the_distribution(temperature, top_k, top_p)
     assert (freq - expected).abs().max().item() < 0.015
 
 
-def test_a_rows_draw_depends_only_on_its_own_seed_and_logits():
-    params = SamplingParams(temperature=1.0, seed=None)
-    alone, _ = sample(LOGITS[None], [params], [random.Random(42)])
-    others = torch.randn(5, len(LOGITS))
-    batch = torch.cat([others[:2], LOGITS[None], others[2:]])
-    rngs = [random.Random(s) for s in (1, 2, 42, 3, 4, 5)]
-    mixed, _ = sample(batch, [params] * 6, rngs)
-    assert mixed[2] == alone[0]
+@pytest.mark.parametrize("own", [SamplingParams(), SamplingParams(top_k=4, top_p=0.9)])
+@pytest.mark.parametrize("others", [SamplingParams(), SamplingParams(temperature=0.5, top_p=0.8), SamplingParams(temperature=0)])
+def test_a_rows_draw_depends_only_on_its_own_seed_options_and_logits(own, others):
+    for seed in range(20):
+        alone = sample(LOGITS[None], [own], [random.Random(seed)])
+        batch = torch.cat([torch.randn(2, len(LOGITS)), LOGITS[None], torch.randn(3, len(LOGITS))])
+        rngs = [random.Random(1000 + i) for i in range(6)]
+        rngs[2] = random.Random(seed)
+        tokens, logprobs = sample(batch, [others, others, own, others, others, others], rngs)
+        assert (tokens[2], logprobs[2]) == (alone[0][0], alone[1][0])
 
 
 def test_rows_with_different_options_are_sampled_independently():

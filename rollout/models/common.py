@@ -37,16 +37,27 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_bias(mask: torch.Tensor, kv_heads: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B * kv_heads, groups * T, L] (0 visible, -inf hidden) from mask [B, T, L]."""
+    batch, width, length = mask.shape
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias[:, None, None].expand(batch, kv_heads, groups, width, length).reshape(batch * kv_heads, groups * width, length)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of q [B, T, Hq, Dk] over cached k [B, Hkv, L, Dk], v [B, Hkv, L, Dv] -> [B, T, Hq * Dv].
 
-    mask [B, T, L] says which cached positions each query sees (causal, and DSA's top-k where used).
+    `bias` comes from `attention_bias`. Query heads sharing a KV head (GQA) are stacked along the
+    query axis, so one batched matmul per step serves every head without repeating K or V; the
+    mask and scale fold into that matmul (baddbmm), which on CPU beats SDPA at these sizes.
     """
-    batch, width, heads, _ = q.shape
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=k.shape[1] != heads
-    )
-    return out.transpose(1, 2).reshape(batch, width, heads * v.shape[-1])
+    batch, width, heads, dk = q.shape
+    kv_heads, length, dv = k.shape[1], k.shape[2], v.shape[-1]
+    groups = heads // kv_heads
+    q = q.view(batch, width, kv_heads, groups, dk).permute(0, 2, 3, 1, 4).reshape(batch * kv_heads, groups * width, dk)
+    scores = torch.baddbmm(bias, q, k.reshape(batch * kv_heads, length, dk).transpose(1, 2), alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(batch * kv_heads, length, dv))
+    return out.view(batch, kv_heads, groups, width, dv).permute(0, 3, 1, 2, 4).reshape(batch, width, heads * dv)
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding, yarn_apply_mscale
 
 from ..kv_cache import CacheLayout, ForwardBatch, KVCache
-from .common import RopeTable, attend, last_tokens, rotate, swiglu, weight_getter
+from .common import RopeTable, attend, attention_bias, last_tokens, rotate, swiglu, weight_getter
 
 LATENT_NORM_EPS = 1e-6
 """transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with this eps, not rms_norm_eps."""
@@ -132,17 +132,18 @@ class GlmMoeDsaModel:
         hidden = self.config.hidden_size
         cos, sin = self.rope.at(batch.positions)
         h = F.embedding(batch.tokens, w["embed"])
-        visible = batch.mask  # "shared" indexer layers reuse the previous full layer's choice
+        causal = attention_bias(batch.mask, self.heads, 1, h.dtype)
+        bias = causal  # "shared" indexer layers reuse the previous full layer's choice
         for i, lw in enumerate(w["layers"]):
             x = F.rms_norm(h, (hidden,), lw["ln1"], eps)
-            o, visible = self._attention(i, lw, x, batch, cache, cos, sin, visible)
+            o, bias = self._attention(i, lw, x, batch, cache, cos, sin, causal, bias)
             h = h + o
             x = F.rms_norm(h, (hidden,), lw["ln2"], eps)
             h = h + (self._moe(lw, x) if self.is_moe[i] else swiglu(x, lw["gate_up"], lw["down"]))
         last = F.rms_norm(last_tokens(h, batch), (hidden,), w["norm"], eps)
         return F.linear(last, w["lm_head"])
 
-    def _attention(self, i, lw, x, batch: ForwardBatch, cache: KVCache, cos, sin, visible):
+    def _attention(self, i, lw, x, batch: ForwardBatch, cache: KVCache, cos, sin, causal, bias):
         bsz, width, _ = x.shape
         heads, nope, rope = self.heads, self.nope, self.rope_dim
         splits = [self.q_rank, self.kv_rank, rope] + ([self.index_dim, self.index_heads] if self.has_indexer[i] else [])
@@ -161,18 +162,22 @@ class GlmMoeDsaModel:
 
         if self.has_indexer[i]:
             index_k, index_weights = parts[3:]
-            visible = self._select(i, lw, q_resid, index_k, index_weights, batch, cache, cos, sin)
-        o = attend(q, cache.read(i, "k", batch), cache.read(i, "v", batch), visible, self.scale)
-        return F.linear(o, lw["o"], lw["o_bias"]), visible
+            selected = self._select(i, lw, q_resid, index_k, index_weights, batch, cache, cos, sin)
+            bias = causal if selected is None else attention_bias(selected, self.heads, 1, x.dtype)
+        o = attend(q, cache.read(i, "k", batch), cache.read(i, "v", batch), bias, self.scale)
+        return F.linear(o, lw["o"], lw["o_bias"]), bias
 
     def _select(self, i, lw, q_resid, index_k, index_weights, batch: ForwardBatch, cache: KVCache, cos, sin):
-        """DSA: each query sees at most index_topk cached positions, those its indexer scores highest."""
+        """DSA: each query sees at most index_topk cached positions, those its indexer scores highest.
+
+        Returns the visibility mask [B, T, L], or None when it is plain causal.
+        """
         rope = self.rope_dim
         k = F.layer_norm(index_k, (self.index_dim,), lw["index_norm_w"], lw["index_norm_b"], LATENT_NORM_EPS)
         k = torch.cat((rotate(k[..., :rope], cos[:, :, 0], sin[:, :, 0], interleaved=True), k[..., rope:]), dim=-1)
         cache.write(i, "index_k", batch, k.unsqueeze(2))
         if batch.context_len <= self.index_topk:
-            return batch.mask  # no query has more than top-k visible positions: all are kept
+            return None  # no query has more than top-k visible positions: all are kept
         bsz, width, _ = q_resid.shape
         q = F.linear(q_resid, lw["index_q"]).view(bsz, width, self.index_heads, self.index_dim)
         q = torch.cat((rotate(q[..., :rope], cos, sin, interleaved=True), q[..., rope:]), dim=-1)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from ..kv_cache import CacheLayout, ForwardBatch, KVCache
-from .common import RopeTable, attend, last_tokens, rotate, swiglu, weight_getter
+from .common import RopeTable, attend, attention_bias, last_tokens, rotate, swiglu, weight_getter
 
 
 class Qwen3Model:
@@ -67,6 +67,7 @@ class Qwen3Model:
         cos, sin = self.rope.at(batch.positions)
         q_size, kv_size = self.heads * hd, self.kv_heads * hd
         h = F.embedding(batch.tokens, w["embed"])
+        bias = attention_bias(batch.mask, self.kv_heads, self.heads // self.kv_heads, h.dtype)
         for i, lw in enumerate(w["layers"]):
             x = F.rms_norm(h, (h.shape[-1],), lw["ln1"], eps)
             q, k, v = F.linear(x, lw["qkv"], lw["qkv_bias"]).split([q_size, kv_size, kv_size], dim=-1)
@@ -75,7 +76,7 @@ class Qwen3Model:
             q, k = rotate(q, cos, sin, interleaved=False), rotate(k, cos, sin, interleaved=False)
             cache.write(i, "k", batch, k)
             cache.write(i, "v", batch, v.view(bsz, width, self.kv_heads, hd))
-            o = attend(q, cache.read(i, "k", batch), cache.read(i, "v", batch), batch.mask, self.scale)
+            o = attend(q, cache.read(i, "k", batch), cache.read(i, "v", batch), bias, self.scale)
             h = h + F.linear(o, lw["o"], lw["o_bias"])
             h = h + swiglu(F.rms_norm(h, (h.shape[-1],), lw["ln2"], eps), lw["gate_up"], lw["down"])
         last = F.rms_norm(last_tokens(h, batch), (h.shape[-1],), w["norm"], eps)
