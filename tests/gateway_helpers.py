@@ -117,3 +117,37 @@ class LiveGateway:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self.server.servers[0].get_loop()
+
+
+class Pausable(LocalEngine):
+    """A real in-process engine that a test can hold mid-request, or kill: a killed engine never
+    answers the requests it holds and fails its health checks, as a crashed process would."""
+
+    def __init__(self, engine, engine_id: str | None = None) -> None:
+        super().__init__(engine, engine_id)
+        self.started, self._paused, self.killed = threading.Event(), threading.Event(), threading.Event()
+        self.calls = 0
+
+    def pause(self) -> None:
+        self.started.clear()
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
+    def kill(self) -> None:
+        self.killed.set()
+
+    async def generate(self, prompt_token_ids, sampling, session_id):
+        self.calls += 1
+        self.started.set()
+        while self._paused.is_set() and not self.killed.is_set():
+            await asyncio.sleep(0.005)
+        if self.killed.is_set():
+            await asyncio.Event().wait()
+        return await super().generate(prompt_token_ids, sampling, session_id)
+
+    async def health(self) -> dict:
+        if self.killed.is_set():
+            raise ConnectionError(f"engine {self.engine_id} is gone")
+        return await super().health()

@@ -1,0 +1,157 @@
+"""Engines that die, hang or live elsewhere: retries from the recorded prompt tokens, fail-fast,
+deadlines, heartbeat expiry, and remote engines that register over HTTP.
+
+Heartbeat windows are short (interval 0.05 s, timeout 0.4 s) so expiry takes well under a second.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+from gateway_helpers import TOOLS, LiveGateway, Pausable, make_engine, make_service
+
+from asyncrl.gateway.engines import engine_app
+from asyncrl.gateway.store import open_store
+
+USER = [{"role": "user", "content": "hi"}]
+FAST_HEARTBEATS = dict(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.4)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    engines = [make_engine(f"e{i}") for i in range(2)]
+    yield engines
+    for engine in engines:
+        engine.shutdown()
+
+
+def _home(gw: LiveGateway, rollout_id: str) -> str:
+    return gw.on_loop(lambda: gw.service.pool.router.route(rollout_id, {}))
+
+
+def _live_engines(gw: LiveGateway) -> set[str]:
+    return {e["engine_id"] for e in gw.http.get("/health").json()["engines"]}
+
+
+def _call_in_thread(client, results: list) -> threading.Thread:
+    def call():
+        try:
+            results.append(client.chat.completions.create(model="policy", messages=USER, tools=TOOLS))
+        except openai.APIStatusError as error:
+            results.append(error)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread
+
+
+def _kill_mid_request(gw: LiveGateway, handles: dict[str, Pausable]) -> tuple[str, str, object, float]:
+    rollout_id, key = gw.open()
+    home = handles[_home(gw, rollout_id)]
+    home.pause()
+    results: list = []
+    thread = _call_in_thread(gw.openai(key), results)
+    assert home.started.wait(10)
+    killed_at = time.monotonic()
+    home.kill()
+    thread.join(20)
+    return rollout_id, home.engine_id, results[0], time.monotonic() - killed_at
+
+
+def test_a_request_on_a_killed_engine_is_retried_on_another(engines, tmp_path) -> None:
+    handles = {e.engine_id: Pausable(e) for e in engines}
+    with LiveGateway(make_service(open_store(tmp_path), list(handles.values()), engine_retries=1, **FAST_HEARTBEATS)) as gw:
+        rollout_id, dead, reply, waited = _kill_mid_request(gw, handles)
+        (alive,) = set(handles) - {dead}
+        assert not isinstance(reply, Exception), reply
+        assert reply.model_extra["asyncrl"]["engine_id"] == alive
+        assert waited < 5  # noticed by the heartbeat window, not by the request deadline (300 s)
+        assert _live_engines(gw) == {alive}  # out of routing
+        (turn,) = gw.service.store.get(rollout_id).turns
+        assert turn.engine_id == alive and turn.timings["retries"] == 1.0
+        # New rollouts go to the survivor only.
+        _, key = gw.open()
+        assert gw.openai(key).chat.completions.create(model="policy", messages=USER).model_extra["asyncrl"]["engine_id"] == alive
+
+
+def test_with_no_retries_a_killed_engine_fails_fast_with_a_clear_status(engines, tmp_path) -> None:
+    handles = {e.engine_id: Pausable(e) for e in engines}
+    with LiveGateway(make_service(open_store(tmp_path), list(handles.values()), engine_retries=0, **FAST_HEARTBEATS)) as gw:
+        rollout_id, dead, error, waited = _kill_mid_request(gw, handles)
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503
+        assert f"engine {dead} left the gateway (heartbeat timeout)" in error.message
+        assert "gateway.engine_retries=0" in error.message
+        assert waited < 5
+        assert gw.service.store.get(rollout_id).turns == []  # nothing half-recorded
+        assert dead not in _live_engines(gw)
+
+
+def test_a_hung_engine_cannot_hold_a_request_past_its_deadline(engines, tmp_path) -> None:
+    stuck = Pausable(engines[0])
+    with LiveGateway(make_service(open_store(tmp_path), [stuck], request_timeout_s=0.5, **FAST_HEARTBEATS)) as gw:
+        _, key = gw.open()
+        stuck.pause()  # alive and heartbeating, but never answers
+        with pytest.raises(openai.APIStatusError) as caught:
+            gw.openai(key).chat.completions.create(model="policy", messages=USER)
+        assert caught.value.status_code == 504 and "request_timeout_s=0.5" in caught.value.message
+        stuck.resume()
+
+
+def test_no_engine_is_a_503(tmp_path) -> None:
+    with LiveGateway(make_service(open_store(tmp_path), [])) as gw:
+        _, key = gw.open()
+        with pytest.raises(openai.APIStatusError) as caught:
+            gw.openai(key).chat.completions.create(model="policy", messages=USER)
+        assert caught.value.status_code == 503 and "no engine is registered" in caught.value.message
+
+
+class _EngineServer:
+    """A real engine served over HTTP by `engine_app`, as on another machine."""
+
+    def __init__(self, engine) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(engine_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_remote_engines_register_heartbeat_and_expire(engines, tmp_path) -> None:
+    remote = _EngineServer(engines[1])
+    try:
+        with LiveGateway(make_service(open_store(tmp_path), [], **FAST_HEARTBEATS)) as gw:
+            bad = gw.http.post("/engines/register", json={"engine_id": "r", "address": "tcp://nowhere"})
+            assert bad.status_code == 400 and "http://" in bad.json()["error"]["message"]
+            register = {"engine_id": "remote-1", "address": remote.url, "capacity": 2.0}
+            assert gw.http.post("/engines/register", json=register).json() == {"registered": True}
+            _, key = gw.open()
+            reply = gw.openai(key).chat.completions.create(model="policy", messages=USER, tools=TOOLS, max_tokens=12)
+            assert reply.model_extra["asyncrl"]["engine_id"] == "e1"  # the engine's own id, as it reported it
+            assert reply.choices[0].message.tool_calls[0].function.name == "f"
+            assert gw.http.post("/engines/remote-1/heartbeat", json={"health": {"load": 0}}).json() == {"registered": True}
+            time.sleep(0.6)  # silence past the window
+            assert _live_engines(gw) == set()
+            assert gw.http.post("/engines/remote-1/heartbeat", json={}).json() == {"registered": False}
+    finally:
+        remote.stop()
+
+
+def test_a_refused_remote_connection_is_retried_elsewhere(engines, tmp_path) -> None:
+    with LiveGateway(make_service(open_store(tmp_path), [engines[0]], engine_retries=2)) as gw:
+        # An engine that registered and then vanished: nothing listens on its port.
+        gw.http.post("/engines/register", json={"engine_id": "gone", "address": "http://127.0.0.1:9", "capacity": 100.0}).raise_for_status()
+        rollout_id, key = gw.open()
+        while _home(gw, rollout_id) != "gone":  # capacity 100 makes this rare; make it certain
+            rollout_id, key = gw.open()
+        reply = gw.openai(key).chat.completions.create(model="policy", messages=USER)
+        assert reply.model_extra["asyncrl"]["engine_id"] == "e0"
+        assert gw.service.store.get(rollout_id).turns[0].timings["retries"] == 1.0
