@@ -162,13 +162,19 @@ def mtp_loss(
     attention_mask: torch.Tensor | None,
     loss_mask: torch.Tensor,
     depth: int,
+    num_tokens: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
-    """Mean over depths of the masked token-mean cross-entropy (`loss_mask[:, j]` = train token j)."""
+    """Mean over depths of the masked cross-entropy (`loss_mask[:, j]` = train token j).
+
+    Each depth's summed loss is divided by `num_tokens` when given (so micro-batches of one
+    optimizer step can share the whole batch's count), else by that depth's own trained tokens.
+    """
     losses = []
     for k, logits in enumerate(mtp_logits(policy, mtp, hidden, input_ids, attention_mask, depth), start=1):
         targets, weights = input_ids[:, k + 1 :], loss_mask[:, k + 1 :]
         per_token = F.cross_entropy(
             logits[:, : -k - 1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
         )
-        losses.append((per_token * weights.reshape(-1)).sum() / weights.sum().clamp(min=1.0))
+        count = weights.sum().clamp(min=1.0) if num_tokens is None else num_tokens
+        losses.append((per_token * weights.reshape(-1)).sum() / count)
     return torch.stack(losses).mean()
