@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import operator
 import random
 import threading
 import time
@@ -191,8 +192,8 @@ class EmbeddedEngine:
 
     def _validate_prompt(self, prompt_token_ids, params: SamplingParams) -> list[int]:
         try:
-            prompt = [int(t) for t in prompt_token_ids]
-        except (TypeError, ValueError) as error:
+            prompt = [operator.index(t) for t in prompt_token_ids]  # ints only: 3.7 is not a token
+        except TypeError as error:
             raise RequestError(f"prompt_token_ids must be a list of integers: {error}") from None
         if not prompt:
             raise RequestError("prompt_token_ids is empty")
@@ -208,14 +209,22 @@ class EmbeddedEngine:
     # --- weights and status --------------------------------------------------------------------
 
     def update_weights(self, state_dict: dict, version: int) -> None:
-        """Swap in new weights between two steps; returns once they are in use."""
+        """Swap in new weights between two steps; returns once they are in use.
+
+        Called from the stepping thread itself (an `on_finish` callback), it only queues them for
+        the start of the next step.
+        """
         with self._cv:
             self._pending_weights = (state_dict, version)
             self._weights_applied.clear()
             self._cv.notify()
-        while not self._weights_applied.wait(0.05):
-            if self._thread is None or not self._thread.is_alive() or threading.current_thread() is self._thread:
-                self._apply_pending_weights()  # no stepping thread: we are between steps already
+        if threading.current_thread() is self._thread:
+            return
+        while not self._weights_applied.is_set():
+            if self._thread is None or not self._thread.is_alive():
+                self._apply_pending_weights()  # nobody is stepping: we are between steps already
+            else:
+                self._weights_applied.wait(0.05)
         if self._weights_error is not None:
             error, self._weights_error = self._weights_error, None
             raise error

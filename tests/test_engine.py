@@ -161,6 +161,7 @@ BAD_REQUESTS = {
     "token above vocab": ([1, 2, 128], {}),
     "negative token": ([1, -1], {}),
     "not a token": ([1, "x"], {}),
+    "fractional token": ([1, 2.5], {}),
     "empty prompt": ([], {}),
     "max_tokens zero": ([1, 2], {"max_tokens": 0}),
     "too long": ([1] * 100, {"max_tokens": 29}),
