@@ -22,16 +22,16 @@ Op = Literal["+", "-"]
 # Short on purpose: a word problem must not cost the char-level model many more tokens than `a+b`.
 WORD_TEMPLATES: dict[str, tuple[str, ...]] = {
     "+": (
-        "Tom has {a} coins and gets {b} more. How many coins now?",
+        "Tom has {a} coins and gets {b} more. Total?",
         "{a} cats and {b} dogs. How many pets?",
-        "What is the sum of {a} and {b}?",
-        "A shelf holds {a} books; {b} are added. How many books?",
+        "Sum of {a} and {b}?",
+        "Add {a} to {b}.",
     ),
     "-": (
-        "Ann had {a} pens and gave away {b}. How many are left?",
+        "Ann had {a} pens and gave away {b}. Left?",
+        "{a} birds, {b} fly off. How many stay?",
         "What is {a} minus {b}?",
-        "A bus has {a} people; {b} get off. How many remain?",
-        "Take {b} from {a}. What is left?",
+        "Take {b} from {a}.",
     ),
 }
 _ANSWER = re.compile(r"[+-]?\d+")
