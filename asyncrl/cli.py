@@ -69,6 +69,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _resolve(args)
+    if config is None:
+        return 0
+    from asyncrl.gateway.serve import serve
+
+    return serve(config)
+
+
+def cmd_trajectories(args: argparse.Namespace) -> int:
+    from asyncrl.gateway.inspect import main as inspect_main
+
+    return inspect_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrl",
@@ -103,6 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, metavar="PATH", help="write results to this JSON file")
     bench.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     bench.set_defaults(handler=cmd_bench)
+
+    serve = sub.add_parser("serve", help="start engines and the TITO gateway for agents to call by hand")
+    _add_config_arguments(serve)
+    serve.set_defaults(handler=cmd_serve)
+
+    traj = sub.add_parser("trajectories", help="list or show recorded trajectories token by token")
+    traj_sub = traj.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = traj_sub.add_parser("list", help="one line per rollout")
+    show = traj_sub.add_parser("show", help="one trajectory: text, token id, log-prob, version, loss mask")
+    for p in (listing, show):
+        p.add_argument("run", metavar="RUN", help="run directory, SQLite file, or redis:// URL")
+        p.add_argument("--namespace", default=None, help="Redis key prefix (the run name)")
+        p.set_defaults(handler=cmd_trajectories)
+    listing.add_argument("--status", default=None, help="only rollouts with this status")
+    listing.add_argument("--limit", type=int, default=100, help="most rows (default 100)")
+    show.add_argument("rollout_id", metavar="ID")
+    show.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the embedded tokenizer)")
     return parser
 
 

@@ -1,0 +1,133 @@
+"""`asyncrl serve CONFIG`: the engines, the store and the gateway, for use by hand.
+
+An agent developer points an unmodified agent at the printed base URL with a rollout key from
+`POST /rollouts`, then reads what was recorded with `asyncrl trajectories show`. Runs until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from pathlib import Path
+
+from asyncrl.configs.schema import RunConfig
+
+SECRET_FILE = "gateway.secret"
+
+
+def run_directory(config: RunConfig) -> Path:
+    return Path(config.runs_dir) / config.name
+
+
+def open_run_store(config: RunConfig):
+    """The run's trajectory store: config.store, SQLite under the run directory by default."""
+    from .store import SQLITE_FILENAME, open_store
+
+    store = config.store
+    # The file, not the directory: open_store reads a path that does not exist yet as a file name.
+    address = store.url if store.type == "redis" else (store.path or run_directory(config) / SQLITE_FILENAME)
+    return open_store(address, namespace=store.namespace or config.name, visibility_timeout_s=store.visibility_timeout_s)
+
+
+def _secret(run_dir: Path) -> bytes:
+    """Kept in the run directory, so rollout keys stay valid across a restart of the gateway."""
+    path = run_dir / SECRET_FILE
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(secrets.token_hex(32))
+    return bytes.fromhex(path.read_text().strip())
+
+
+def _engines(config: RunConfig, model) -> list:
+    from .engines import LocalEngine, RayEngine
+
+    rollout = config.rollout
+    if config.gateway.engines == "ray":
+        import ray
+
+        from asyncrl.rollout.worker import create_workers
+
+        ray.init(ignore_reinit_error=True, log_to_driver=False)
+        workers = create_workers(model, rollout, name_prefix=f"{config.name}-rollout")
+        return [RayEngine(worker, f"{config.name}-rollout-{i}") for i, worker in enumerate(workers)]
+    from asyncrl.rollout import EmbeddedEngine
+
+    return [LocalEngine(EmbeddedEngine(model, rollout, engine_id=f"engine-{i}")) for i in range(rollout.num_workers)]
+
+
+def build_service(config: RunConfig):
+    """(service, engine handles) for `config`; the policy is policy.path or the tiny policy."""
+    from asyncrl.policy.checkpoint import build_policy
+
+    from .pool import EnginePool
+    from .service import GatewayService
+
+    policy = config.policy.model_copy(update={"mtp": config.policy.mtp.model_copy(update={"enabled": False})})
+    model, tokenizer, _ = build_policy(policy, config.seed)
+    handles = _engines(config, model)
+    pool = EnginePool(config.gateway)
+    for handle in handles:
+        pool.add_local(handle)
+    name = Path(config.policy.path).name if config.policy.path else f"asyncrl-tiny-{config.policy.tiny.arch}"
+    service = GatewayService(
+        open_run_store(config), tokenizer, pool, config.gateway, config.rollout.sampling,
+        secret=_secret(run_directory(config)), model_name=name,
+    )  # fmt: skip
+    return service, handles
+
+
+def serve(config: RunConfig) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    service, handles = build_service(config)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service), host=config.gateway.host, port=config.gateway.port, log_level="warning")
+    )
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            host, port = server.servers[0].sockets[0].getsockname()[:2]
+            print(_banner(config, f"http://{host}:{port}", len(handles), service.store), flush=True)
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        service.close()
+        service.store.close()
+        for handle in handles:
+            getattr(getattr(handle, "engine", None), "shutdown", lambda: None)()
+    return 0
+
+
+def _banner(config: RunConfig, url: str, engines: int, store) -> str:
+    where = "in-process" if config.gateway.engines == "in_process" else "Ray"
+    return "\n".join([
+        f"asyncrl gateway listening on {url}  ({engines} {where} engine(s), store {store!r})",
+        "",
+        "open a rollout:",
+        f"  curl -s -X POST {url}/rollouts -H 'content-type: application/json' -d '{{\"task\": \"demo\"}}'",
+        "point an unmodified agent at it:",
+        f"  openai.OpenAI(base_url=\"{url}/v1\", api_key=\"<api_key from the answer above>\")",
+        "finish it:",
+        f"  curl -s -X POST {url}/rollouts/<rollout_id>/finish -H 'content-type: application/json' -d '{{\"reward\": 1.0}}'",
+        "see what was recorded:",
+        f"  asyncrl trajectories list {_store_argument(config)}",
+        "",
+        "Ctrl-C stops the gateway.",
+    ])  # fmt: skip
+
+
+def _store_argument(config: RunConfig) -> str:
+    """What to hand `asyncrl trajectories` to read this run's store."""
+    if config.store.type == "redis":
+        return f"{config.store.url} --namespace {config.store.namespace or config.name}"
+    return str(config.store.path or run_directory(config))

@@ -1,0 +1,81 @@
+"""`asyncrl serve` as a user runs it (a subprocess, stopped with Ctrl-C), then `asyncrl trajectories`
+on what it recorded."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from gateway_helpers import TOOLS
+
+from asyncrl.cli import main
+from asyncrl.gateway.inspect import show_trajectory
+from asyncrl.gateway.store import open_store
+
+TINY = [
+    "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1", "policy.tiny.num_heads=2", "policy.tiny.intermediate_size=32",
+    "policy.tiny.moe_intermediate_size=16", "policy.tiny.kv_lora_rank=16", "policy.tiny.q_lora_rank=16",
+    "policy.tiny.qk_rope_head_dim=8", "policy.tiny.qk_nope_head_dim=8", "policy.tiny.v_head_dim=8",
+    "policy.tiny.index_head_dim=16", "rollout.num_workers=2", "rollout.torch_threads=1", "rollout.max_num_seqs=4",
+    "rollout.sampling.max_tokens=8",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_serve_records_what_an_agent_does_and_trajectories_shows_it(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    command = [sys.executable, "-m", "asyncrl.cli", "serve", "quickstart", f"runs_dir={tmp_path}", "name=demo", *TINY]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        banner = []
+        for line in process.stdout:
+            banner.append(line)
+            if "Ctrl-C" in line:
+                break
+        url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(banner))
+        assert url, "".join(banner)
+        url = url[1]
+        opened = httpx.post(url + "/rollouts", json={"task": "demo", "group_id": "g"}).json()
+        agent = openai.OpenAI(base_url=url + "/v1", api_key=opened["api_key"], max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = agent.chat.completions.create(model="any", messages=messages, tools=TOOLS)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "more"})
+        agent.chat.completions.create(model="any", messages=messages, tools=TOOLS)
+        health = httpx.get(url + "/health").json()
+        assert len(health["engines"]) == 2 and health["rollouts_running"] == 1
+        httpx.post(f"{url}/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0}).raise_for_status()
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(30)
+    assert (tmp_path / "demo" / "gateway.secret").stat().st_mode & 0o077 == 0
+
+    capsys.readouterr()
+    assert main(["trajectories", "list", str(tmp_path / "demo")]) == 0
+    listing = capsys.readouterr().out
+    assert opened["rollout_id"] in listing and "ok" in listing
+    assert main(["trajectories", "show", str(tmp_path / "demo"), opened["rollout_id"]]) == 0
+    shown = capsys.readouterr().out
+    assert "turn 1: branch 0" in shown and "log-prob" in shown and "<|user|>" in shown
+
+
+def test_show_marks_sampled_tokens(tmp_path) -> None:
+    from rich.console import Console
+
+    from asyncrl.gateway.records import Turn
+
+    store = open_store(tmp_path)
+    rollout_id = store.open("t")
+    store.append(Turn(rollout_id, [4, 40], [41, 1], [-0.25, -0.5], [3, 3]))
+    store.append(Turn(rollout_id, [4, 40, 41, 1, 5, 42], [43], [-1.0], [4]))
+    console = Console(record=True, width=120)
+    show_trajectory(store, rollout_id, console)  # running: masks shown as they would be
+    rows = [[cell.strip() for cell in line.split("│")] for line in console.export_text().splitlines() if re.match(r"\s*\d+ │", line)]
+    sampled = [(r[0], r[3], r[4], r[5]) for r in rows if r[-1] == "1"]
+    assert sampled == [("2", "-0.2500", "3", "1"), ("3", "-0.5000", "3", "1"), ("6", "-1.0000", "4", "1")]
+    assert [r[0] for r in rows if r[-1] == "0"] == ["0", "1", "4", "5"]
