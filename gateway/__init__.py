@@ -1,7 +1,8 @@
 """The TITO (token-in, token-out) gateway: an OpenAI-compatible HTTP API in front of the engines.
 
-Built so far: the records of what every call sampled (`records`), the trajectory store with its
-exactly-once hand-off to the learner (`store`), the assembly of learner samples from trajectories
-(`samples`) and the export of a run's trajectories (`export`). The HTTP gateway itself is not built
-yet: see the gateway/store issue.
+`app` (HTTP routes) over `service` (rollouts by key; render, generate, parse, record) over `pool`
+(engines: registry, routing, heartbeats, retries) and `engines` (in-process, Ray and HTTP handles).
+What every call sampled is recorded (`records`) in the trajectory store with its exactly-once
+hand-off to the learner (`store`), assembled into learner samples (`samples`) and exported
+(`export`). `serve` is `asyncrl serve`; `inspect` is `asyncrl trajectories`.
 """

@@ -17,6 +17,7 @@ import asyncio
 import functools
 import hashlib
 import hmac
+import random
 import secrets
 import time
 from collections import OrderedDict
@@ -31,11 +32,13 @@ from . import api
 from .conversation import Conversation, ConversationError
 from .pool import EnginePool
 from .records import Turn
-from .store import RolloutClosed, StoreError, TrajectoryStore, UnknownRollout
+from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryStore, UnknownRollout
 from .toolcalls import MessageError, parse_completion
 
 MAX_TOMBSTONES = 100_000
 """Ended rollouts remembered in memory (older ones are looked up in the store)."""
+MIN_TEMPERATURE = 1e-4
+"""Smallest non-zero temperature forwarded to an engine."""
 TEXT_HISTORY = 8
 """Text-completion turns per rollout whose exact tokens a later prompt may reuse."""
 
@@ -74,14 +77,21 @@ class GatewayService:
         *,
         secret: bytes | None = None,
         model_name: str = "asyncrl-policy",
-        io_threads: int = 4,
+        io_threads: int | None = None,
     ) -> None:
         self.store, self.tokenizer, self.pool = store, tokenizer, pool
         self.config, self.sampling, self.model_name = config, sampling, model_name
         self._secret = secret or secrets.token_bytes(32)
         self._live: dict[str, Rollout] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
+        # SQLite takes one writer at a time, and a writer that finds the lock taken sleeps in
+        # growing steps (up to 100 ms): one thread queues writes instead. Redis takes them in parallel.
+        io_threads = io_threads or (1 if isinstance(store, SQLiteStore) else 4)
         self._io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="gateway-store")
+        # Tool-call ids need to be unique, not secret; uuid4 reads the OS entropy pool on every
+        # call, which took 0.2 ms a call on a busy machine.
+        ids = random.Random(secrets.randbits(128))
+        self._call_id = lambda: f"call_{ids.getrandbits(96):024x}"
         self.in_flight = 0
 
     def close(self) -> None:
@@ -176,7 +186,7 @@ class GatewayService:
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         prepared = _render(rollout.conversation.prepare, messages, request.tools)
         result, timings = await self._generate(rollout, prepared.prompt_token_ids, sampling)
-        parsed = parse_completion(result.token_ids, self.tokenizer, request.tools)
+        parsed = parse_completion(result.token_ids, self.tokenizer, request.tools, self._call_id)
         message = parsed.message()
         branch = rollout.conversation.commit(prepared, result.token_ids, message)
         index = await self._record(rollout, prepared.prompt_token_ids, result, branch, timings, started)
@@ -234,6 +244,9 @@ class GatewayService:
             stop_token_ids=tuple(request.stop_token_ids or ()) + tuple(self._stop_token(s) for s in stops),
         )  # fmt: skip
         params.validate()
+        if 0.0 < params.temperature < MIN_TEMPERATURE:
+            # logits / 1e-300 overflow to inf and NaN the whole engine batch, other rollouts' rows too.
+            raise bad_request(f"temperature {params.temperature} is below {MIN_TEMPERATURE}; use 0 for greedy")
         return params
 
     def _stop_token(self, text: str) -> int:

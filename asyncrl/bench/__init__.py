@@ -13,5 +13,11 @@ def _engine(config, json_path):
     return run(config, json_path)
 
 
-BENCHMARKS = {"engine": _engine}
+def _gateway(config, json_path):
+    from .gateway import run
+
+    return run(config, json_path)
+
+
+BENCHMARKS = {"engine": _engine, "gateway": _gateway}
 """Benchmark name -> runner; later issues add theirs here."""

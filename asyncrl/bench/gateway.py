@@ -1,0 +1,285 @@
+"""Benchmark: what the TITO gateway adds to a generation call, how many sessions it holds, and how
+fast it records turns.
+
+To isolate the gateway's own cost, the engines behind it are `StubEngine`s: the engine handle
+interface, answering a fixed tool-call completion after a fixed delay (asyncio.sleep: no CPU), so
+a real engine's compute neither hides nor inflates the gateway's. The gateway runs in a child
+process (uvicorn, as `asyncrl serve` runs it, SQLite store, 2 stub engines); clients run here with
+aiohttp, so client and server do not share an interpreter lock.
+
+- overhead (64 concurrent sessions): each session is a multi-turn tool chat (the agent echoes the
+  reply, adds a tool result, "runs the tool" for THINK_S, asks again). Per request, the wall time
+  through the gateway; then the same sessions calling a StubEngine directly (same delays, same
+  concurrency). overhead_pXX_ms = pXX(gateway) - pXX(direct). Repeated, alternating, median kept.
+  The engine takes ENGINE_LATENCY_S a turn (short for agentic turns, which decode for seconds), so
+  64 sessions offer ~51 requests/s: the gateway's cost per request plus the queueing that load
+  causes, not a saturated queue. `<store>_turns_per_s` below is the saturation point.
+  The server-side part (recorded `gateway_s - engine_call_s`) is reported beside it.
+- sessions_1000_ok: 1000 rollouts opened, then all running 3-turn chats at once against a 1 s
+  engine, so ~1000 requests are in flight together; true when every call succeeded.
+- <store>_turns_per_s: recorded turns per second through the gateway (64 sessions back to back,
+  instant engine), SQLite and Redis; `*_store_appends_per_s` is the store alone, for scale.
+
+    asyncrl bench gateway --json bench-gateway.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import platform
+import random
+import statistics
+import time
+import uuid
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+from asyncrl.configs.schema import GatewayConfig, RunConfig, SamplingConfig
+
+SESSIONS, TURNS, REPEATS = 64, 6, 3
+ENGINE_LATENCY_S, THINK_S = 1.0, 0.25
+BIG_SESSIONS, BIG_TURNS, BIG_LATENCY_S = 1000, 3, 1.0
+THROUGHPUT_TURNS = 8
+COMPLETION = "<tool_call>python<arg_key>code</arg_key><arg_value>print(2+2)</arg_value></tool_call><|endoftext|>"
+TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+
+
+class StubEngine:
+    """An engine behind the handle interface that answers COMPLETION after `latency_s`."""
+
+    def __init__(self, engine_id: str, completion: list[int], latency_s: float) -> None:
+        self.engine_id, self.completion, self.latency_s = engine_id, completion, latency_s
+        self.active = self.max_active = 0
+
+    async def generate(self, prompt_token_ids, sampling, session_id):
+        from asyncrl.rollout.types import GenerationResult
+
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            if self.latency_s:
+                await asyncio.sleep(self.latency_s)
+            n = min(len(self.completion), sampling.max_tokens)
+            return GenerationResult(
+                "", list(prompt_token_ids), self.completion[:n], [-0.125] * n, [0] * n,
+                "stop" if n == len(self.completion) else "length", self.engine_id, timings={"total": self.latency_s},
+            )  # fmt: skip
+        finally:
+            self.active -= 1
+
+    async def health(self) -> dict:
+        return {"alive": True, "max_concurrent": self.max_active}
+
+
+def _completion_ids() -> list[int]:
+    from asyncrl.policy.tokenizer import build_tokenizer
+
+    return build_tokenizer().encode(COMPLETION, add_special_tokens=False)
+
+
+def _serve(store: str, namespace: str, latency_s: float, ports) -> None:
+    """Child process: the gateway with two stub engines, on a free loopback port."""
+    import uvicorn
+
+    from asyncrl.gateway.app import create_app
+    from asyncrl.gateway.pool import EnginePool
+    from asyncrl.gateway.service import GatewayService
+    from asyncrl.gateway.store import open_store
+    from asyncrl.policy.tokenizer import build_tokenizer
+
+    config = GatewayConfig()
+    pool = EnginePool(config)
+    for i in range(2):
+        pool.add_local(StubEngine(f"stub-{i}", _completion_ids(), latency_s))
+    service = GatewayService(open_store(store, namespace=namespace), build_tokenizer(), pool, config, SamplingConfig(max_tokens=64))
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="error", backlog=4096))
+
+    async def main():
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        ports.put(server.servers[0].sockets[0].getsockname()[1])
+        await task
+
+    asyncio.run(main())
+
+
+class Gateway:
+    """A gateway child process for the duration of a `with` block."""
+
+    def __init__(self, store: str, latency_s: float, namespace: str = "bench") -> None:
+        context = multiprocessing.get_context("spawn")
+        self.ports = context.Queue()
+        self.process = context.Process(target=_serve, args=(store, namespace, latency_s, self.ports), daemon=True)
+
+    def __enter__(self) -> str:
+        self.process.start()
+        return f"http://127.0.0.1:{self.ports.get(timeout=120)}"
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        self.process.join(30)
+
+
+def _pauses(index: int, turns: int, think_s: float) -> list[float]:
+    """A session's start offset, then its think time after each turn. Seeded per session, so the
+    gateway run and the direct run see the same arrivals; random, because sessions that all start
+    together and think alike arrive as one burst and measure the burst, not the gateway."""
+    rng = random.Random(index)
+    if not think_s:
+        return [0.0] * (turns + 1)
+    return [rng.uniform(0, ENGINE_LATENCY_S + think_s)] + [rng.uniform(0, 2 * think_s) for _ in range(turns)]
+
+
+async def _session(http, url: str, turns: int, think_s: float, walls: list[float], errors: list[str], index: int = 0) -> None:
+    pauses = _pauses(index, turns, think_s)
+    await asyncio.sleep(pauses[0])
+    async with http.post(url + "/rollouts", json={"task": "bench"}) as response:
+        opened = await response.json()
+    headers = {"Authorization": f"Bearer {opened['api_key']}"}
+    messages = [{"role": "system", "content": "You run python."}, {"role": "user", "content": "What is 2+2? Check with python."}]
+    for turn in range(turns):
+        start = time.perf_counter()
+        async with http.post(url + "/v1/chat/completions", json={"messages": messages, "tools": TOOLS}, headers=headers) as response:
+            body = await response.read()
+        walls.append(time.perf_counter() - start)
+        if response.status != 200:
+            errors.append(f"{response.status}: {body[:200]!r}")
+            return
+        reply = json.loads(body)["choices"][0]["message"]
+        messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "4"}]
+        await asyncio.sleep(pauses[turn + 1])
+    async with http.post(f"{url}/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0}) as response:
+        await response.read()
+
+
+async def _through_gateway(url: str, sessions: int, turns: int, think_s: float) -> tuple[list[float], list[str], float]:
+    # aiohttp, not httpx: httpx's pool cost ~15 ms of client CPU a request at 64 connections here,
+    # which would have been measured as gateway latency.
+    import aiohttp
+
+    walls, errors = [], []
+    connector = aiohttp.TCPConnector(limit=sessions)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(_session(http, url, turns, think_s, walls, errors, i) for i in range(sessions)))
+        return walls, errors, time.perf_counter() - start
+
+
+async def _direct(sessions: int, turns: int, think_s: float, latency_s: float) -> list[float]:
+    from asyncrl.rollout.types import SamplingParams
+
+    stub, walls = StubEngine("direct", _completion_ids(), latency_s), []
+    sampling = SamplingParams(max_tokens=64)
+
+    async def session(prompt: list[int], index: int) -> None:
+        pauses = _pauses(index, turns, think_s)
+        await asyncio.sleep(pauses[0])
+        for turn in range(turns):
+            start = time.perf_counter()
+            result = await stub.generate(prompt, sampling, "s")
+            walls.append(time.perf_counter() - start)
+            prompt = prompt + result.token_ids + [5] * 12
+            await asyncio.sleep(pauses[turn + 1])
+
+    await asyncio.gather(*(session([4] * 60, i) for i in range(sessions)))
+    return walls
+
+
+def _pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def _server_overhead(store_path: str) -> list[float]:
+    from asyncrl.gateway.store import open_store
+
+    store = open_store(store_path)
+    turns = [turn for t in store.list() for turn in t.turns]
+    store.close()
+    return [turn.timings["gateway_s"] - turn.timings["engine_call_s"] for turn in turns]
+
+
+def _store_appends_per_s(address: str, namespace: str, n: int = 2000) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.gateway.records import Turn
+    from asyncrl.gateway.store import open_store
+
+    store = open_store(address, namespace=namespace)
+    ids = [store.open("bench") for _ in range(64)]
+    completion = _completion_ids()
+    turn = lambda i: Turn(ids[i % 64], [7] * 300, completion, [-0.125] * len(completion), [0] * len(completion))  # noqa: E731
+    start = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:  # the gateway's store thread pool
+        list(pool.map(lambda i: store.append(turn(i)), range(n)))
+    rate = n / (time.perf_counter() - start)
+    store.close()
+    return rate
+
+
+def run(config: RunConfig, json_path: str | None = None) -> dict:
+    results: dict = {}
+    with TemporaryDirectory() as tmp:
+        gateway_walls, direct_walls, server = [], [], []
+        for repeat in range(REPEATS):
+            store = str(Path(tmp) / f"overhead-{repeat}.db")
+            with Gateway(store, ENGINE_LATENCY_S) as url:
+                asyncio.run(_through_gateway(url, SESSIONS, 1, 0.0))  # warm-up: template compile, connections
+                walls, errors, _ = asyncio.run(_through_gateway(url, SESSIONS, TURNS, THINK_S))
+                assert not errors, errors[:3]
+            gateway_walls.append(walls)
+            direct_walls.append(asyncio.run(_direct(SESSIONS, TURNS, THINK_S, ENGINE_LATENCY_S)))
+            server += _server_overhead(store)
+        for q in (50, 99):
+            overheads = [_pct(g, q) - _pct(d, q) for g, d in zip(gateway_walls, direct_walls)]
+            results[f"overhead_p{q}_ms"] = round(1000 * statistics.median(overheads), 3)
+            results[f"server_overhead_p{q}_ms"] = round(1000 * _pct(server, q), 3)
+            results[f"gateway_p{q}_ms"] = round(1000 * statistics.median(_pct(g, q) for g in gateway_walls), 3)
+            results[f"direct_p{q}_ms"] = round(1000 * statistics.median(_pct(d, q) for d in direct_walls), 3)
+
+        with Gateway(str(Path(tmp) / "sessions.db"), BIG_LATENCY_S) as url:
+            walls, errors, elapsed = asyncio.run(_through_gateway(url, BIG_SESSIONS, BIG_TURNS, THINK_S))
+            import httpx
+
+            engines = httpx.get(url + "/health").json()["engines"]
+        results["sessions_1000_ok"] = not errors and len(walls) == BIG_SESSIONS * BIG_TURNS
+        results["sessions_1000"] = {
+            "errors": len(errors), "first_errors": errors[:3], "calls": len(walls), "wall_s": round(elapsed, 2),
+            "p50_ms": round(1000 * _pct(walls, 50), 1), "p99_ms": round(1000 * _pct(walls, 99), 1),
+            "max_in_flight_per_engine": [e["health"].get("max_concurrent") for e in engines],
+        }  # fmt: skip
+
+        redis_namespace = f"bench-gateway-{uuid.uuid4().hex}"
+        for name, address, namespace in (
+            ("sqlite", str(Path(tmp) / "throughput.db"), "bench"),
+            ("redis", config.store.url, redis_namespace),
+        ):
+            with Gateway(address, 0.0, namespace) as url:
+                asyncio.run(_through_gateway(url, SESSIONS, 1, 0.0))
+                walls, errors, elapsed = asyncio.run(_through_gateway(url, SESSIONS, THROUGHPUT_TURNS, 0.0))
+                assert not errors, errors[:3]
+            results[f"{name}_turns_per_s"] = round(len(walls) / elapsed, 1)
+            results[f"{name}_store_appends_per_s"] = round(_store_appends_per_s(address, namespace + "-raw"), 1)
+        _drop_redis_namespace(config.store.url, redis_namespace)
+
+    results["setup"] = {
+        "sessions": SESSIONS, "turns": TURNS, "repeats": REPEATS, "engine_latency_s": ENGINE_LATENCY_S,
+        "think_s": THINK_S, "offered_load_req_s": round(SESSIONS / (ENGINE_LATENCY_S + THINK_S), 1),
+        "engines": "2 StubEngine (asyncio.sleep)", "store": "sqlite (overhead, sessions)", "client": "aiohttp, separate process",
+        "machine": platform.machine(), "python": platform.python_version(),
+    }  # fmt: skip
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def _drop_redis_namespace(url: str, namespace: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    for prefix in (namespace, namespace + "-raw"):
+        keys = list(client.scan_iter(f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
