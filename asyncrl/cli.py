@@ -44,7 +44,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
     result = run_sft(config)
     print(f"checkpoint: {result.checkpoint}")
-    print(f"held-out accuracy: {result.eval_accuracy:.1%} after {result.steps} steps in {result.wall_s:.0f} s")
+    print(f"held-out accuracy: {result.accuracy:.1%} after {result.steps} steps in {result.wall_s:.0f} s")
     return 0
 
 

@@ -45,6 +45,26 @@ def evaluate_arithmetic(
     return EvalResult(sum(correct) / len(problems), len(problems), examples)
 
 
+def engine_greedy_generate(engine) -> GenerateFn:
+    """Greedy decoding through a rollout engine (anything with the `Engine` protocol's `generate`).
+
+    All prompts are submitted at once so the engine batches them continuously.
+    """
+    import asyncio
+
+    from asyncrl.rollout.types import SamplingParams
+
+    async def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        results = await asyncio.gather(*(engine.generate(prompt, params) for prompt in prompts))
+        return [result.token_ids for result in results]
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return asyncio.run(run(prompts, max_tokens))
+
+    return generate
+
+
 def hf_greedy_generate(model, eos_token_id: int, pad_token_id: int, batch_size: int = 256) -> GenerateFn:
     """Batched greedy decoding with a Hugging Face causal LM and its KV cache.
 

@@ -22,7 +22,9 @@ from asyncrl.configs.schema import RunConfig
 from asyncrl.policy.checkpoint import build_policy, save_policy
 from asyncrl.policy.mtp import mtp_loss, policy_hidden_and_logits
 
-from .evaluate import evaluate_arithmetic, hf_greedy_generate
+from asyncrl.rollout import EmbeddedEngine
+
+from .evaluate import engine_greedy_generate, evaluate_arithmetic
 from .sft_data import Demo, DemoStream, collate, length_buckets
 
 LOG_EVERY = 10
@@ -168,9 +170,12 @@ def run_sft(config: RunConfig) -> SFTResult:
     optimizer = torch.optim.AdamW(params, lr=sft.lr, weight_decay=sft.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, sft.warmup_steps)))
     stream = DemoStream(tokenizer, config.tasks.arithmetic, sft.tool_demo_fraction, seed=config.seed)
-    generate = hf_greedy_generate(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    # Evaluation samples the way rollouts will: through the embedded engine, fed the current weights.
+    engine = EmbeddedEngine(model, config.rollout.model_copy(update={"torch_threads": config.torch_threads}))
+    generate = engine_greedy_generate(engine)
 
     def evaluate() -> float:
+        engine.update_weights(model.state_dict(), step)
         return evaluate_arithmetic(generate, tokenizer, config.tasks.arithmetic, config.eval).accuracy
 
     reporter = _Reporter(config, out_dir)
@@ -217,6 +222,7 @@ def run_sft(config: RunConfig) -> SFTResult:
             reporter.say(f"final  step {step}  held-out {accuracy:.1%}")
     finally:
         reporter.close()
+        engine.shutdown()
 
     wall = time.perf_counter() - start
     provenance = {"asyncrl": {"stage": "sft", "step": step, "heldout_accuracy": accuracy}}

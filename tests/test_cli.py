@@ -41,3 +41,14 @@ def test_generate_is_reproducible_with_a_seed(checkpoint, capsys):
 def test_generate_bad_token_id_is_a_clear_error(checkpoint, capsys):
     assert main(["generate", checkpoint, "--token-ids", "5,999"]) == 2
     assert "token id 999 is outside the vocabulary" in capsys.readouterr().err
+
+
+def test_sft_command_end_to_end(tmp_path, capsys):
+    tiny = ["policy.tiny.hidden_size=32", "policy.tiny.num_layers=2", "policy.tiny.num_heads=2", "policy.tiny.max_position_embeddings=256"]
+    args = ["sft", "quickstart", f"runs_dir={tmp_path}", "sft.max_steps=2", "sft.batch_size=4", "eval.num_problems=4",
+            "logging.progress=false", "logging.wandb=disabled", *tiny]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "held-out accuracy:" in out and "after 2 steps" in out
+    checkpoint = tmp_path / "quickstart" / "sft" / "checkpoint"
+    assert (checkpoint / "config.json").exists() and (tmp_path / "quickstart" / "sft" / "metrics.jsonl").exists()
