@@ -40,6 +40,7 @@ CASES = [
     ("/v1/chat/completions", _chat(max_tokens=9), 400, "gateway.max_tokens 8"),
     ("/v1/chat/completions", _chat(max_tokens=0), 400, "max_tokens"),
     ("/v1/chat/completions", _chat(temperature=-1), 400, "temperature"),
+    ("/v1/chat/completions", _chat(temperature=1e-300), 400, "use 0 for greedy"),
     ("/v1/chat/completions", _chat(presence_penalty=0.5), 400, "presence_penalty is not supported"),
     ("/v1/chat/completions", _chat(tool_choice="required"), 400, "tool_choice"),
     ("/v1/chat/completions", _chat(stop=["ab"]), 400, "only single-token stops"),
