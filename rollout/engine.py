@@ -33,6 +33,8 @@ from .types import FinishReason, GenerationResult, RequestError, SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_PREFILL_TOKENS = 8192
+IDLE_EXIT_S = 0.25
+"""Seconds without work after which the background stepping thread exits (the next request restarts it)."""
 """Padded prompt tokens (rows x longest suffix) admitted into one prefill step; bounds its memory."""
 
 
@@ -120,6 +122,8 @@ class EmbeddedEngine:
         self._weights_applied = threading.Event()
         self._weights_error: Exception | None = None
         self._thread: threading.Thread | None = None
+        self._step_lock = threading.Lock()
+        self._serving = False
         self._stopping = False
 
     @classmethod
@@ -151,6 +155,7 @@ class EmbeddedEngine:
         with self._cv:
             self._inbox.append(request)
             self._cv.notify()
+            self._spawn_locked()
         return request.id
 
     def abort(self, request_id: str) -> None:
@@ -158,6 +163,7 @@ class EmbeddedEngine:
         with self._cv:
             self._aborts.add(request_id)
             self._cv.notify()
+            self._spawn_locked()
 
     async def generate(
         self,
@@ -222,7 +228,8 @@ class EmbeddedEngine:
             return
         while not self._weights_applied.is_set():
             if self._thread is None or not self._thread.is_alive():
-                self._apply_pending_weights()  # nobody is stepping: we are between steps already
+                with self._step_lock:  # nobody is stepping; a thread started meanwhile waits for us
+                    self._apply_pending_weights()
             else:
                 self._weights_applied.wait(0.05)
         if self._weights_error is not None:
@@ -248,7 +255,8 @@ class EmbeddedEngine:
     def health(self) -> dict:
         return {
             "engine_id": self.engine_id,
-            "alive": self._thread is None or self._thread.is_alive(),
+            # Shut down means not serving, even though a later `generate` would start it again.
+            "alive": not self._stopping,
             "version": self.version,
             "running": len(self._running),
             "waiting": len(self._waiting) + len(self._inbox),
@@ -265,6 +273,10 @@ class EmbeddedEngine:
 
     def step(self) -> list[GenerationResult]:
         """One engine iteration: schedule -> execute -> update. Returns the requests it finished."""
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[GenerationResult]:
         self._apply_pending_weights()
         finished = self._drain_inbox()
         batch = self._schedule()
@@ -358,28 +370,42 @@ class EmbeddedEngine:
     # --- the background loop --------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the background stepping thread (idempotent); `generate` calls it."""
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
+        """Serve in the background: a stepping thread runs while there is work (idempotent)."""
+        with self._cv:
+            self._serving, self._stopping = True, False
+            self._spawn_locked()
+
+    def _spawn_locked(self) -> None:
+        if self._serving and self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"engine-{self.engine_id}", daemon=True)
             self._thread.start()
 
     def shutdown(self) -> None:
         """Stop the background thread after its current step; unfinished requests stay queued."""
         with self._cv:
-            self._stopping = True
+            self._serving, self._stopping = False, True
+            thread = self._thread
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if thread is not None:
+            thread.join()
+        self._thread = None
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._waiting or self._running or self._aborts or self._pending_weights)
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not (
-                    self._inbox or self._waiting or self._running or self._aborts or self._pending_weights
-                ):
-                    self._cv.wait()
+                idle_until = time.monotonic() + IDLE_EXIT_S
+                while not self._stopping and not self._has_work():
+                    remaining = idle_until - time.monotonic()
+                    if remaining <= 0:
+                        # Leave when idle: a live thread that once ran torch ops keeps an OpenMP
+                        # team, and two teams on a small CPU make libgomp stop spinning, which
+                        # halved the speed of training beside an engine (SFT evaluation).
+                        self._thread = None
+                        return
+                    self._cv.wait(remaining)
                 if self._stopping:
                     return
             self.step()

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+MIN_TEMPERATURE = 1e-4
+"""Smallest positive temperature; below it, ask for greedy (0) instead."""
 
 
 class RequestError(ValueError):
@@ -42,6 +44,9 @@ class SamplingParams:
     def validate(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
             raise RequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            # logits / 1e-300 overflow to inf and would turn the whole batch's logits into NaN.
+            raise RequestError(f"temperature {self.temperature} is too small to sample with; use 0 for greedy")
         if not (0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -167,6 +168,7 @@ BAD_REQUESTS = {
     "too long": ([1] * 100, {"max_tokens": 29}),
     "unknown option": ([1, 2], {"temprature": 0.5}),
     "negative temperature": ([1, 2], {"temperature": -1.0}),
+    "vanishing temperature": ([1, 2], {"temperature": 1e-300}),
     "top_p zero": ([1, 2], {"top_p": 0.0}),
 }
 
@@ -189,6 +191,7 @@ def test_bad_requests_fail_alone_while_others_finish(model):
     assert [len(r.token_ids) for r in results] == [20, 20, 20]
     assert "128" in errors["token above vocab"] and "temprature" in errors["unknown option"]
     assert "max_model_len 128" in errors["too long"]
+    assert "use 0 for greedy" in errors["vanishing temperature"]
     assert engine.health()["last_error"] is None
 
 
@@ -211,3 +214,28 @@ def test_async_generate_with_a_concurrent_weight_update(model):
     assert after.versions == [5, 5, 5]
     health = engine.health()
     assert health["version"] == 5 and health["running"] == 0 and health["generated_tokens"] == 113
+
+
+def test_health_reports_a_shut_down_engine_as_not_alive(model):
+    engine = new_engine(model)
+    assert engine.health()["alive"]
+    asyncio.run(engine.generate(PROMPT, {"max_tokens": 2}))
+    assert engine.health()["alive"]
+    engine.shutdown()
+    assert not engine.health()["alive"]
+
+
+def test_idle_stepping_thread_leaves_and_the_next_request_restarts_it(model):
+    # An idle thread that once ran torch ops keeps an OpenMP team and slows a trainer in the same
+    # process; the engine lets it go and starts a new one on demand.
+    engine = new_engine(model)
+    first = asyncio.run(engine.generate(PROMPT, {"max_tokens": 3, "seed": 1}))
+    for _ in range(400):
+        if engine._thread is None:
+            break
+        time.sleep(0.01)
+    assert engine._thread is None and engine.health()["alive"]
+    engine.update_weights(model.state_dict(), 2)  # applied by the caller: nobody is stepping
+    again = asyncio.run(engine.generate(PROMPT, {"max_tokens": 3, "seed": 1}))
+    engine.shutdown()
+    assert again.token_ids == first.token_ids and again.versions == [2, 2, 2]
