@@ -101,7 +101,7 @@ class ArithmeticTaskConfig(Section):
     """Fewest digits in an operand."""
     max_digits: int = Field(3, ge=1, le=12)
     """Most digits in an operand."""
-    word_problem_fraction: float = Field(0.3, ge=0.0, le=1.0)
+    word_problem_fraction: float = Field(0.1, ge=0.0, le=1.0)
     """Share of problems phrased as a short word problem instead of a bare expression."""
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     """Share of the problem space reserved for evaluation; training never sees it."""
@@ -125,7 +125,7 @@ class SFTConfig(Section):
 
     max_steps: int = Field(3000, ge=1)
     """Hard cap on optimizer steps."""
-    time_budget_s: float = Field(240.0, gt=0)
+    time_budget_s: float = Field(270.0, gt=0)
     """Stop after this many seconds of training even if no other stop rule fired."""
     batch_size: int = Field(128, ge=1, le=4096)
     """Demonstrations per optimizer step."""
@@ -137,9 +137,9 @@ class SFTConfig(Section):
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
-    tool_demo_fraction: float = Field(0.25, ge=0.0, le=1.0)
+    tool_demo_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Share of demonstrations that show the agentic tool-call format (a python tool call and its answer)."""
-    eval_every: int = Field(100, ge=1)
+    eval_every: int = Field(50, ge=1)
     """Evaluate held-out accuracy every this many steps."""
     stop_at_accuracy: float | None = Field(0.3, ge=0.0, le=1.0)
     """Stop at the first evaluation at or above this held-out accuracy (leaves room for RL); None disables."""
