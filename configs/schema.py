@@ -263,6 +263,51 @@ class LoggingConfig(Section):
     """Show progress bars and live displays."""
 
 
+class LearnerConfig(Section):
+    """The RL learner: objective, drop and group rules, optimizer, weight pushes (DESIGN §4)."""
+
+    objective: Literal["icepop_grpo", "double_sided_is"] = "icepop_grpo"
+    """GRPO with the IcePop mask (reasoning default) or direct double-sided importance sampling (agentic default)."""
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower ratio bound 1 - eps_low: PPO clip (icepop_grpo) or hard token mask (double_sided_is)."""
+    eps_high: float = Field(0.28, ge=0.0, le=10.0)
+    """Upper ratio bound 1 + eps_high: PPO clip (icepop_grpo) or hard token mask (double_sided_is)."""
+    icepop_beta: float = Field(2.0, gt=1.0, le=100.0)
+    """IcePop: tokens whose train/rollout probability ratio lies outside [1/beta, beta] give no gradient."""
+    group_size: int = Field(8, ge=1, le=1024)
+    """Rollouts per GRPO group (one prompt, group_size samples)."""
+    normalize_adv_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation."""
+    max_staleness: int = Field(4, ge=0)
+    """tau: drop a rollout when learner version - oldest version among its sampled tokens > tau."""
+    crash_statuses: list[Literal["env_crash", "timeout", "error"]] = ["env_crash", "error"]
+    """Finish statuses that count as environment crashes and are dropped."""
+    lr: float = Field(1e-4, gt=0, le=1.0)
+    """AdamW learning rate (3e-4 was unstable on the tiny policy)."""
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    batch_groups: int = Field(32, ge=1, le=65536)
+    """GRPO groups per optimizer step."""
+    push_every: int = Field(1, ge=1)
+    """K: publish weights to the rollout workers every K optimizer steps."""
+    reset_optimizer_on_push: bool = False
+    """Clear AdamW's moments after each weight push."""
+    mtp_loss_weight: float = Field(0.0, ge=0.0, le=10.0)
+    """Weight of the MTP auxiliary loss on sampled tokens during RL (keeps drafting accurate); 0 turns it off."""
+    freeze_indexer: bool = True
+    """Keep the DSA indexer's weights fixed during RL (the GLM-5 report saw collapse when it drifted)."""
+    torch_threads: int = Field(1, ge=1, le=256)
+    """torch intra-op threads in the learner process."""
+    num_cpus: float = Field(1.0, gt=0.0)
+    """Ray CPU resources of the learner actor."""
+    micro_batch_tokens: int = Field(8192, ge=1)
+    """Most padded tokens (rows x longest) in one forward/backward; bounds activation memory."""
+    checkpoint_every: int = Field(50, ge=1)
+    """Save an HF checkpoint plus learner state every this many optimizer steps."""
+
+
 class RunConfig(Section):
     """A whole asyncrl job. Presets live beside this module as YAML files."""
 
@@ -282,3 +327,4 @@ class RunConfig(Section):
     gateway: GatewayConfig = GatewayConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
+    learner: LearnerConfig = LearnerConfig()
