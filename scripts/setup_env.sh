@@ -17,19 +17,21 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# Some machines configure pip with package locations that may be missing; pip warns about each one.
+quiet_pip() { "${PIP[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }; }
 
 # torch first: with a CPU build already installed, the project's torch range is satisfied and
 # nothing pulls gigabytes of CUDA wheels.
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
         echo "[setup] GPU found: installing the default (CUDA) torch build"
-        "${PIP[@]}" install -q "torch>=2.4,<2.15"
+        quiet_pip install -q "torch>=2.4,<2.15"
     elif [ -n "${ASYNCRL_TORCH_INDEX:-}" ]; then
         echo "[setup] no GPU: installing CPU torch from $ASYNCRL_TORCH_INDEX"
-        "${PIP[@]}" install -q torch==2.13.0 --index-url "$ASYNCRL_TORCH_INDEX"
+        quiet_pip install -q torch==2.13.0 --index-url "$ASYNCRL_TORCH_INDEX"
     else
         echo "[setup] no GPU: installing torch 2.13.0 (CPU build where the machine provides one)"
-        "${PIP[@]}" install -q torch==2.13.0
+        quiet_pip install -q torch==2.13.0
     fi
 fi
 
@@ -37,7 +39,7 @@ fi
 STAMP="$VENV/.asyncrl-installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     echo "[setup] installing asyncrl and its dependencies"
-    "${PIP[@]}" install -q -e "$ROOT[dev]"
+    quiet_pip install -q -e "$ROOT[dev]"
     touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
