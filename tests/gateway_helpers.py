@@ -38,9 +38,9 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 TOKENIZER = build_tokenizer()
 
 
-def scripted_model():
+def scripted_model(script: list[str] = SCRIPT):
     model = build_tiny_model(TinyModelConfig(**SHAPE), seed=0).eval()
-    ids = [TOKENIZER.convert_tokens_to_ids(t) for t in SCRIPT]
+    ids = [TOKENIZER.convert_tokens_to_ids(t) for t in script]
     hidden = SHAPE["hidden_size"]
     with torch.no_grad():
         for layer in model.model.layers:
