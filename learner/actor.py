@@ -1,0 +1,54 @@
+"""The RL learner as a Ray actor, so it runs beside the rollout workers on its own CPUs (or device).
+
+The scheduler drives it with a handful of verbs; weights leave it as an ObjectRef:
+
+    metrics = ray.get(learner.train_step.remote(samples))
+    if metrics["push_due"]:
+        push_weights(workers, learner.state.remote(), metrics["version"])
+
+`state.remote()` returns the state dict's ObjectRef, which `push_weights` hands to every worker as
+it is: the weights are serialized once, by the learner, and never pass through the driver.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from asyncrl.configs.schema import RunConfig
+from asyncrl.gateway.samples import Sample
+
+from .rl import RLLearner
+
+
+@ray.remote
+class LearnerActor:
+    def __init__(self, config: RunConfig | dict, resume_from: str | None = None) -> None:
+        """Builds the policy of `config.policy`; `resume_from` is a directory written by `save`."""
+        config = RunConfig.model_validate(config)
+        # Its own thread budget: the rollout workers and the gateway share the same cores.
+        torch.set_num_threads(config.learner.torch_threads)
+        self.learner = RLLearner.from_config(config)
+        if resume_from is not None:
+            self.learner.load(resume_from)
+
+    def train_step(self, samples: list[Sample], current_version: int | None = None) -> dict:
+        return self.learner.train_step(samples, current_version)
+
+    def version(self) -> int:
+        return self.learner.version
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.learner.state_dict_for_push()
+
+    def save(self, directory: str) -> str:
+        return str(self.learner.save(directory))
+
+    def load(self, directory: str) -> int:
+        self.learner.load(directory)
+        return self.learner.version
+
+
+def create_learner(config: RunConfig, resume_from: str | None = None):
+    """Start the LearnerActor on `config.learner.num_cpus` CPUs (call after `ray.init()`)."""
+    return LearnerActor.options(num_cpus=config.learner.num_cpus).remote(config.model_dump(), resume_from)

@@ -1,0 +1,96 @@
+"""From selected samples to the padded tensors of the RL learner's micro-batches.
+
+Samples are bucketed by length the way SFT buckets demonstrations (`sft_data.length_buckets`) and
+each bucket is cut so that no micro-batch holds more than `max_tokens` padded tokens (rows x
+longest row), which bounds activation memory whatever the mix of short and long rollouts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.gateway.samples import Sample
+
+from .selection import oldest_version
+from .sft_data import collate, length_buckets
+
+
+@dataclass
+class Row:
+    """One sample to compute, with its advantage (padding repeats are rows of their own)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    advantage: float
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    """[B, T] token ids, right-padded."""
+    attention_mask: torch.Tensor
+    """[B, T] 1 on real tokens."""
+    loss_mask: torch.Tensor
+    """[B, T] float, 1 exactly on sampled tokens."""
+    rollout_logprobs: torch.Tensor
+    """[B, T] log-prob of each sampled token under the distribution it was sampled from; 0 elsewhere."""
+    advantages: torch.Tensor
+    """[B] one advantage per row."""
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(*(t.to(device) for t in vars(self).values()))
+
+
+def to_rows(samples: Sequence[Sample], advantages: Sequence[float]) -> list[Row]:
+    """Pair samples with advantages, refusing samples the learner cannot score."""
+    rows = []
+    for sample, advantage in zip(samples, advantages, strict=True):
+        n = len(sample.token_ids)
+        if not (len(sample.loss_mask) == len(sample.logprobs) == len(sample.versions) == n):
+            raise ValueError(f"rollout {sample.rollout_id!r}: token_ids, loss_mask, logprobs and versions differ in length")
+        if n and sample.loss_mask[0]:
+            # Position 0 has no context to predict it from; it can only be a prompt token.
+            raise ValueError(f"rollout {sample.rollout_id!r}: its first token is marked as sampled")
+        rows.append(Row(sample.token_ids, sample.loss_mask, sample.logprobs, float(advantage)))
+    return rows
+
+
+def micro_batches(rows: list[Row], pad_token_id: int, max_tokens: int) -> list[MicroBatch]:
+    """Length-bucketed micro-batches of at most `max_tokens` padded tokens (at least one row each)."""
+    batches = []
+    for bucket in length_buckets(rows):  # sorted by length, so a chunk's longest row is its last
+        chunk: list[Row] = []
+        for row in bucket:
+            if chunk and (len(chunk) + 1) * len(row.token_ids) > max_tokens:
+                batches.append(_collate(chunk, pad_token_id))
+                chunk = []
+            chunk.append(row)
+        batches.append(_collate(chunk, pad_token_id))
+    return batches
+
+
+def _collate(rows: list[Row], pad_token_id: int) -> MicroBatch:
+    tensors = collate(rows, pad_token_id)
+    logprobs = torch.zeros_like(tensors["loss_mask"])
+    for i, row in enumerate(rows):
+        logprobs[i, : len(row.logprobs)] = torch.tensor(row.logprobs, dtype=torch.float32)
+    return MicroBatch(
+        input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], loss_mask=tensors["loss_mask"],
+        rollout_logprobs=logprobs, advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+    )  # fmt: skip
+
+
+def staleness_histogram(samples: Sequence[Sample], current_version: int) -> dict[int, int]:
+    """Rollouts per version lag (current version - oldest sampled-token version), before any drop."""
+    lags: dict[str, int] = {}
+    for sample in samples:
+        oldest = oldest_version(sample)
+        if oldest is not None:
+            lag = current_version - oldest
+            lags[sample.rollout_id] = max(lag, lags.get(sample.rollout_id, lag))
+    return dict(sorted(Counter(lags.values()).items()))

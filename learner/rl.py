@@ -1,0 +1,291 @@
+"""The RL learner: one optimizer step per call on the samples of complete GRPO groups (DESIGN §4).
+
+A step is a few named verbs:
+
+    select      -> drop aborted, crashed and stale rollouts; fill or drop GRPO groups (`selection`)
+    advantages  -> group-relative advantages over the filled groups, padding repeats included
+    accumulate  -> teacher-forced log-probs of every sampled token, the objective, backward
+    step        -> gradient clip, AdamW; the policy version goes up by one
+
+Groups whose rewards are all equal have zero advantage, so their samples give exactly zero
+gradient: they are counted as trained but never run through the model (about 45% of a step's time
+on the tiny policy, MEASUREMENTS.md). The loss is divided by the trainable tokens of *every*
+selected sample, skipped ones included, so skipping changes the cost of a step and nothing else.
+
+Sampling temperature: engines report the log-prob of the distribution they actually sampled from,
+i.e. softmax(logits / T). The learner divides its logits by the same T (`sampling_temperature`;
+`from_config` takes `rollout.sampling.temperature`), otherwise every ratio would be off by the
+temperature and the masks would drop good tokens. Greedy rollouts (T = 0) report raw log-probs, so
+T = 0 means 1 here. top-k / top-p renormalise over a truncated distribution the learner does not
+reproduce; such runs get a warning and ratios below 1 on every truncated step.
+
+This module knows nothing of Ray or the loop: the scheduler calls `train_step`, pushes
+`state_dict_for_push()` when a step reports `push_due`, and calls `save` every
+`checkpoint_every` steps.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from asyncrl.configs.schema import LearnerConfig, RunConfig
+from asyncrl.gateway.samples import Sample
+from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
+from asyncrl.policy.mtp import MTPLayer, mtp_loss, policy_hidden_and_logits
+
+from .batch import MicroBatch, Row, micro_batches, staleness_histogram, to_rows
+from .objectives import ObjectiveOutput, double_sided_is_loss, group_advantages, icepop_grpo_loss
+from .selection import Account, Selection, select
+
+STATE_FILE = "learner_state.pt"
+"""Optimizer state and policy version, saved beside the HF checkpoint."""
+
+Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ObjectiveOutput]
+
+
+def make_objective(config: LearnerConfig) -> Objective:
+    """(logp, logp_rollout, advantages, loss_mask) -> ObjectiveOutput, as the config selects."""
+    if config.objective == "icepop_grpo":
+        return partial(icepop_grpo_loss, eps_low=config.eps_low, eps_high=config.eps_high, beta=config.icepop_beta)
+    return partial(double_sided_is_loss, eps_low=config.eps_low, eps_high=config.eps_high)
+
+
+def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, T-1]: log-prob of token j+1 given tokens 0..j, at the sampling temperature (float32)."""
+    scaled = logits[:, :-1].float() / temperature
+    chosen = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return chosen - torch.logsumexp(scaled, dim=-1)
+
+
+def advantages_for(selection: Selection, normalize_std: bool) -> list[float]:
+    """Group-relative advantages of the selected batch; exactly 0 for every all-equal group.
+
+    The exact zero matters: a float mean of equal rewards can differ from them in the last bit,
+    and only an exact zero lets those samples be skipped without changing the step.
+    """
+    if not selection.batch:
+        return []
+    rewards = torch.tensor([s.reward for s in selection.batch], dtype=torch.float64)
+    index = torch.tensor(selection.group_of)
+    advantages = group_advantages(rewards, index, normalize_std=normalize_std).tolist()
+    spread: dict[int, set[float]] = {}
+    for group, reward in zip(selection.group_of, rewards.tolist()):
+        spread.setdefault(group, set()).add(reward)
+    return [0.0 if len(spread[g]) == 1 else a for g, a in zip(selection.group_of, advantages)]
+
+
+@dataclass
+class _StepStats:
+    """Sums over the computed micro-batches of one step."""
+
+    loss: float = 0.0
+    mtp_loss: float = 0.0
+    trainable: int = 0
+    kept: int = 0
+    ratio_sum: float = 0.0
+    ratio_min: float = float("inf")
+    ratio_max: float = float("-inf")
+    abs_logp_diff_sum: float = 0.0
+    tokens: int = 0
+    micro_batches: int = 0
+
+    def add(self, out: ObjectiveOutput, logp: torch.Tensor, batch: MicroBatch, mask: torch.Tensor) -> None:
+        trainable = mask.bool()
+        ratios = out.ratio[trainable]
+        self.trainable += int(trainable.sum())
+        self.kept += int(out.kept[trainable].sum())
+        if ratios.numel():
+            self.ratio_sum += float(ratios.sum())
+            self.ratio_min = min(self.ratio_min, float(ratios.min()))
+            self.ratio_max = max(self.ratio_max, float(ratios.max()))
+        diff = (logp.detach() - batch.rollout_logprobs[:, 1:]).abs()
+        self.abs_logp_diff_sum += float(diff[trainable].sum())
+        self.tokens += int(batch.attention_mask.sum())
+        self.micro_batches += 1
+
+    def metrics(self) -> dict[str, float | int | None]:
+        n = self.trainable
+        return {
+            "masked_token_frac": 1.0 - self.kept / n if n else 0.0,
+            "ratio_mean": self.ratio_sum / n if n else None,
+            "ratio_min": self.ratio_min if n else None,
+            "ratio_max": self.ratio_max if n else None,
+            "abs_logp_diff": self.abs_logp_diff_sum / n if n else None,
+            "computed_tokens": self.tokens,
+            "computed_trainable_tokens": n,
+            "micro_batches": self.micro_batches,
+        }
+
+
+class RLLearner:
+    """Trains a policy (any HF causal LM, plus its MTP layer if any) on rollout samples."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        model: torch.nn.Module,
+        tokenizer,
+        mtp: MTPLayer | None = None,
+        *,
+        sampling_temperature: float = 1.0,
+        mtp_depth: int = 1,
+        version: int = 0,
+    ) -> None:
+        self.config = config
+        # Eval mode: no dropout, so the learner scores the very function the engines sample from
+        # (gradients flow all the same).
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.mtp = mtp.eval() if mtp is not None else None
+        self.temperature = sampling_temperature if sampling_temperature > 0 else 1.0
+        self.mtp_depth = mtp_depth
+        self.version = version
+        """Policy version of the current weights: +1 per optimizer step."""
+        self.objective = make_objective(config)
+        if config.freeze_indexer:
+            for name, param in model.named_parameters():
+                if ".indexer." in name:
+                    param.requires_grad_(False)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if self._trains_mtp:
+            # The MTP layer shares the policy's embedding and head; list those only once.
+            seen = {id(p) for p in self.params}
+            self.params += [p for p in self.mtp.parameters() if p.requires_grad and id(p) not in seen]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def from_config(cls, run: RunConfig) -> "RLLearner":
+        """The policy of `run.policy` (a checkpoint, or the tiny policy) at the run's sampling temperature."""
+        sampling = run.rollout.sampling
+        if sampling.top_p < 1.0 or sampling.top_k > 0:
+            warnings.warn(
+                "rollouts sample with top-k/top-p: their log-probs are of a truncated distribution the learner "
+                "does not reproduce, so importance ratios are biased below 1",
+                stacklevel=2,
+            )
+        model, tokenizer, mtp = build_policy(run.policy, run.seed)
+        return cls(
+            run.learner, model, tokenizer, mtp,
+            sampling_temperature=sampling.temperature, mtp_depth=run.policy.mtp.train_depth,
+        )  # fmt: skip
+
+    # -- one optimizer step -------------------------------------------------------------------
+
+    def train_step(self, samples: Sequence[Sample], current_version: int | None = None) -> dict:
+        """Select, compute advantages, accumulate gradients, step; returns the step's metrics.
+
+        `samples` must hold complete GRPO groups (every rollout of a group, aborted ones too).
+        `current_version` is the version staleness is measured against (default: this learner's).
+        With nothing to learn from (every group dropped or all-equal) no optimizer step is taken
+        and the version stays; the rollouts are still accounted for in the returned ledger.
+        """
+        start = time.perf_counter()
+        current = self.version if current_version is None else current_version
+        selection = select(
+            samples, current_version=current, max_staleness=self.config.max_staleness,
+            group_size=self.config.group_size, crash_statuses=self.config.crash_statuses,
+        )  # fmt: skip
+        advantages = advantages_for(selection, self.config.normalize_adv_std)
+        rows = to_rows(selection.batch, advantages)
+        computed = [row for row in rows if row.advantage != 0.0]
+        trainable = sum(sum(row.loss_mask[1:]) for row in rows)
+        stats = self._accumulate(computed, trainable)
+        grad_norm = self._step() if computed else None
+        push_due = grad_norm is not None and self.version % self.config.push_every == 0
+        if push_due and self.config.reset_optimizer_on_push:
+            self.reset_optimizer()  # fresh moments for the policy the engines are about to serve
+        metrics = {
+            "version": self.version, "stepped": grad_norm is not None, "push_due": push_due,
+            "loss": stats.loss, "grad_norm": grad_norm,
+            "mtp_loss": stats.mtp_loss if self._trains_mtp else None,
+            **stats.metrics(),
+            "trainable_tokens": trainable, "samples": len(rows), "skipped_zero_adv": len(rows) - len(computed),
+        }  # fmt: skip
+        return {**metrics, **_selection_metrics(samples, selection, current), "step_s": time.perf_counter() - start}
+
+    @property
+    def _trains_mtp(self) -> bool:
+        return self.mtp is not None and self.config.mtp_loss_weight > 0
+
+    def _accumulate(self, rows: list[Row], total_trainable: int) -> _StepStats:
+        """Forward and backward every micro-batch; gradients add up to the whole step's token mean."""
+        stats = _StepStats()
+        computed_trainable = sum(sum(r.loss_mask[1:]) for r in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        for batch in micro_batches(rows, pad, self.config.micro_batch_tokens):
+            batch = batch.to(self.device)
+            hidden, logits = policy_hidden_and_logits(self.model, batch.input_ids, batch.attention_mask)
+            logp = sampled_logprobs(logits, batch.input_ids, self.temperature)
+            mask = batch.loss_mask[:, 1:]
+            out = self.objective(logp, batch.rollout_logprobs[:, 1:], batch.advantages, mask)
+            # The objective divides by this micro-batch's trainable tokens; rescale to the step's.
+            loss = out.loss * (float(mask.sum()) / max(total_trainable, 1))
+            if self._trains_mtp:
+                # Detached hidden states: the drafter follows the policy without pulling the trunk
+                # toward every sampled token (negative-advantage ones included).
+                aux = mtp_loss(
+                    self.model, self.mtp, hidden.detach(), batch.input_ids, batch.attention_mask,
+                    batch.loss_mask, self.mtp_depth, float(max(computed_trainable, 1)),
+                )  # fmt: skip
+                (loss + self.config.mtp_loss_weight * aux).backward()
+                stats.mtp_loss += aux.item()
+            else:
+                loss.backward()
+            stats.loss += loss.item()
+            stats.add(out, logp, batch, mask)
+        return stats
+
+    def _step(self) -> float:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return float(grad_norm)
+
+    # -- weights, checkpoints, optimizer ------------------------------------------------------
+
+    def state_dict_for_push(self) -> dict[str, torch.Tensor]:
+        """The policy's weights (no MTP layer), as CPU copies the engines can load while training goes on."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
+
+    def reset_optimizer(self) -> None:
+        self.optimizer.state.clear()
+
+    def save(self, directory: str | Path) -> Path:
+        """An HF checkpoint (policy + MTP layer) with the optimizer state and version beside it."""
+        provenance = {"asyncrl": {"stage": "rl", "version": self.version}}
+        directory = save_policy(directory, self.model, self.tokenizer, self.mtp, extra_config=provenance)
+        state = {"version": self.version, "optimizer": self.optimizer.state_dict(), "config": self.config.model_dump()}
+        torch.save(state, directory / STATE_FILE)
+        return directory
+
+    def load(self, directory: str | Path) -> None:
+        """Resume from `save`: weights, MTP layer, optimizer moments and version."""
+        directory = Path(directory)
+        model, _, mtp = load_policy(directory)
+        self.model.load_state_dict(model.state_dict())
+        if self.mtp is not None and mtp is not None:
+            self.mtp.load_state_dict(mtp.state_dict())
+        state = torch.load(directory / STATE_FILE, map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
+
+def _selection_metrics(samples: Sequence[Sample], selection: Selection, current_version: int) -> dict:
+    """What happened to the rollouts: the ledger (all five accounts), groups, padding, staleness."""
+    ledger = selection.ledger()
+    return {
+        "ledger": {account.value: ledger.get(account.value, 0) for account in Account},
+        "rollouts": len(selection.accounts),
+        "groups": len(set(selection.group_of)),
+        "padded": selection.padded,
+        "staleness": staleness_histogram(samples, current_version),
+    }

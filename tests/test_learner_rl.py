@@ -1,0 +1,223 @@
+"""The RL learner end to end on hand-built samples and a tiny dense policy.
+
+The objectives' exact values are tested in test_objectives.py and the drop/fill rules in
+test_selection-style tests of `select`; here the question is whether the learner wires them
+together: the right tokens get gradient, the ledger adds up, skipping and micro-batching change
+nothing but cost, and a saved learner resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from asyncrl.configs.schema import LearnerConfig
+from asyncrl.gateway.samples import UNSAMPLED_VERSION, Sample
+from asyncrl.learner.rl import RLLearner, sampled_logprobs
+from asyncrl.policy.mtp import build_mtp
+from asyncrl.policy.tokenizer import build_tokenizer
+
+PROMPT = [3, 4, 5]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_learner(mtp: bool = False, *, seed: int = 0, temperature: float = 1.0, **config) -> RLLearner:
+    model = make_tiny_model("qwen3", seed=seed)
+    config = LearnerConfig(**{"group_size": 2, "lr": 1e-3, "weight_decay": 0.0, **config})
+    return RLLearner(config, model, build_tokenizer(), build_mtp(model, seed=1) if mtp else None, sampling_temperature=temperature)
+
+
+def model_logprobs(learner: RLLearner, token_ids: list[int], temperature: float = 1.0) -> list[float]:
+    """The policy's current log-prob of every token given the ones before it (0.0 for token 0)."""
+    with torch.no_grad():
+        logits = learner.model(input_ids=torch.tensor([token_ids])).logits
+        return [0.0] + sampled_logprobs(logits, torch.tensor([token_ids]), temperature)[0].tolist()
+
+
+def sample(
+    learner: RLLearner, rollout: str, group: str, reward: float, completion: list[int], *,
+    env: list[int] = (), more: list[int] = (), version: int = 0, status: str = "ok", temperature: float = 1.0,
+) -> Sample:  # fmt: skip
+    """PROMPT, a sampled completion, optional environment tokens and a second sampled turn; the
+    rollout log-probs are the policy's own (ratio 1) unless a test edits them."""
+    token_ids = PROMPT + completion + list(env) + list(more)
+    loss_mask = [0] * len(PROMPT) + [1] * len(completion) + [0] * len(env) + [1] * len(more)
+    logprobs = [lp if m else 0.0 for lp, m in zip(model_logprobs(learner, token_ids, temperature), loss_mask)]
+    versions = [version if m else UNSAMPLED_VERSION for m in loss_mask]
+    return Sample(token_ids, loss_mask, logprobs, versions, reward, group, rollout, status)
+
+
+def capture_logits(learner: RLLearner) -> list[torch.Tensor]:
+    """Logits of every policy forward, kept with their gradient after backward."""
+    captured: list[torch.Tensor] = []
+
+    def hook(_module, _inputs, output):
+        output.retain_grad()
+        captured.append(output)
+
+    learner.model.lm_head.register_forward_hook(hook)
+    return captured
+
+
+def test_positive_advantage_rises_and_negative_falls():
+    learner = make_learner()
+    good = sample(learner, "a", "g", 1.0, [10, 11, 12])
+    bad = sample(learner, "b", "g", 0.0, [20, 21, 22])
+    before = [sum(model_logprobs(learner, s.token_ids)[3:]) for s in (good, bad)]
+    metrics = learner.train_step([good, bad])
+    after = [sum(model_logprobs(learner, s.token_ids)[3:]) for s in (good, bad)]
+    assert metrics["stepped"] and metrics["version"] == learner.version == 1
+    assert after[0] > before[0] and after[1] < before[1]
+    # On-policy samples: every ratio is 1 and nothing is masked.
+    assert metrics["masked_token_frac"] == 0.0
+    assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-5) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["abs_logp_diff"] == pytest.approx(0.0, abs=1e-5)
+    assert metrics["trainable_tokens"] == 6 and metrics["computed_tokens"] == 12
+
+
+def test_environment_tokens_get_exactly_zero_gradient():
+    learner = make_learner()
+    env = [30, 31, 32]
+    samples = [
+        sample(learner, "a", "g", 1.0, [10, 11], env=env, more=[12, 13]),
+        sample(learner, "b", "g", 0.0, [20, 21], env=env, more=[22, 23]),
+    ]
+    for s in samples:  # env tokens look on-policy (ratio 1): only the loss mask can keep them out
+        s.logprobs = model_logprobs(learner, s.token_ids)
+    logits = capture_logits(learner)
+    learner.train_step(samples)
+    grad = logits[0].grad  # [2, T, V]; row j-1 predicts token j
+    env_positions = [j for j, m in enumerate(samples[0].loss_mask) if not m][1:]
+    sampled_positions = [j for j, m in enumerate(samples[0].loss_mask) if m]
+    for j in env_positions:
+        assert torch.count_nonzero(grad[:, j - 1]) == 0, f"token {j} (mask 0) got gradient"
+    for j in sampled_positions:
+        assert grad[:, j - 1].abs().sum() > 0, f"sampled token {j} got no gradient"
+
+
+@pytest.mark.parametrize("objective", ["icepop_grpo", "double_sided_is"])
+def test_token_outside_the_ratio_mask_gets_exactly_zero_gradient(objective):
+    learner = make_learner(objective=objective)
+    samples = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21, 22])]
+    far = 4  # token 4 of rollout a: rollout log-prob 3 nats below the policy's, ratio e^3 = 20
+    samples[0].logprobs[far] -= 3.0
+    logits = capture_logits(learner)
+    metrics = learner.train_step(samples)
+    grad = logits[0].grad
+    assert torch.count_nonzero(grad[0, far - 1]) == 0
+    assert all(grad[0, j - 1].abs().sum() > 0 for j in (3, 5))
+    assert metrics["masked_token_frac"] == pytest.approx(1 / 6)
+    assert metrics["ratio_max"] == pytest.approx(torch.e**3, rel=1e-4)
+
+
+def test_stale_and_crashed_rollouts_are_dropped_and_the_ledger_adds_up():
+    learner = make_learner(group_size=4, max_staleness=2)
+    learner.version = 5
+
+    def group(name: str, **special: dict) -> list[Sample]:
+        """Four rollouts with rewards 1, 0, 1, 0 sampled at version 5 unless `special[i]` says otherwise."""
+        return [
+            sample(learner, f"{name}{i}", name, i % 2 == 0, [10 + i, 11], **{"version": 5, **special.get(str(i), {})})
+            for i in range(4)
+        ]
+
+    samples = (
+        group("fresh", **{"0": {"version": 3}})  # lag 2 = tau: kept
+        + group("crash", **{"3": {"status": "env_crash"}})  # 3 of 4 survive: padded to 4
+        + group("stale", **{"0": {"version": 2}, "1": {"version": 1}})  # lags 3 and 4: 2 of 4 left, dropped
+        + group("gone", **{"0": {"status": "aborted"}, "1": {"status": "error"}})  # 2 of 4 left, dropped
+    )
+    metrics = learner.train_step(samples)
+    assert metrics["ledger"] == {"trained": 7, "dropped_stale": 2, "dropped_crash": 2, "dropped_group": 4, "aborted": 1}
+    assert sum(metrics["ledger"].values()) == metrics["rollouts"] == 16
+    assert metrics["groups"] == 2 and metrics["padded"] == 1 and metrics["samples"] == 8
+    assert metrics["staleness"] == {0: 13, 2: 1, 3: 1, 4: 1}
+    assert metrics["version"] == 6
+
+
+def test_all_equal_groups_are_counted_but_not_computed():
+    learner = make_learner(group_size=2)
+    informative = [sample(learner, "a", "g", 1.0, [10, 11]), sample(learner, "b", "g", 0.0, [20, 21])]
+    solved = [sample(learner, "c", "h", 1.0, [12, 13, 14, 15]), sample(learner, "d", "h", 1.0, [12, 13, 14, 16])]
+    metrics = learner.train_step(informative + solved)
+    assert metrics["ledger"]["trained"] == 4 and metrics["skipped_zero_adv"] == 2
+    assert metrics["computed_trainable_tokens"] == 4 and metrics["trainable_tokens"] == 12
+    assert metrics["computed_tokens"] == 10  # only the informative group ran through the model
+
+    nothing = learner.train_step(solved)
+    assert not nothing["stepped"] and nothing["version"] == 1 and nothing["ledger"]["trained"] == 2
+    assert nothing["computed_tokens"] == 0 and nothing["grad_norm"] is None and not nothing["push_due"]
+
+
+def test_micro_batches_give_the_step_of_one_batch():
+    one, many = make_learner(), make_learner(micro_batch_tokens=8)
+    batches = []
+    for learner in (one, many):
+        batches.append([
+            sample(learner, "a", "g", 1.0, [10, 11]), sample(learner, "b", "g", 0.0, [20, 21, 22, 23, 24, 25]),
+            sample(learner, "c", "h", 0.5, [12]), sample(learner, "d", "h", 0.0, [13, 14, 15]),
+        ])  # fmt: skip
+    a, b = one.train_step(batches[0]), many.train_step(batches[1])
+    assert a["micro_batches"] == 2 and b["micro_batches"] == 4  # the length buckets, then the token cap
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    for p, q in zip(one.model.parameters(), many.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_learner_divides_logits_by_the_sampling_temperature():
+    hot = make_learner(temperature=2.0)
+    samples = [
+        sample(hot, "a", "g", 1.0, [10, 11, 12], temperature=2.0),
+        sample(hot, "b", "g", 0.0, [20, 21, 22], temperature=2.0),
+    ]
+    assert hot.train_step(samples)["abs_logp_diff"] == pytest.approx(0.0, abs=1e-5)
+    cold = make_learner(temperature=1.0)
+    assert cold.train_step(samples)["abs_logp_diff"] > 0.1
+
+
+def test_push_due_every_k_steps_and_optional_optimizer_reset():
+    learner = make_learner(push_every=2, reset_optimizer_on_push=True)
+    samples = [sample(learner, "a", "g", 1.0, [10, 11]), sample(learner, "b", "g", 0.0, [20, 21])]
+    first = learner.train_step(samples)
+    assert not first["push_due"] and len(learner.optimizer.state) > 0
+    second = learner.train_step(samples)
+    assert second["push_due"] and second["version"] == 2 and len(learner.optimizer.state) == 0
+    pushed = learner.state_dict_for_push()
+    assert pushed.keys() == learner.model.state_dict().keys()
+    name = next(iter(pushed))
+    assert pushed[name].data_ptr() != learner.model.state_dict()[name].data_ptr()  # a copy, not the live weights
+
+
+def test_save_and_load_resume_version_weights_and_optimizer(tmp_path):
+    learner = make_learner(mtp=True, mtp_loss_weight=0.5)
+    samples = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21, 22])]
+    assert learner.train_step(samples)["mtp_loss"] > 0
+    learner.train_step(samples)
+    learner.save(tmp_path / "ckpt")
+
+    resumed = make_learner(mtp=True, mtp_loss_weight=0.5, seed=7)  # different weights until loaded
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.version == 2
+    for key, state in learner.optimizer.state_dict()["state"].items():
+        torch.testing.assert_close(resumed.optimizer.state_dict()["state"][key]["exp_avg"], state["exp_avg"])
+    learner.train_step(samples)
+    resumed.train_step(samples)
+    assert resumed.version == learner.version == 3
+    for p, q in zip(learner.params, resumed.params):
+        torch.testing.assert_close(p, q)
+
+
+def test_malformed_samples_are_refused():
+    learner = make_learner()
+    bad = sample(learner, "a", "g", 1.0, [10])
+    bad.loss_mask[0] = 1
+    with pytest.raises(ValueError, match="first token"):
+        learner.train_step([bad, sample(learner, "b", "g", 0.0, [11])])
