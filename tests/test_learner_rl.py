@@ -145,12 +145,15 @@ def test_stale_and_crashed_rollouts_are_dropped_and_the_ledger_adds_up():
 
 def test_all_equal_groups_are_counted_but_not_computed():
     learner = make_learner(group_size=2)
-    informative = [sample(learner, "a", "g", 1.0, [10, 11]), sample(learner, "b", "g", 0.0, [20, 21])]
+    informative = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20])]
     solved = [sample(learner, "c", "h", 1.0, [12, 13, 14, 15]), sample(learner, "d", "h", 1.0, [12, 13, 14, 16])]
     metrics = learner.train_step(informative + solved)
     assert metrics["ledger"]["trained"] == 4 and metrics["skipped_zero_adv"] == 2
     assert metrics["computed_trainable_tokens"] == 4 and metrics["trainable_tokens"] == 12
     assert metrics["computed_tokens"] == 10  # only the informative group ran through the model
+    # On-policy, advantages +-1: loss = -(3 * 1 - 1 * 1) / 12. The skipped group's tokens stay in
+    # the denominator, so the step is the one training on all four samples would take.
+    assert metrics["loss"] == pytest.approx(-2 / 12, rel=1e-4)
 
     nothing = learner.train_step(solved)
     assert not nothing["stepped"] and nothing["version"] == 1 and nothing["ledger"]["trained"] == 2
@@ -221,3 +224,17 @@ def test_malformed_samples_are_refused():
     bad.loss_mask[0] = 1
     with pytest.raises(ValueError, match="first token"):
         learner.train_step([bad, sample(learner, "b", "g", 0.0, [11])])
+
+
+def test_glm5_policy_trains_with_mtp_and_a_frozen_indexer():
+    model = make_tiny_model("glm_moe_dsa")
+    config = LearnerConfig(group_size=2, lr=1e-3, mtp_loss_weight=0.3)
+    learner = RLLearner(config, model, build_tokenizer(), build_mtp(model, seed=1))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    samples = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21])]
+    metrics = learner.train_step(samples)
+    assert metrics["stepped"] and metrics["mtp_loss"] > 0 and metrics["masked_token_frac"] == 0.0
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    indexer = {name for name in before if ".indexer." in name}
+    assert indexer and not moved & indexer
+    assert any("self_attn.q_a_proj" in name for name in moved)
