@@ -32,7 +32,8 @@ def _one_thread():
 def make_learner(mtp: bool = False, *, seed: int = 0, temperature: float = 1.0, **config) -> RLLearner:
     model = make_tiny_model("qwen3", seed=seed)
     config = LearnerConfig(**{"group_size": 2, "lr": 1e-3, "weight_decay": 0.0, **config})
-    return RLLearner(config, model, build_tokenizer(), build_mtp(model, seed=1) if mtp else None, sampling_temperature=temperature)
+    mtp_layer = build_mtp(model, seed=1) if mtp else None
+    return RLLearner(config, model, build_tokenizer(), mtp_layer, sampling_temperature=temperature)
 
 
 def model_logprobs(learner: RLLearner, token_ids: list[int], temperature: float = 1.0) -> list[float]:
