@@ -52,7 +52,7 @@ def to_rows(samples: Sequence[Sample], advantages: Sequence[float]) -> list[Row]
     for sample, advantage in zip(samples, advantages, strict=True):
         n = len(sample.token_ids)
         if not (len(sample.loss_mask) == len(sample.logprobs) == len(sample.versions) == n):
-            raise ValueError(f"rollout {sample.rollout_id!r}: token_ids, loss_mask, logprobs, versions differ in length")
+            raise ValueError(f"rollout {sample.rollout_id!r}: token_ids, loss_mask, logprobs, versions lengths differ")
         if n and sample.loss_mask[0]:
             # Position 0 has no context to predict it from; it can only be a prompt token.
             raise ValueError(f"rollout {sample.rollout_id!r}: its first token is marked as sampled")
