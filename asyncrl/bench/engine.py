@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from asyncrl.configs.schema import RunConfig
 
@@ -81,12 +82,16 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
         assert produced == batch * NEW_TOKENS, produced
         return produced / elapsed
 
-    engine_tok_s(BATCH), hf_tok_s(BATCH), engine_tok_s(1)  # warm-up: allocator, thread pools, kernels
     b64, hf64, b1 = [], [], []
-    for _ in range(REPEATS):
-        b64.append(engine_tok_s(BATCH))
-        hf64.append(hf_tok_s(BATCH))
-        b1.append(engine_tok_s(1))
+    with Progress(TextColumn("bench engine"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as progress:
+        task = progress.add_task("measure", total=3 * (REPEATS + 1))
+        for measure in (lambda: engine_tok_s(BATCH), lambda: hf_tok_s(BATCH), lambda: engine_tok_s(1)):
+            measure()  # warm-up: allocator, thread pools, kernels
+            progress.advance(task)
+        for _ in range(REPEATS):
+            for runs, measure in ((b64, lambda: engine_tok_s(BATCH)), (hf64, lambda: hf_tok_s(BATCH)), (b1, lambda: engine_tok_s(1))):
+                runs.append(measure())
+                progress.advance(task)
     engine.shutdown()
 
     results = {
