@@ -82,7 +82,7 @@ def build_service(config: RunConfig):
 def serve(config: RunConfig) -> int:
     import uvicorn
 
-    from .app import create_app
+    from .app import create_app, run_loop, settle_heap
 
     service, handles = build_service(config)
     server = uvicorn.Server(
@@ -98,8 +98,9 @@ def serve(config: RunConfig) -> int:
             print(_banner(config, f"http://{host}:{port}", len(handles), service.store), flush=True)
         await task
 
+    settle_heap()
     try:
-        asyncio.run(main())
+        run_loop(main())
     finally:
         service.close()
         service.store.close()
