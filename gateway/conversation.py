@@ -6,12 +6,19 @@ for, with a mark at every turn boundary: `marks[n] = t` means the first n messag
 first t tokens.
 
 For a request with messages M, the longest recorded prefix of M that ends on a mark is reused as
-tokens, and only the rest of M is rendered. The suffix is never tokenized together with earlier
-text: the template renders M[:k] and M, the full text must start with the prefix text, and only the
+tokens, and only the rest of M is tokenized. The suffix is never tokenized together with earlier
+text: the template renders M once, the rendering must start with the text the reused tokens were
+made from (kept per mark: the rendered prompt text plus the decoded completion), and only the
 difference is tokenized (exact for the char-level tokenizer, and never re-tokenizes earlier turns
-for a BPE one). When the agent rewrote its context, the request's prefix match ends before the
-branch does and the conversation forks: the new branch keeps the exact tokens of the shared turns.
-Nothing matching (or a template that is not prefix-stable) starts a branch rendered fresh.
+for a BPE one). That is one render per turn whenever the template renders earlier turns as they
+were sampled; otherwise (the model wrote " code " where the template writes "code", a turn cut at
+max_tokens that the template closes with EOS, or the template rewrites history) the template also
+renders M[:k], the full text must start with that, and the difference is tokenized. (The two agree
+wherever both apply, except for a template that writes text after a turn's closing token, like
+ChatML's newline after <|im_end|>: one render keeps that text in the next prompt, as the template
+does; rendering M[:k] as well would drop it.) When the agent rewrote its context, the request's prefix match ends before
+the branch does and the conversation forks: the new branch keeps the exact tokens of the shared
+turns. Nothing matching (or a template that is not prefix-stable) starts a branch rendered fresh.
 
 Not thread-safe: the gateway calls it from one event loop, and prepare/commit do not await.
 """
@@ -61,6 +68,12 @@ class Branch:
     fork_reason: ForkReason = "fresh"
     turns: int = 0
     """Turns committed on this branch itself (turns inherited from the parent not counted)."""
+    text: str | None = None
+    """The text the tokens were made from: rendered prompt text and decoded completions (None: unknown)."""
+    text_marks: dict[int, int] = field(default_factory=dict)
+    """message count -> length of `text` at that turn boundary (marks whose text is known)."""
+    unclosed: set[int] = field(default_factory=set)
+    """Marks after a turn that did not end with EOS (cut at max_tokens): always rendered twice."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,8 @@ class Prepared:
     _messages: tuple[MessageKey, ...] = field(repr=False)
     _tools_key: str = field(repr=False)
     _fork_reason: ForkReason = field(repr=False)
+    _text: str | None = field(repr=False, default=None)
+    """The text the prompt tokens were made from (None: not known)."""
 
     def __iter__(self):
         return iter((self.branch_id, self.prompt_token_ids, self.turn_index))
@@ -114,14 +129,21 @@ class Conversation:
         source, k = self._longest_match(keys, tools_key)
         reason: ForkReason = "fresh" if not self._branches else "rewrite"
         if source is not None:
-            prefix = self._render(msgs[:k], tool_defs, generation_prompt=False)
+            end = source.text_marks.get(k)
+            made_from = source.text[:end] if end is not None and source.text is not None else None
+            if made_from is not None and k not in source.unclosed and full.startswith(made_from):
+                prefix = made_from  # the template renders the reused turns as they are: one render
+            else:
+                prefix = self._render(msgs[:k], tool_defs, generation_prompt=False)
             if full.startswith(prefix):
                 base = source.token_ids[: source.marks[k]]
-                prompt = base + self._encode(full[len(prefix) :])
+                suffix = full[len(prefix) :]
+                prompt = base + self._encode(suffix)
                 target = source.id if k == len(source.messages) else None  # None: a fork at mark k
-                return self._prepared(target, prompt, len(base), source.id, k, keys, tools_key, reason)
+                text = None if made_from is None else made_from + suffix
+                return self._prepared(target, prompt, len(base), source.id, k, keys, tools_key, reason, text)
             reason = "template"  # the template rewrites earlier turns (e.g. drops old reasoning)
-        return self._prepared(None, self._encode(full), 0, None, 0, keys, tools_key, reason)
+        return self._prepared(None, self._encode(full), 0, None, 0, keys, tools_key, reason, full)
 
     def commit(self, prepared: Prepared, completion_token_ids: Sequence[int], assistant_message: Mapping) -> int:
         """Record a finished turn: its completion tokens and the assistant message the gateway returned
@@ -137,11 +159,23 @@ class Conversation:
         else:
             reason = prepared._fork_reason if prepared.branch_id != getattr(source, "id", None) else "concurrent"
             inherited = {n: t for n, t in source.marks.items() if n <= prepared._base_messages} if source else {}
-            target = Branch(self._next_branch, [], [], inherited, prepared._tools_key, prepared._source, reason)
+            text_marks = {n: c for n, c in source.text_marks.items() if n in inherited} if source else {}
+            unclosed = {n for n in source.unclosed if n in inherited} if source else set()
+            target = Branch(
+                self._next_branch, [], [], inherited, prepared._tools_key, prepared._source, reason,
+                text_marks=text_marks, unclosed=unclosed,
+            )  # fmt: skip
             self._branches[target.id] = target
             self._next_branch += 1
         target.token_ids, target.messages = tokens, messages
         target.marks[len(messages)] = len(tokens)
+        if prepared._text is None:
+            target.text, target.text_marks = None, {}
+        else:
+            target.text = prepared._text + self.tokenizer.decode(list(completion_token_ids), skip_special_tokens=False)
+            target.text_marks[len(messages)] = len(target.text)
+            if not completion_token_ids or completion_token_ids[-1] != getattr(self.tokenizer, "eos_token_id", None):
+                target.unclosed.add(len(messages))
         target.turns += 1
         return target.id
 
@@ -163,7 +197,7 @@ class Conversation:
                 best, best_rank = branch, rank
         return best, best_rank[0]
 
-    def _prepared(self, branch_id, prompt, reused, source, base_messages, keys, tools_key, reason) -> Prepared:
+    def _prepared(self, branch_id, prompt, reused, source, base_messages, keys, tools_key, reason, text) -> Prepared:
         if branch_id is None and self.max_branches is not None and len(self._branches) >= self.max_branches:
             raise ConversationError(
                 f"this rollout already has {len(self._branches)} branches (max_branches); "
@@ -171,7 +205,7 @@ class Conversation:
             )
         self._calls += 1
         next_id = self._next_branch if branch_id is None else branch_id
-        return Prepared(next_id, prompt, self._calls - 1, reused, source, base_messages, keys, tools_key, reason)
+        return Prepared(next_id, prompt, self._calls - 1, reused, source, base_messages, keys, tools_key, reason, text)
 
     def _render(self, messages: list[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
