@@ -81,8 +81,6 @@ def _completion_ids() -> list[int]:
 
 def _serve(store: str, namespace: str, latency_s: float, ports) -> None:
     """Child process: the gateway with two stub engines, on a free loopback port."""
-    import uvicorn
-
     from asyncrl.gateway.app import create_app
     from asyncrl.gateway.pool import EnginePool
     from asyncrl.gateway.service import GatewayService
@@ -94,7 +92,17 @@ def _serve(store: str, namespace: str, latency_s: float, ports) -> None:
     for i in range(2):
         pool.add_local(StubEngine(f"stub-{i}", _completion_ids(), latency_s))
     service = GatewayService(open_store(store, namespace=namespace), build_tokenizer(), pool, config, SamplingConfig(max_tokens=64))
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="error", backlog=4096))
+    _listen(create_app(service), ports)
+
+
+def _listen(app, ports, **options) -> None:
+    """Serve `app` on a free loopback port (sent on `ports`) as `asyncrl serve` does: uvicorn (httptools
+    where installed), uvloop where installed, the start-up heap frozen out of the garbage collector."""
+    import uvicorn
+
+    from asyncrl.gateway.app import run_loop, settle_heap
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", backlog=4096, **options))
 
     async def main():
         task = asyncio.create_task(server.serve())
@@ -103,16 +111,50 @@ def _serve(store: str, namespace: str, latency_s: float, ports) -> None:
         ports.put(server.servers[0].sockets[0].getsockname()[1])
         await task
 
-    asyncio.run(main())
+    settle_heap()
+    run_loop(main())
 
 
-class Gateway:
-    """A gateway child process for the duration of a `with` block."""
+def _serve_direct(latency_s: float, ports) -> None:
+    """Child process: the direct side, a bare engine behind the same HTTP server. It reads and parses
+    each request, waits `latency_s` and answers with a chat completion shaped like the gateway's, so
+    the client does the same work on both sides; nothing is rendered, routed or recorded."""
+    from asyncrl.gateway import api
+    from asyncrl.gateway.toolcalls import parse_completion
+    from asyncrl.policy.tokenizer import build_tokenizer
+    from asyncrl.rollout.types import GenerationResult
 
-    def __init__(self, store: str, latency_s: float, namespace: str = "bench") -> None:
+    ids = _completion_ids()
+    parsed = parse_completion(ids, build_tokenizer(), TOOLS, lambda: f"call_{0:024x}")
+    result = GenerationResult("", [], ids, [-0.125] * len(ids), [0] * len(ids), "stop", "direct")
+    reply = api.chat_response("direct", "0" * 32, 0, 0, parsed.message(), parsed.finish_reason("stop"), result, 100, 0, None)
+    bodies = {"/v1/chat/completions": json.dumps(reply).encode(), "/rollouts": json.dumps({"rollout_id": "0" * 32, "api_key": "direct"}).encode()}
+
+    async def app(scope, receive, send) -> None:
+        request = b""
+        while True:
+            message = await receive()
+            request += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        json.loads(request)  # an engine reads its request
+        path = scope["path"]
+        if path == "/v1/chat/completions":
+            await asyncio.sleep(latency_s)
+        body = bodies.get(path, b"{}")
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    _listen(app, ports, lifespan="off")
+
+
+class Server:
+    """A server child process (`_serve` or `_serve_direct`) for the duration of a `with` block."""
+
+    def __init__(self, target, *args) -> None:
         context = multiprocessing.get_context("spawn")
         self.ports = context.Queue()
-        self.process = context.Process(target=_serve, args=(store, namespace, latency_s, self.ports), daemon=True)
+        self.process = context.Process(target=target, args=(*args, self.ports), daemon=True)
 
     def __enter__(self) -> str:
         self.process.start()
@@ -121,6 +163,11 @@ class Gateway:
     def __exit__(self, *exc) -> None:
         self.process.terminate()
         self.process.join(30)
+
+
+def Gateway(store: str, latency_s: float, namespace: str = "bench") -> Server:
+    """The gateway with two stub engines, in a child process."""
+    return Server(_serve, store, namespace, latency_s)
 
 
 def _pauses(index: int, turns: int, think_s: float) -> list[float]:
@@ -168,7 +215,7 @@ async def _through_gateway(url: str, sessions: int, turns: int, think_s: float) 
         return walls, errors, time.perf_counter() - start
 
 
-async def _direct(sessions: int, turns: int, think_s: float, latency_s: float) -> list[float]:
+async def _in_process(sessions: int, turns: int, think_s: float, latency_s: float) -> list[float]:
     from asyncrl.rollout.types import SamplingParams
 
     stub, walls = StubEngine("direct", _completion_ids(), latency_s), []
@@ -219,25 +266,71 @@ def _store_appends_per_s(address: str, namespace: str, n: int = 2000) -> float:
     return rate
 
 
+def _schedstat(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of all of `pid`'s threads so far;
+    zeros where the kernel does not report them (Linux /proc/PID/task/*/schedstat)."""
+    run = wait = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            fields = stat.read_text().split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        run, wait = run + int(fields[0]), wait + int(fields[1])
+    return run / 1e9, wait / 1e9
+
+
+def _http_walls(server: Server, cpu: list[tuple[float, float]] | None = None) -> list[float]:
+    """Request walls of the overhead workload through `server` (after a one-turn warm-up). `cpu`
+    gets the server process's (CPU seconds, run-queue wait seconds) per request of that workload."""
+    with server as url:
+        asyncio.run(_through_gateway(url, SESSIONS, 1, 0.0))  # warm-up: template compile, connections
+        before = _schedstat(server.process.pid)
+        walls, errors, _ = asyncio.run(_through_gateway(url, SESSIONS, TURNS, THINK_S))
+        after = _schedstat(server.process.pid)
+    assert not errors, errors[:3]
+    if cpu is not None:
+        cpu.append(((after[0] - before[0]) / len(walls), (after[1] - before[1]) / len(walls)))
+    return walls
+
+
 def run(config: RunConfig, json_path: str | None = None) -> dict:
+    from asyncrl.gateway.app import settle_heap
+
+    _completion_ids()  # imports the tokenizer stack here, before the heap is settled
+    settle_heap()  # the client's own collector pauses would land on whichever side is running
     results: dict = {}
     with TemporaryDirectory() as tmp:
-        gateway_walls, direct_walls, server = [], [], []
+        sides: dict[str, list[list[float]]] = {"gateway": [], "direct": [], "in_process": []}
+        server, cpu = [], {"gateway": [], "direct": []}
         for repeat in range(REPEATS):
             store = str(Path(tmp) / f"overhead-{repeat}.db")
-            with Gateway(store, ENGINE_LATENCY_S) as url:
-                asyncio.run(_through_gateway(url, SESSIONS, 1, 0.0))  # warm-up: template compile, connections
-                walls, errors, _ = asyncio.run(_through_gateway(url, SESSIONS, TURNS, THINK_S))
-                assert not errors, errors[:3]
-            gateway_walls.append(walls)
-            direct_walls.append(asyncio.run(_direct(SESSIONS, TURNS, THINK_S, ENGINE_LATENCY_S)))
+            order = ("gateway", "direct") if repeat % 2 == 0 else ("direct", "gateway")
+            for side in order:
+                if side == "gateway":
+                    sides["gateway"].append(_http_walls(Gateway(store, ENGINE_LATENCY_S), cpu["gateway"]))
+                else:
+                    sides["direct"].append(_http_walls(Server(_serve_direct, ENGINE_LATENCY_S), cpu["direct"]))
+            sides["in_process"].append(asyncio.run(_in_process(SESSIONS, TURNS, THINK_S, ENGINE_LATENCY_S)))
             server += _server_overhead(store)
         for q in (50, 99):
-            overheads = [_pct(g, q) - _pct(d, q) for g, d in zip(gateway_walls, direct_walls)]
+            pct = {name: [_pct(walls, q) for walls in runs] for name, runs in sides.items()}
+            overheads = [g - d for g, d in zip(pct["gateway"], pct["direct"])]
             results[f"overhead_p{q}_ms"] = round(1000 * statistics.median(overheads), 3)
             results[f"server_overhead_p{q}_ms"] = round(1000 * _pct(server, q), 3)
-            results[f"gateway_p{q}_ms"] = round(1000 * statistics.median(_pct(g, q) for g in gateway_walls), 3)
-            results[f"direct_p{q}_ms"] = round(1000 * statistics.median(_pct(d, q) for d in direct_walls), 3)
+            results[f"gateway_p{q}_ms"] = round(1000 * statistics.median(pct["gateway"]), 3)
+            results[f"direct_p{q}_ms"] = round(1000 * statistics.median(pct["direct"]), 3)
+            # The pre-2026-11-29 method (an in-process engine call as the baseline) for comparison:
+            # it also charges the client's HTTP and JSON work and the loopback round trip to the gateway.
+            inproc = [g - d for g, d in zip(pct["gateway"], pct["in_process"])]
+            results[f"overhead_vs_in_process_p{q}_ms"] = round(1000 * statistics.median(inproc), 3)
+        # Process CPU time per request (all threads) and time spent runnable but waiting for a core:
+        # the first is the server's own cost, the second what a busy machine added to it.
+        for name, samples in cpu.items():
+            results[f"{name}_cpu_ms_per_request"] = round(1000 * statistics.median(c for c, _ in samples), 3)
+            results[f"{name}_cpu_wait_ms_per_request"] = round(1000 * statistics.median(w for _, w in samples), 3)
+        results["overhead_repeats_ms"] = {
+            f"p{q}": [round(1000 * (_pct(g, q) - _pct(d, q)), 2) for g, d in zip(sides["gateway"], sides["direct"])] for q in (50, 99)
+        }
 
         with Gateway(str(Path(tmp) / "sessions.db"), BIG_LATENCY_S) as url:
             walls, errors, elapsed = asyncio.run(_through_gateway(url, BIG_SESSIONS, BIG_TURNS, THINK_S))
@@ -268,6 +361,7 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
         "sessions": SESSIONS, "turns": TURNS, "repeats": REPEATS, "engine_latency_s": ENGINE_LATENCY_S,
         "think_s": THINK_S, "offered_load_req_s": round(SESSIONS / (ENGINE_LATENCY_S + THINK_S), 1),
         "engines": "2 StubEngine (asyncio.sleep)", "store": "sqlite (overhead, sessions)", "client": "aiohttp, separate process",
+        "direct": "bare ASGI engine stub on the same uvicorn, same client and requests",
         "machine": platform.machine(), "python": platform.python_version(),
     }  # fmt: skip
     if json_path:
