@@ -19,7 +19,11 @@ class RecordingTokenizer:
     """The real tokenizer, remembering every text it was asked to encode."""
 
     def __init__(self, tokenizer) -> None:
-        self._tokenizer, self.encoded = tokenizer, []
+        self._tokenizer, self.encoded, self.renders = tokenizer, [], 0
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.renders += 1
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
 
     def encode(self, text, **kwargs):
         self.encoded.append(text)
@@ -82,6 +86,20 @@ def test_next_turn_starts_with_the_exact_sampled_tokens(tok) -> None:
     assert second.prompt_token_ids == first.prompt_token_ids + completion + encode(tok, suffix)
     assert (second.branch_id, second.turn_index, second.reused_tokens) == (0, 1, len(first.prompt_token_ids) + len(completion))
     assert tok.encoded[-1:] == [suffix]  # only the new messages were tokenized
+
+
+def test_a_continuing_turn_renders_the_template_once(tok) -> None:
+    # The gateway's hot path: the turn boundary remembers the text its tokens came from, so a turn
+    # that extends it needs one render (the full conversation), not a second one of the prefix.
+    conv = Conversation(tok)
+    prepared = conv.prepare([SYSTEM, USER], TOOLS)
+    ids, returned = sample(tok, "<tool_call>python<arg_key>code</arg_key><arg_value>print(1)</arg_value></tool_call>" + EOS)
+    conv.commit(prepared, ids, returned)
+    messages = [SYSTEM, USER, json.loads(json.dumps(returned)), {"role": "tool", "tool_call_id": "x", "content": "1"}]
+    tok.renders = 0
+    second = conv.prepare(messages, TOOLS)
+    assert tok.renders == 1
+    assert second.prompt_token_ids[: len(prepared.prompt_token_ids) + len(ids)] == prepared.prompt_token_ids + ids
 
 
 def test_completion_tokens_are_kept_even_when_text_would_tokenize_differently(tok) -> None:
