@@ -45,3 +45,28 @@ def test_worker_generates_and_takes_new_weights(ray_session):
     assert len(ray.get(workers[0].generate.remote([5], params)).token_ids) == 6  # the worker carries on
     for worker in workers:
         ray.kill(worker)
+
+
+def test_gateway_routes_openai_calls_to_ray_workers(ray_session, tmp_path):
+    """The gateway over Ray engine handles: an unmodified OpenAI client, turns recorded with the worker's id."""
+    from gateway_helpers import LiveGateway, make_service
+
+    from asyncrl.gateway.engines import RayEngine
+    from asyncrl.gateway.store import open_store
+    from asyncrl.rollout.worker import create_workers
+
+    model = make_tiny_model("qwen3", eos_token_id=None)
+    workers = create_workers(model, RolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4), name_prefix="gw")
+    handles = [RayEngine(worker, f"gw-{i}") for i, worker in enumerate(workers)]
+    store = open_store(tmp_path)
+    with LiveGateway(make_service(store, handles)) as live:
+        rollout_id, key = live.open()
+        client = live.openai(key)
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+1"}], max_tokens=4)
+            assert reply.choices[0].finish_reason == "length"
+    turns = store.get(rollout_id).turns
+    assert len(turns) == 2 and all(len(t.completion_token_ids) == 4 for t in turns)
+    # Consistent hashing keeps every turn of a rollout on one engine.
+    assert turns[0].engine_id == turns[1].engine_id and turns[0].engine_id in {"gw-0", "gw-1"}
+    assert all(len(t.logprobs) == 4 and all(lp <= 0 for lp in t.logprobs) for t in turns)
