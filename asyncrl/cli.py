@@ -48,6 +48,49 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.resume is None and args.config is None:
+        print("asyncrl run: give a CONFIG, or --resume RUN_DIR", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if args.resume is not None:
+        # CONFIG is optional with --resume (the run directory holds it); a KEY=VALUE there is an override.
+        overrides = ([args.config] if args.config else []) + args.overrides
+        from asyncrl.sched.rundir import RunDir
+
+        if args.dry_run:
+            print(dump_config(RunDir(args.resume).read_config(overrides)), end="")
+            return 0
+        config = None
+    else:
+        overrides = []
+        config = _resolve(args)
+        if config is None:
+            return 0
+    from asyncrl.sched.run import RunExists, run
+
+    try:
+        summary = run(config, resume=args.resume, overrides=overrides)
+    except (RunExists, FileNotFoundError) as err:
+        print(f"asyncrl run: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(format_summary(summary))
+    return 0 if summary["balanced"] else 1
+
+
+def format_summary(summary: dict) -> str:
+    def pct(value):
+        return "-" if value is None else f"{value:.1%}"
+
+    ledger = summary["ledger"]
+    accounts = "  ".join(f"{k} {v}" for k, v in ledger.items() if k != "started")
+    check = "balanced" if summary["balanced"] else "NOT BALANCED"
+    return "\n".join([
+        f"run directory: {summary['run_dir']}  ({summary['mode']}, {summary['version']} optimizer steps, {summary['wall_s']:.0f} s)",
+        f"held-out accuracy: {pct(summary['eval_before'])} before RL -> {pct(summary['eval_after'])} after",
+        f"ledger: {accounts}  = {sum(v for k, v in ledger.items() if k != 'started')} of {ledger['started']} started ({check})",
+    ])  # fmt: skip
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from asyncrl.generate import generate_from_checkpoint
 
@@ -87,13 +130,18 @@ def cmd_trajectories(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrl",
-        description="Asynchronous agentic RL post-training: SFT warm start, rollout engines, benchmarks.",
+        description="Asynchronous agentic RL post-training: SFT warm start, RL runs, rollout engines, gateway, benchmarks.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sft = sub.add_parser("sft", help="train the policy and its MTP module on synthetic demonstrations")
     _add_config_arguments(sft)
     sft.set_defaults(handler=cmd_sft)
+
+    run = sub.add_parser("run", help="SFT warm start (if needed), then asynchronous RL: engines, gateway, episodes, learner")
+    _add_config_arguments(run, required=False)
+    run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a stopped run from its last checkpoint")
+    run.set_defaults(handler=cmd_run)
 
     gen = sub.add_parser("generate", help="sample from a checkpoint with the embedded engine")
     gen.add_argument("checkpoint", help="a Hugging Face model directory (e.g. runs/quickstart/sft/checkpoint)")

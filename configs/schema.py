@@ -308,6 +308,27 @@ class LearnerConfig(Section):
     """Save an HF checkpoint plus learner state every this many optimizer steps."""
 
 
+class LoopConfig(Section):
+    """The scheduler's loop (`asyncrl run`): how episodes are admitted and how long the run lasts."""
+
+    mode: Literal["async", "sync"] = "async"
+    """async: generation keeps running while the learner trains; sync: generate a batch, train, push, repeat."""
+    steps: int = Field(200, ge=1)
+    """Optimizer steps of the whole run (a resumed run continues until the learner's version reaches this)."""
+    max_inflight: int = Field(512, ge=1)
+    """Most episodes running at once (async); a GRPO group is admitted whole, so at least learner.group_size."""
+    episode_max_tokens: int = Field(16, ge=1)
+    """Answer budget of each training episode, in tokens (episodes sample at rollout.sampling.temperature)."""
+    episode_timeout_s: float = Field(60.0, gt=0)
+    """An episode running longer ends with status timeout."""
+    eval_every: int = Field(20, ge=1)
+    """Held-out evaluation (eval.num_problems, greedy) every this many pushed policy versions."""
+    wall_budget_s: float | None = Field(None, gt=0)
+    """Stop the RL loop after this many seconds even if `steps` is not reached (None: no limit)."""
+    sft_first: bool = True
+    """With policy.path unset, run the SFT warm start first and start RL from its checkpoint."""
+
+
 class RunConfig(Section):
     """A whole asyncrl job. Presets live beside this module as YAML files."""
 
@@ -328,3 +349,10 @@ class RunConfig(Section):
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     learner: LearnerConfig = LearnerConfig()
+    run: LoopConfig = LoopConfig()
+
+    @model_validator(mode="after")
+    def _check_loop(self) -> "RunConfig":
+        if self.run.max_inflight < self.learner.group_size:
+            raise ValueError("run.max_inflight must be at least learner.group_size (groups are admitted whole)")
+        return self

@@ -9,7 +9,6 @@ Everything lands in `<runs_dir>/<name>/sft/`: the checkpoint (a Hugging Face dir
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from asyncrl.configs.loader import dump_config
 from asyncrl.configs.schema import RunConfig
 from asyncrl.policy.checkpoint import build_policy, save_policy
 from asyncrl.policy.mtp import mtp_loss, policy_hidden_and_logits
+from asyncrl.runlog import MetricsLog, Panel, plot_panels
 
 from asyncrl.rollout import EmbeddedEngine
 
@@ -56,23 +56,11 @@ def next_token_loss(
 
 
 class _Reporter:
-    """metrics.jsonl, an optional offline wandb run and an optional rich progress bar."""
+    """metrics.jsonl and an optional offline wandb run (`MetricsLog`), plus an optional rich progress bar."""
 
     def __init__(self, config: RunConfig, out_dir: Path) -> None:
-        self.metrics_path = out_dir / "metrics.jsonl"
-        self.metrics_path.write_text("")
+        self.log = MetricsLog(config, out_dir, f"{config.name}-sft")
         self.records: list[dict] = []
-        self.wandb = None
-        if config.logging.wandb != "disabled":
-            try:
-                import wandb
-            except ImportError:
-                print("wandb is not installed: metrics go to metrics.jsonl only")
-            else:
-                self.wandb = wandb.init(
-                    project=config.logging.wandb_project, name=f"{config.name}-sft", dir=str(out_dir),
-                    mode=config.logging.wandb, config=config.model_dump(mode="json"), reinit="finish_previous",
-                )  # fmt: skip
         self.progress = None
         if config.logging.progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -86,10 +74,7 @@ class _Reporter:
 
     def record(self, metrics: dict) -> None:
         self.records.append(metrics)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=metrics["step"])
+        self.log.record(metrics)
 
     def advance(self, step: int, status: str) -> None:
         if self.progress is not None:
@@ -104,30 +89,14 @@ class _Reporter:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-        if self.wandb is not None:
-            self.wandb.finish()
+        self.log.close()
 
 
 def plot_curves(records: list[dict], path: Path) -> None:
     """Training loss (and MTP loss) and held-out accuracy against optimizer step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_accuracy" in r]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot([r["step"] for r in train], [r["loss"] for r in train], label="next-token loss")
-    if any(r.get("mtp_loss") is not None for r in train):
-        left.plot([r["step"] for r in train], [r["mtp_loss"] for r in train], label="MTP loss")
-    left.set(xlabel="step", ylabel="loss", yscale="log", title="SFT loss")
-    left.legend()
-    right.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], marker="o")
-    right.set(xlabel="step", ylabel="accuracy", ylim=(0, 1), title="held-out greedy accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    loss = Panel("SFT loss", "loss", [("loss", "next-token loss"), ("mtp_loss", "MTP loss")], yscale="log")
+    accuracy = Panel("held-out greedy accuracy", "accuracy", [("eval_accuracy", "held-out")], ylim=(0, 1), marker="o")
+    plot_panels([r for r in records if "loss" in r or "eval_accuracy" in r], [loss, accuracy], path)
 
 
 def train_step(config: RunConfig, model, mtp, demos: list[Demo], pad_token_id: int) -> tuple[float, float | None, int]:

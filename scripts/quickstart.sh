@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One command on a fresh machine: create the environment, install, run the main job on CPU.
-# Extra arguments are config overrides, e.g. `scripts/quickstart.sh sft.time_budget_s=120`.
+# One command on a fresh machine: create the environment, install, then the main job on CPU:
+# SFT warm start, then asynchronous Reasoning RL (`asyncrl run quickstart`; summary in
+# runs/quickstart/summary.json). Extra arguments are config overrides, e.g. `run.steps=50`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-asyncrl sft quickstart "$@"
+asyncrl run quickstart "$@"

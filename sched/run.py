@@ -1,0 +1,211 @@
+"""`asyncrl run`: start everything, run the loop, shut everything down, write the summary.
+
+Start-up, in order:
+
+1. SFT warm start when `policy.path` is unset and `run.sft_first` allows it; RL starts from its
+   checkpoint (a resumed run starts from its own last checkpoint instead).
+2. Ray, local: `rollout.num_workers` RolloutWorkers on `rollout.cpus_per_worker` CPUs each and the
+   LearnerActor on `learner.num_cpus` CPUs, each with its own torch thread budget, so rollout and
+   learner never share a core budget. The engines start from the learner's weights (one push).
+3. The trajectory store in the run directory (or Redis), and the TITO gateway in this process, on
+   127.0.0.1, over the Ray engine handles. Episodes run as asyncio tasks on the same event loop and
+   call the gateway over loopback HTTP like any agent.
+
+Then `Loop.run` until `run.steps` optimizer steps (or `run.wall_budget_s`), and `Loop.close`, which
+leaves the ledger balanced. A crash or Ctrl-C skips `close`: `asyncrl run --resume` picks up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import ray
+
+from asyncrl.configs.schema import RunConfig
+from asyncrl.envs.base import Environment
+from asyncrl.gateway.records import TERMINAL_STATUSES
+from asyncrl.gateway.store import open_store
+
+from .display import Display
+from .loop import Loop, Parts
+from .rundir import LoopState, RunDir
+
+
+class RunExists(RuntimeError):
+    """A fresh run would mix its trajectories or checkpoints with an earlier run's."""
+
+
+def run(
+    config: RunConfig | None, *, resume: str | Path | None = None, overrides: list[str] = (), env: Environment | None = None
+) -> dict:
+    """Run (or, with `resume`, continue) the RL job; returns the summary also written to summary.json.
+
+    `env` replaces the built-in reasoning environment (any `Environment`; evaluation stays arithmetic).
+    """
+    began = time.monotonic()
+    sft = None
+    if resume is not None:
+        rundir = RunDir(resume)
+        config = rundir.read_config(overrides)
+    else:
+        rundir = RunDir.for_config(config)
+        if rundir.has_run():
+            raise RunExists(f"{rundir.path} already holds a run: continue it with `asyncrl run --resume {rundir.path}`, "
+                            "or pick another name= (or delete the directory)")  # fmt: skip
+        if config.policy.path is None and config.run.sft_first:
+            from asyncrl.learner.sft import run_sft
+
+            result = run_sft(config)
+            sft = {"accuracy": result.accuracy, "steps": result.steps, "wall_s": result.wall_s, "checkpoint": str(result.checkpoint)}
+            config = config.model_copy(update={"policy": config.policy.model_copy(update={"path": str(result.checkpoint)})})
+        rundir.write_config(config)
+    summary = asyncio.run(_main(config, rundir, resume is not None, env))
+    summary.update(sft=sft, wall_s=time.monotonic() - began)
+    rundir.write_summary(summary)
+    return summary
+
+
+async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environment | None) -> dict:
+    latest = rundir.latest_checkpoint() if resumed else None
+    checkpoint, state = latest if latest else (None, LoopState())
+    started_ray = _start_ray(config)
+    display = Display(config.logging.progress)
+    actors: list = []
+    async with AsyncExitStack() as stack:
+        stack.callback(_stop_ray, actors, started_ray)
+        stack.callback(display.close)
+        store = _open_store(config, rundir)
+        stack.callback(store.close)
+        if not resumed and any(store.counts()[status] for status in ("running", *TERMINAL_STATUSES)):
+            raise RunExists(f"the trajectory store {store!r} already holds rollouts; use another store.namespace")
+        workers, tokenizer = _start_workers(config)
+        learner = _start_learner(config, checkpoint)
+        actors += [*workers, learner]
+        gateway = await stack.enter_async_context(_serve_gateway(config, store, workers, tokenizer))
+        metrics = rundir.metrics(config, resume=resumed)
+        stack.callback(metrics.close)
+        env = env or _reasoning_env(config)
+        http = await stack.enter_async_context(_episode_http_client(config))
+        parts = Parts(store, gateway, http, env, learner, workers, tokenizer, rundir, metrics, display)
+        loop = Loop(config, parts, state)
+        stack.push_async_callback(loop.stop_episodes)  # on a crash, before the gateway goes
+        await loop.push()  # the engines serve exactly the learner's weights, at its version
+        if resumed:
+            recovered = await loop.recover(_open_store(config, rundir, visibility_timeout_s=1e-6))
+            display.say(f"resumed at version {state.version} from {checkpoint}; {recovered} trajectories claimed again")
+        if state.eval_before is None:
+            state.eval_before = await loop.evaluate(force=True)
+        await loop.run()
+        eval_after = await loop.close()
+        engine_versions = await asyncio.gather(*(worker.version.remote() for worker in workers))
+        counts = store.counts()
+        rundir.plot(metrics.read())
+    started = sum(counts[status] for status in ("running", *TERMINAL_STATUSES))
+    ledger = {**state.ledger, "started": started}
+    summary = {
+        "mode": config.run.mode, "version": state.version, "eval_before": state.eval_before, "eval_after": eval_after,
+        "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions,
+        "ledger": ledger, "balanced": sum(state.ledger.values()) == started,
+        "run_dir": str(rundir.path),
+    }  # fmt: skip
+    return summary
+
+
+def _start_ray(config: RunConfig) -> bool:
+    """Local Ray sized so every actor fits (logical CPUs; real cores are bounded by torch threads)."""
+    if ray.is_initialized():
+        return False  # a caller (a test, a notebook) owns the session
+    needed = config.rollout.num_workers * config.rollout.cpus_per_worker + config.learner.num_cpus
+    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def _stop_ray(actors: list, started_ray: bool) -> None:
+    for actor in actors:
+        ray.kill(actor)
+    if started_ray:
+        ray.shutdown()
+
+
+def _open_store(config: RunConfig, rundir: RunDir, visibility_timeout_s: float | None = None):
+    timeout = visibility_timeout_s or config.store.visibility_timeout_s
+    return open_store(rundir.store_address(config), namespace=config.store.namespace or config.name, visibility_timeout_s=timeout)
+
+
+def _start_workers(config: RunConfig):
+    from asyncrl.policy.checkpoint import build_policy
+    from asyncrl.rollout.worker import create_workers
+
+    # The engines need the policy only (no MTP layer); its weights are replaced by the first push.
+    policy = config.policy.model_copy(update={"mtp": config.policy.mtp.model_copy(update={"enabled": False})})
+    model, tokenizer, _ = build_policy(policy, config.seed)
+    return create_workers(model, config.rollout, name_prefix=f"{config.name}-rollout"), tokenizer
+
+
+def _start_learner(config: RunConfig, checkpoint: Path | None):
+    from asyncrl.learner.actor import create_learner
+
+    return create_learner(config, resume_from=str(checkpoint) if checkpoint else None)
+
+
+def _reasoning_env(config: RunConfig) -> Environment:
+    from asyncrl.envs.reasoning import ReasoningEnv
+
+    # The learner scores tokens at rollout.sampling.temperature; episodes must sample at the same one.
+    return ReasoningEnv(config.tasks.arithmetic, max_tokens=config.run.episode_max_tokens, temperature=config.rollout.sampling.temperature)
+
+
+def _episode_http_client(config: RunConfig):
+    import httpx
+
+    # One connection pool for every episode's OpenAI client; bounded, because the pool's bookkeeping
+    # grows with its connections and it all runs on this one event loop.
+    connections = min(config.run.max_inflight, 64)
+    return httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+
+
+class _serve_gateway:
+    """The gateway (uvicorn on this event loop) over the workers; yields a lifecycle client."""
+
+    def __init__(self, config: RunConfig, store, workers: list, tokenizer) -> None:
+        from asyncrl.gateway.engines import RayEngine
+        from asyncrl.gateway.pool import EnginePool
+        from asyncrl.gateway.service import GatewayService
+
+        pool = EnginePool(config.gateway)
+        for i, worker in enumerate(workers):
+            pool.add_local(RayEngine(worker, f"{config.name}-rollout-{i}"))
+        self.service = GatewayService(store, tokenizer, pool, config.gateway, config.rollout.sampling, model_name=config.name)
+        self.config = config
+
+    async def __aenter__(self):
+        import httpx
+        import uvicorn
+
+        from asyncrl.gateway.app import create_app
+        from asyncrl.gateway.client import AsyncGatewayClient
+
+        gateway = self.config.gateway
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.service), host=gateway.host, port=gateway.port, log_level="warning"))
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises why it did not start
+                raise RuntimeError("the gateway stopped during start-up")
+            await asyncio.sleep(0.02)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        self.client = AsyncGatewayClient(
+            f"http://{host}:{port}", timeout=gateway.request_timeout_s, limits=httpx.Limits(max_connections=32, max_keepalive_connections=32)
+        )
+        return self.client
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.aclose()
+        self.server.should_exit = True
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.service.close()

@@ -1,0 +1,117 @@
+"""The run directory: everything an RL run leaves behind, and what `asyncrl run --resume` reads back.
+
+    <runs_dir>/<name>/
+        config.yaml          the resolved config (policy.path points at the policy RL started from)
+        metrics.jsonl        one record per learner step and per evaluation (wandb/ beside it, offline)
+        curves.png           reward and held-out accuracy against step
+        summary.json         eval_before, eval_after, wall_s, the ledger
+        trajectories.db      the SQLite trajectory store (unless store.type is redis)
+        checkpoints/step-N/  HF checkpoint + learner state (LearnerActor.save) + loop_state.json
+        sft/                 the SFT warm start, when the run did one
+
+A checkpoint is the run's commit point: the trajectories it trained are acknowledged in the store
+only once it is on disk, and `loop_state.json` is written last, so a checkpoint without it is
+incomplete and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from asyncrl.configs.loader import apply_override, dump_config, validate
+from asyncrl.configs.schema import RunConfig
+from asyncrl.gateway.store import SQLITE_FILENAME
+from asyncrl.learner.selection import Account
+from asyncrl.runlog import MetricsLog, Panel, plot_panels
+
+CONFIG_FILE, SUMMARY_FILE, LOOP_STATE_FILE = "config.yaml", "summary.json", "loop_state.json"
+
+
+def empty_ledger() -> dict[str, int]:
+    return {account.value: 0 for account in Account}
+
+
+@dataclass
+class LoopState:
+    """What the loop remembers across a restart, beside the learner's own weights and optimizer."""
+
+    version: int = 0
+    """Learner policy version (= optimizer steps taken)."""
+    ledger: dict[str, int] = field(default_factory=empty_ledger)
+    """Accounts of every rollout acknowledged in the store so far."""
+    eval_before: float | None = None
+    """Held-out accuracy of the policy RL started from."""
+    rl_wall_s: float = 0.0
+    """Seconds of RL loop before this process (counts against run.wall_budget_s)."""
+    acking: list[str] = field(default_factory=list)
+    """Rollouts this checkpoint trained, acknowledged in the store right after it is written (redone on
+    resume in case the run died in between)."""
+
+
+class RunDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+
+    @classmethod
+    def for_config(cls, config: RunConfig) -> "RunDir":
+        return cls(Path(config.runs_dir) / config.name)
+
+    # -- config -------------------------------------------------------------------------------
+
+    def write_config(self, config: RunConfig) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / CONFIG_FILE).write_text(dump_config(config))
+
+    def read_config(self, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+        """The run's own resolved config, with overrides (e.g. more `run.steps`) applied on top."""
+        path = self.path / CONFIG_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"{self.path} is not a run directory (no {CONFIG_FILE})")
+        data = yaml.safe_load(path.read_text())
+        for override in overrides:
+            apply_override(data, override)
+        return validate(data)
+
+    def store_address(self, config: RunConfig) -> str:
+        store = config.store
+        return store.url if store.type == "redis" else str(store.path or self.path / SQLITE_FILENAME)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def checkpoint_dir(self, version: int) -> Path:
+        return self.checkpoints / f"step-{version:06d}"
+
+    def commit_checkpoint(self, directory: Path, state: LoopState) -> None:
+        (directory / LOOP_STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+
+    def latest_checkpoint(self) -> tuple[Path, LoopState] | None:
+        """The newest complete checkpoint and its loop state, or None."""
+        done = sorted(p.parent for p in self.checkpoints.glob(f"step-*/{LOOP_STATE_FILE}"))
+        if not done:
+            return None
+        return done[-1], LoopState(**json.loads((done[-1] / LOOP_STATE_FILE).read_text()))
+
+    def has_run(self) -> bool:
+        return (self.path / SQLITE_FILENAME).exists() or self.checkpoints.exists()
+
+    # -- logs ---------------------------------------------------------------------------------
+
+    def metrics(self, config: RunConfig, *, resume: bool) -> MetricsLog:
+        return MetricsLog(config, self.path, f"{config.name}-rl", append=resume)
+
+    def plot(self, records: list[dict]) -> Path:
+        path = self.path / "curves.png"
+        reward = Panel("rollout reward", "mean reward", [("reward", "training rollouts")], ylim=(0, 1))
+        accuracy = Panel("held-out greedy accuracy", "accuracy", [("eval_accuracy", "held-out")], ylim=(0, 1), marker="o")
+        plot_panels(records, [reward, accuracy], path)
+        return path
+
+    def write_summary(self, summary: dict) -> Path:
+        path = self.path / SUMMARY_FILE
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        return path
