@@ -28,6 +28,7 @@ import ray
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.envs.base import Environment
+from asyncrl.gateway.app import run_loop, settle_heap
 from asyncrl.gateway.records import TERMINAL_STATUSES
 from asyncrl.gateway.store import open_store
 
@@ -64,7 +65,7 @@ def run(
             sft = {"accuracy": result.accuracy, "steps": result.steps, "wall_s": result.wall_s, "checkpoint": str(result.checkpoint)}
             config = config.model_copy(update={"policy": config.policy.model_copy(update={"path": str(result.checkpoint)})})
         rundir.write_config(config)
-    summary = asyncio.run(_main(config, rundir, resume is not None, env))
+    summary = run_loop(_main(config, rundir, resume is not None, env))  # uvloop where installed
     summary.update(sft=sft, wall_s=time.monotonic() - began)
     rundir.write_summary(summary)
     return summary
@@ -96,10 +97,13 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         stack.push_async_callback(loop.stop_episodes)  # on a crash, before the gateway goes
         await loop.push()  # the engines serve exactly the learner's weights, at its version
         if resumed:
-            recovered = await loop.recover(_open_store(config, rundir, visibility_timeout_s=1e-6))
+            reclaim = _open_store(config, rundir, visibility_timeout_s=1e-6)
+            recovered = await loop.recover(reclaim)
+            reclaim.close()
             display.say(f"resumed at version {state.version} from {checkpoint}; {recovered} trajectories claimed again")
         if state.eval_before is None:
             state.eval_before = await loop.evaluate(force=True)
+        settle_heap()  # the gateway's event loop stalls less on garbage collection (gateway/app.py)
         await loop.run()
         eval_after = await loop.close()
         engine_versions = await asyncio.gather(*(worker.version.remote() for worker in workers))
