@@ -7,6 +7,8 @@ import sys
 import time
 
 PLAIN_EVERY_S = 10.0
+LIVE_EVERY_S = 0.25
+"""The loop reports every round; redrawing the table that often would cost the driver CPU it needs."""
 
 
 def _fmt(value, spec: str = ".3f") -> str:
@@ -24,7 +26,7 @@ def status_line(s: dict) -> str:
 class Display:
     def __init__(self, progress: bool) -> None:
         self.live = None
-        self._last_plain = 0.0
+        self._last = 0.0
         if progress and sys.stdout.isatty():
             from rich.live import Live
 
@@ -32,10 +34,12 @@ class Display:
             self.live.start()
 
     def update(self, status: dict) -> None:
+        if time.monotonic() - self._last < (LIVE_EVERY_S if self.live is not None else PLAIN_EVERY_S):
+            return
+        self._last = time.monotonic()
         if self.live is not None:
             self.live.update(self._table(status), refresh=True)
-        elif time.monotonic() - self._last_plain >= PLAIN_EVERY_S:
-            self._last_plain = time.monotonic()
+        else:
             print(status_line(status), flush=True)
 
     def say(self, line: str) -> None:

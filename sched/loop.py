@@ -49,7 +49,7 @@ class Parts:
     """What the loop drives; `sched/run.py` builds them."""
 
     store: object  # TrajectoryStore
-    gateway: object  # AsyncGatewayClient
+    gateway: object  # the lifecycle client (sched/lifecycle.py)
     http: object  # httpx.AsyncClient shared by every episode's OpenAI client
     env: object  # Environment
     learner: object  # LearnerActor handle

@@ -33,6 +33,7 @@ from asyncrl.gateway.records import TERMINAL_STATUSES
 from asyncrl.gateway.store import open_store
 
 from .display import Display
+from .lifecycle import InProcessLifecycle
 from .loop import Loop, Parts
 from .rundir import LoopState, RunDir
 
@@ -167,14 +168,15 @@ def _reasoning_env(config: RunConfig) -> Environment:
 def _episode_http_client(config: RunConfig):
     import httpx
 
-    # One connection pool for every episode's OpenAI client; bounded, because the pool's bookkeeping
-    # grows with its connections and it all runs on this one event loop.
-    connections = min(config.run.max_inflight, 64)
+    # One connection pool for every episode's OpenAI client, and a small one: httpx checks every
+    # pooled socket (a select() call each) on every request, on this one event loop. 16 requests at
+    # once still fill the engine's batches; the rest of the episodes queue here.
+    connections = min(config.run.max_inflight, 16)
     return httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
 
 
 class _serve_gateway:
-    """The gateway (uvicorn on this event loop) over the workers; yields a lifecycle client."""
+    """The gateway (uvicorn on this event loop) over the workers; yields its in-process lifecycle."""
 
     def __init__(self, config: RunConfig, store, workers: list, tokenizer) -> None:
         from asyncrl.gateway.engines import RayEngine
@@ -188,11 +190,9 @@ class _serve_gateway:
         self.config = config
 
     async def __aenter__(self):
-        import httpx
         import uvicorn
 
         from asyncrl.gateway.app import create_app
-        from asyncrl.gateway.client import AsyncGatewayClient
 
         gateway = self.config.gateway
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.service), host=gateway.host, port=gateway.port, log_level="warning"))
@@ -203,13 +203,9 @@ class _serve_gateway:
                 raise RuntimeError("the gateway stopped during start-up")
             await asyncio.sleep(0.02)
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        self.client = AsyncGatewayClient(
-            f"http://{host}:{port}", timeout=gateway.request_timeout_s, limits=httpx.Limits(max_connections=32, max_keepalive_connections=32)
-        )
-        return self.client
+        return InProcessLifecycle(self.service, f"http://{host}:{port}")
 
     async def __aexit__(self, *exc) -> None:
-        await self.client.aclose()
         self.server.should_exit = True
         await asyncio.gather(self.task, return_exceptions=True)
         self.service.close()

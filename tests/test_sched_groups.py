@@ -1,0 +1,55 @@
+"""GRPO groups between admission and the learner, and the samples they become: every rollout of a
+group reaches the learner, so every rollout gets an account, even those with nothing to train on."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.gateway.records import Trajectory, Turn
+from asyncrl.learner.selection import select
+from asyncrl.sched.groups import GroupBuffer, group_samples
+
+
+def trajectory(rollout_id: str, group_id: str, status: str = "ok", reward: float | None = 1.0, turns: int = 1) -> Trajectory:
+    made = [Turn(rollout_id, [5, 6], [7, 8], [-0.1, -0.2], [0, 0], index=i) for i in range(turns)]
+    return Trajectory(rollout_id=rollout_id, task="t", group_id=group_id, turns=made, status=status,
+                      reward=None if status == "aborted" else reward)  # fmt: skip
+
+
+def test_groups_complete_in_admission_order_and_count_as_ahead():
+    buffer = GroupBuffer()
+    buffer.open("g1", 2)
+    buffer.open("g2", 2)
+    assert buffer.rollouts == 4 and buffer.ready == 0
+    buffer.add(trajectory("b1", "g2"))
+    buffer.add(trajectory("b2", "g2", status="aborted"))
+    buffer.add(trajectory("a1", "g1"))
+    assert buffer.ready == 1 and buffer.take(2)[0].group_id == "g2"
+    assert buffer.rollouts == 2 and buffer.take(1) == []  # g1 still waits for a rollout
+    buffer.add(trajectory("a2", "g1"))
+    assert [t.rollout_id for t in buffer.drain()] == ["a1", "a2"] and buffer.rollouts == 0
+
+
+def test_a_trajectory_of_a_group_never_admitted_is_refused():
+    with pytest.raises(ValueError, match="never admitted"):
+        GroupBuffer().add(trajectory("x", "stray"))
+
+
+def test_rollouts_without_samples_still_get_one_account_each():
+    buffer = GroupBuffer()
+    buffer.open("g", 4)
+    for t in [trajectory("ok1", "g"), trajectory("ok2", "g", reward=0.0), trajectory("gone", "g", status="aborted"),
+              trajectory("crash", "g", status="env_crash", reward=0.0, turns=0)]:  # fmt: skip
+        buffer.add(t)
+    samples = group_samples(buffer.take(1), crash_statuses=("env_crash", "error"))
+    assert [s.rollout_id for s in samples] == ["ok1", "ok2", "gone", "crash"]
+    selection = select(samples, current_version=0, max_staleness=1, group_size=4, crash_statuses=("env_crash", "error"))
+    assert selection.ledger() == {"aborted": 1, "dropped_crash": 1, "dropped_group": 2}  # 2 of 4 valid is not > half
+
+
+def test_an_ok_episode_that_never_called_the_model_is_counted_as_aborted():
+    buffer = GroupBuffer()
+    buffer.open("g", 1)
+    buffer.add(trajectory("silent", "g", turns=0))
+    (sample,) = group_samples(buffer.take(1), crash_statuses=("env_crash",))
+    assert sample.status == "aborted" and sample.token_ids == []
