@@ -181,6 +181,22 @@ class RolloutConfig(Section):
     """Longest prompt plus completion; None uses the model's max_position_embeddings."""
     sampling: SamplingConfig = SamplingConfig()
     """Default sampling options."""
+    fp8: bool = False
+    """Embedded engine: store linear weights as float8_e4m3fn with per-output-channel scales (the learner keeps full precision)."""
+    mtp_drafting: bool = False
+    """Embedded engine: speculative decoding with the policy's MTP layer as drafter (the policy must have one); output distribution unchanged."""
+    mtp_draft_tokens: int = Field(4, ge=1, le=64)
+    """Draft tokens per verify step when mtp_drafting is on; at most mtp_max_draft_tokens."""
+    mtp_max_draft_tokens: int = Field(8, ge=1, le=64)
+    """Largest mtp_draft_tokens accepted (each draft token is one MTP-layer forward per step, wasted if rejected)."""
+
+    @model_validator(mode="after")
+    def _check_draft_tokens(self) -> "RolloutConfig":
+        if self.mtp_draft_tokens > self.mtp_max_draft_tokens:
+            raise ValueError(
+                f"mtp_draft_tokens ({self.mtp_draft_tokens}) exceeds mtp_max_draft_tokens ({self.mtp_max_draft_tokens})"
+            )
+        return self
 
 
 class StoreConfig(Section):

@@ -5,6 +5,10 @@ slots, or decode everything running), execute (one forward, one sampling call), 
 tokens, finish requests, release slots). A background thread calls `step()` while there is work,
 and `async generate()` hands requests to it; weight updates are applied at the start of a step,
 so in-flight requests carry on and their later tokens carry the new version.
+
+With `rollout.mtp_drafting`, a decode step is speculative (`rollout/speculative.py`): the policy's
+MTP layer drafts tokens, one target forward verifies them, and each request may gain several
+tokens. With `rollout.fp8`, the linear weights are FP8 (`rollout/fp8.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from asyncrl.configs.schema import RolloutConfig
 
 from .kv_cache import ForwardBatch, KVCache, SlotManager
 from .models import build_model
+from .models.mtp import NativeMTP
 from .sampler import sample
+from .speculative import SpeculativeDecoder
 from .types import FinishReason, GenerationResult, RequestError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,11 @@ class _Request:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # Speculative decoding (see SpeculativeDecoder): the MTP layer's frontier and its pending inputs.
+    mtp_computed: int = 0
+    mtp_hidden: torch.Tensor | None = None
+    verify_steps: int = 0  # decode steps that verified at least one draft
+    verify_tokens: int = 0  # tokens those steps emitted
 
     def pending_tokens(self) -> list[int]:
         """Tokens the next forward must feed: the uncached prompt suffix, or the last sampled token."""
@@ -75,14 +86,33 @@ class EmbeddedEngine:
         engine_id: str = "embedded",
         version: int = 0,
         dtype: torch.dtype = torch.float32,
+        mtp=None,
     ) -> None:
-        """`model`: a transformers causal LM in memory, or a directory `from_pretrained` can load."""
+        """`model`: a transformers causal LM in memory, or a directory `from_pretrained` can load.
+
+        `mtp`: the policy's MTP layer (`asyncrl.policy.mtp.MTPLayer`, or its state dict), needed by
+        `config.mtp_drafting`; a checkpoint directory written by `save_policy` brings its own.
+        """
         self.config = config = config or RolloutConfig()
         torch.set_num_threads(config.torch_threads)
+        if config.mtp_drafting and not 1 <= config.mtp_draft_tokens <= config.mtp_max_draft_tokens:
+            raise ValueError(
+                f"rollout.mtp_draft_tokens must be in [1, mtp_max_draft_tokens={config.mtp_max_draft_tokens}], "
+                f"got {config.mtp_draft_tokens}"
+            )
         if isinstance(model, (str, Path)):
-            from transformers import AutoModelForCausalLM
+            if config.mtp_drafting and mtp is None:
+                from asyncrl.policy.checkpoint import load_policy
 
-            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+                model, _, mtp = load_policy(model)
+            else:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+        if config.mtp_drafting and mtp is None:
+            raise ValueError(
+                "rollout.mtp_drafting needs the policy's MTP layer: pass mtp=, or a checkpoint directory that has one"
+            )
         hf_config = model.config
         self.engine_id = engine_id
         self.device = torch.device(
@@ -95,19 +125,29 @@ class EmbeddedEngine:
                 f"{hf_config.max_position_embeddings}"
             )
         self.model = build_model(
-            hf_config, model.state_dict(), max_len=self.max_model_len, dtype=dtype, device=self.device
+            hf_config, model.state_dict(), max_len=self.max_model_len, dtype=dtype, device=self.device, fp8=config.fp8
         )
+        self.drafter = None
+        if config.mtp_drafting:
+            self.drafter = NativeMTP(self.model, mtp if isinstance(mtp, dict) else mtp.state_dict())
         self.vocab_size = hf_config.vocab_size
         eos = hf_config.eos_token_id
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.cache = KVCache(
-            self.model.cache_layout(),
+            self.model.cache_layout(extra_layers=1 if self.drafter else 0),
             config.max_num_seqs + config.retained_prefixes,
             self.max_model_len,
             dtype=dtype,
             device=self.device,
         )
         self.slots = SlotManager(self.cache, config.max_num_seqs, config.retained_prefixes)
+        self.speculative = (
+            SpeculativeDecoder(self.model, self.drafter, self.cache, config.mtp_draft_tokens, self.device)
+            if self.drafter
+            else None
+        )
+        self.verify_steps = 0
+        self.verify_tokens = 0
         self.version = version
         self.generated_tokens = 0
         self.last_error: str | None = None
@@ -243,6 +283,11 @@ class EmbeddedEngine:
             return
         state_dict, version = pending
         try:
+            # Keys "mtp.*" (MTPLayer names) update the drafter; without them it keeps its weights,
+            # which can only lower acceptance, never change what is sampled.
+            mtp_state = {k.removeprefix("mtp."): v for k, v in state_dict.items() if k.startswith("mtp.")}
+            if mtp_state and self.drafter is not None:
+                self.drafter.load_state_dict(mtp_state)
             self.model.load_state_dict(state_dict)  # builds every tensor before swapping: all or nothing
         except Exception as error:
             self._weights_error = error
@@ -262,6 +307,8 @@ class EmbeddedEngine:
             "waiting": len(self._waiting) + len(self._inbox),
             "retained_prefixes": self.slots.num_retained,
             "generated_tokens": self.generated_tokens,
+            "fp8": self.model.fp8,
+            "mtp_accept_len": self.verify_tokens / self.verify_steps if self.verify_steps else None,
             "device": str(self.device),
             "last_error": self.last_error,
         }
@@ -314,29 +361,58 @@ class EmbeddedEngine:
         return list(self._running)  # a copy: finishing requests leave _running while the batch is updated
 
     def _execute_and_update(self, batch: list[_Request]) -> list[GenerationResult]:
+        prefill = not batch[0].output  # _schedule never mixes prefill and decode
         rows = [r.pending_tokens() for r in batch]
+        hidden, drafted = None, [0] * len(batch)
         try:
-            forward = ForwardBatch.build([r.slot for r in batch], rows, [r.computed for r in batch], self.device)
-            logits = self.model.forward(forward, self.cache)
-            tokens, logprobs = sample(logits, [r.params for r in batch], [r.rng for r in batch])
+            if self.speculative is not None and not prefill:
+                tokens, logprobs, drafted, hidden = self.speculative.step(batch)
+            else:
+                forward = ForwardBatch.build([r.slot for r in batch], rows, [r.computed for r in batch], self.device)
+                if self.speculative is not None:  # the MTP layer will need every prompt position's hidden state
+                    hidden = self.model.hidden_states(forward, self.cache)
+                    logits = self.model.logits(hidden[torch.arange(len(batch)), forward.last_index])
+                else:
+                    logits = self.model.forward(forward, self.cache)
+                sampled, logps = sample(logits, [r.params for r in batch], [r.rng for r in batch])
+                tokens, logprobs = [[t] for t in sampled], [[lp] for lp in logps]
         except Exception as error:  # a bug or resource failure: fail this batch, keep the engine
             log.exception("engine step failed")
             self.last_error = f"{type(error).__name__}: {error}"
             return [self._finish(r, "error", error=self.last_error) for r in batch]
         now = time.perf_counter()
         finished = []
-        for request, row, token, logprob in zip(batch, rows, tokens, logprobs):
-            request.computed += len(row)
-            if not request.output:
+        for b, request in enumerate(batch):
+            reason = None
+            kept = 0
+            for token, logprob in zip(tokens[b], logprobs[b]):
+                request.output.append(token)
+                request.logprobs.append(logprob)
+                request.versions.append(self.version)
+                kept += 1
+                if token in request.stop_ids:
+                    reason = "stop"
+                elif len(request.output) >= request.params.max_tokens:
+                    reason = "length"
+                if reason:
+                    break  # drafts past a stop are discarded, as if never sampled
+            if prefill:
                 request.first_token = now
-            request.output.append(token)
-            request.logprobs.append(logprob)
-            request.versions.append(self.version)
-            if token in request.stop_ids:
-                finished.append(self._finish(request, "stop"))
-            elif len(request.output) >= request.params.max_tokens:
-                finished.append(self._finish(request, "length"))
-        self.generated_tokens += len(batch)
+                if hidden is not None:
+                    request.mtp_computed, request.mtp_hidden = request.computed, hidden[b, : len(rows[b])]
+                request.computed += len(rows[b])
+            else:
+                if hidden is not None:
+                    request.mtp_hidden = torch.cat([request.mtp_hidden, hidden[b, :kept]])
+                request.computed += kept
+            if drafted[b]:
+                request.verify_steps += 1
+                request.verify_tokens += kept
+                self.verify_steps += 1
+                self.verify_tokens += kept
+            self.generated_tokens += kept
+            if reason:
+                finished.append(self._finish(request, reason))
         return finished
 
     def _finish(self, request: _Request, reason: FinishReason, error: str | None = None) -> GenerationResult:
@@ -356,6 +432,8 @@ class EmbeddedEngine:
             finish_reason=reason,
             engine_id=self.engine_id,
             cached_prompt_tokens=request.cached_prompt_tokens,
+            mtp_verify_steps=request.verify_steps,
+            mtp_accept_len=request.verify_tokens / request.verify_steps if request.verify_steps else None,
             timings={
                 "queued": (request.scheduled or now) - request.submitted,
                 "prefill": (request.first_token - request.scheduled) if request.first_token else 0.0,

@@ -16,14 +16,10 @@ import torch
 from .types import SamplingParams
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]
-) -> tuple[list[int], list[float]]:
-    """Tokens and log-probs for logits [B, vocab], following `SamplingParams`' log-prob semantics:
-
-    temperature, then top-k, then top-p, renormalised; greedy (temperature 0) takes the argmax and
-    reports its log-prob under the raw model distribution.
-    """
+def _truncate(logits: torch.Tensor, params: Sequence[SamplingParams]):
+    """Temperature, then top-k, then top-p, renormalised: (final log-probs, their token order, kept mask,
+    raw best log-prob, best token, greedy rows). Truncating rows are in probability order (ties by
+    token id), the others in token-id order, so a row's order depends only on its own options."""
     rows, vocab = logits.shape
     device = logits.device
     greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
@@ -37,8 +33,6 @@ def sample(
     best_logp, best_token = logp.max(dim=-1)
     order = torch.arange(vocab, device=device).expand(rows, -1)
     if any(truncates):
-        # Truncating rows walk their distribution by probability, descending (ties by token id);
-        # the others keep token-id order. Either way a row's order depends only on its own options.
         by_prob, by_prob_order = logp.sort(dim=-1, descending=True, stable=True)
         truncating = torch.tensor(truncates, device=device)[:, None]
         logp = torch.where(truncating, by_prob, logp)
@@ -53,10 +47,22 @@ def sample(
     keep &= ((probs.cumsum(dim=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1.0)
     final = logp_k.masked_fill(~keep, float("-inf"))
     final = final - torch.logsumexp(final, dim=-1, keepdim=True)
+    return final, order, keep, best_logp, best_token, greedy
 
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]
+) -> tuple[list[int], list[float]]:
+    """Tokens and log-probs for logits [B, vocab], following `SamplingParams`' log-prob semantics:
+
+    temperature, then top-k, then top-p, renormalised; greedy (temperature 0) takes the argmax and
+    reports its log-prob under the raw model distribution.
+    """
+    vocab = logits.shape[1]
+    final, order, keep, best_logp, best_token, greedy = _truncate(logits, params)
     # float64 so a uniform just below 1 does not round up to the end of the CDF.
     cdf = final.double().exp().cumsum(dim=-1)
-    uniform = torch.tensor([0.0 if p.temperature == 0 else rng.random() for p, rng in zip(params, rngs)], dtype=cdf.dtype, device=device)
+    uniform = torch.tensor([0.0 if p.temperature == 0 else rng.random() for p, rng in zip(params, rngs)], dtype=cdf.dtype, device=logits.device)
     target = (uniform * cdf[:, -1]).unsqueeze(1)
     # Rounding can put the target at or past the CDF's end; never step past the last kept token,
     # and never onto a zero-probability one (right=True skips flat stretches of the CDF).
@@ -66,3 +72,19 @@ def sample(
     tokens = torch.where(greedy, best_token, order.gather(1, index[:, None]).squeeze(1))
     logprobs = torch.where(greedy, best_logp, final.gather(1, index[:, None]).squeeze(1))
     return tokens.tolist(), logprobs.tolist()
+
+
+def distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each row samples from, in token-id order: (probs [B, vocab] float64, reported log-probs [B, vocab]).
+
+    Sampled rows: the truncated, renormalised distribution and its log-probs (-inf where cut).
+    Greedy rows: a one-hot on the argmax (drawing from it is taking the argmax) and the raw model
+    log-probs, as `sample` reports them. Speculative decoding compares these for target and draft.
+    """
+    final, order, _, best_logp, best_token, greedy = _truncate(logits, params)
+    by_id = torch.empty_like(final).scatter_(1, order, final)
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.where(greedy[:, None], raw, by_id)
+    one_hot = torch.zeros_like(by_id, dtype=torch.float64).scatter_(1, best_token[:, None], 1.0)
+    probs = torch.where(greedy[:, None], one_hot, by_id.double().exp())
+    return probs, logp

@@ -82,6 +82,10 @@ class GenerationResult:
     engine_id: str = ""
     cached_prompt_tokens: int = 0
     """Prompt tokens whose KV cache was reused from an earlier request of the same session."""
+    mtp_verify_steps: int = 0
+    """Decode steps that verified MTP drafts for this request (0 without drafting)."""
+    mtp_accept_len: float | None = None
+    """Mean tokens emitted per such step (accepted drafts + 1); None when nothing was drafted."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds: queued (submit to first scheduling), prefill, total."""
     error: str | None = None

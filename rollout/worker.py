@@ -19,9 +19,12 @@ from .types import GenerationResult, SamplingParams
 
 @ray.remote
 class RolloutWorker:
-    def __init__(self, model, config: RolloutConfig | dict, engine_id: str, version: int = 0) -> None:
-        """`model`: a transformers causal LM (or an ObjectRef to one) or a model directory."""
-        self.engine = EmbeddedEngine(model, RolloutConfig.model_validate(config), engine_id=engine_id, version=version)
+    def __init__(self, model, config: RolloutConfig | dict, engine_id: str, version: int = 0, mtp=None) -> None:
+        """`model`: a transformers causal LM (or an ObjectRef to one) or a model directory; `mtp`: its
+        MTP layer (or state dict), for `rollout.mtp_drafting` when `model` is not a checkpoint directory."""
+        self.engine = EmbeddedEngine(
+            model, RolloutConfig.model_validate(config), engine_id=engine_id, version=version, mtp=mtp
+        )
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
@@ -40,7 +43,7 @@ class RolloutWorker:
         return self.engine.version
 
 
-def create_workers(model, config: RolloutConfig, *, name_prefix: str = "rollout") -> list:
+def create_workers(model, config: RolloutConfig, *, name_prefix: str = "rollout", mtp=None) -> list:
     """Start `config.num_workers` RolloutWorker actors (call after `ray.init()`).
 
     CPU engines ask for `cpus_per_worker` (fractions allowed); GPU engines for `gpus_per_worker`,
@@ -51,7 +54,8 @@ def create_workers(model, config: RolloutConfig, *, name_prefix: str = "rollout"
         gpus = 1
     shared = model if isinstance(model, (str, ray.ObjectRef)) else ray.put(model)
     options = dict(num_cpus=config.cpus_per_worker, num_gpus=gpus)
+    mtp_state = None if mtp is None else mtp if isinstance(mtp, dict) else mtp.state_dict()
     return [
-        RolloutWorker.options(**options).remote(shared, config.model_dump(), f"{name_prefix}-{i}")
+        RolloutWorker.options(**options).remote(shared, config.model_dump(), f"{name_prefix}-{i}", mtp=mtp_state)
         for i in range(config.num_workers)
     ]

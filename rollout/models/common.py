@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..fp8 import linear
 from ..kv_cache import ForwardBatch
 
 
@@ -62,8 +63,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] matrix."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
 
 
 def last_tokens(hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

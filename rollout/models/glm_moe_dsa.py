@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding, yarn_apply_mscale
 
+from ..fp8 import linear, quantize_weights
 from ..kv_cache import CacheLayout, ForwardBatch, KVCache
 from .common import RopeTable, attend, attention_bias, last_tokens, rotate, swiglu, weight_getter
 
@@ -20,14 +21,21 @@ LATENT_NORM_EPS = 1e-6
 DENSE_EXPERTS_MAX = 32
 """Up to this many routed experts, every expert runs on every token (two matmuls, unchosen experts
 weighted by exactly 0); beyond it, experts run one by one on the tokens routed to them."""
+LINEAR_KEYS = frozenset({"in_proj", "q_b", "kv_b", "o", "index_q", "gate_up", "down", "expert_gate_up", "expert_down"})
+"""Weight-dict entries that are matrices of a linear layer (what rollout.fp8 quantizes). The router
+stays in full precision: it chooses experts, and a flipped choice is a large change, not a small one."""
 
 
 class GlmMoeDsaModel:
-    def __init__(self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device):
+    linear_keys = LINEAR_KEYS
+
+    def __init__(
+        self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False
+    ):
         if config.hidden_act != "silu":
             raise ValueError(f"glm_moe_dsa: only silu MLPs are supported, got {config.hidden_act!r}")
         self.config = config
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.fp8 = dtype, device, fp8
         self.vocab_size = config.vocab_size
         self.heads = config.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -35,30 +43,39 @@ class GlmMoeDsaModel:
         self.index_heads, self.index_dim, self.index_topk = config.index_n_heads, config.index_head_dim, config.index_topk
         self.experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
         self.scale = yarn_apply_mscale(config.rope_parameters, (self.nope + self.rope_dim) ** -0.5)
-        self.has_indexer = [kind == "full" for kind in config.indexer_types]
+        # One entry past the last layer: the MTP block (asyncrl.policy.mtp builds it like the last
+        # layer, but always with its own indexer).
+        self.has_indexer = [kind == "full" for kind in config.indexer_types] + [True]
         if not self.has_indexer[0]:
             raise ValueError("glm_moe_dsa: the first layer must run its own indexer")
         self.is_moe = [kind == "sparse" for kind in config.mlp_layer_types]
+        self.is_moe.append(self.is_moe[-1])
         self.rope = RopeTable(GlmMoeDsaRotaryEmbedding(config), max_len, dtype=dtype, device=device)
         self.load_state_dict(state_dict)
 
-    def cache_layout(self) -> CacheLayout:
+    def cache_layout(self, extra_layers: int = 0) -> CacheLayout:
+        """One entry per decoder layer, plus `extra_layers` more (the MTP layer, index N)."""
         kv = {"k": (self.heads, self.nope + self.rope_dim), "v": (self.heads, self.v_dim)}
-        return [dict(kv, index_k=(1, self.index_dim)) if full else dict(kv) for full in self.has_indexer]
+        layers = self.has_indexer[: self.config.num_hidden_layers + extra_layers]
+        return [dict(kv, index_k=(1, self.index_dim)) if full else dict(kv) for full in layers]
 
     # --- weights -------------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Take transformers-named weights and fuse what reads the same input into one matrix."""
         get = weight_getter(state_dict, dtype=self.dtype, device=self.device)
-        layers = [self._layer_weights(get, i) for i in range(self.config.num_hidden_layers)]
+        layers = [self.layer_weights(get, i) for i in range(self.config.num_hidden_layers)]
         embed = get("model.embed_tokens.weight")
         tied = self.config.tie_word_embeddings and "lm_head.weight" not in state_dict
-        self.weights = dict(
+        weights = dict(
             embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=embed if tied else get("lm_head.weight")
         )
+        if self.fp8:
+            quantize_weights(weights, LINEAR_KEYS)
+        self.weights = weights  # swapped whole, after every tensor (and its quantization) is ready
 
-    def _layer_weights(self, get, i: int) -> dict:
+    def layer_weights(self, get, i: int) -> dict:
+        """Decoder layer i's weights; i = num_hidden_layers is the MTP block, named the same way."""
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         # Everything that reads the normed layer input is one matmul: q and kv latents, the
         # indexer's key and its per-head weights.
@@ -125,36 +142,59 @@ class GlmMoeDsaModel:
 
     # --- forward -------------------------------------------------------------------------------
 
+    def begin(self, batch: ForwardBatch) -> dict:
+        """What every layer of one forward shares: RoPE at the batch's positions and the attention mask.
+
+        `bias` is updated by each layer with its own indexer; "shared" indexer layers reuse it.
+        """
+        cos, sin = self.rope.at(batch.positions)
+        causal = attention_bias(batch.mask, self.heads, 1, self.dtype)
+        return dict(cos=cos, sin=sin, causal=causal, bias=causal)
+
+    def layer(self, i: int, lw: dict, h: torch.Tensor, batch: ForwardBatch, cache: KVCache, ctx: dict) -> torch.Tensor:
+        """One decoder layer over h [B, T, H]; its K/V (and indexer keys) go to cache layer i."""
+        hidden, eps = self.config.hidden_size, self.config.rms_norm_eps
+        x = F.rms_norm(h, (hidden,), lw["ln1"], eps)
+        o, ctx["bias"] = self._attention(i, lw, x, batch, cache, ctx["cos"], ctx["sin"], ctx["causal"], ctx["bias"])
+        h = h + o
+        x = F.rms_norm(h, (hidden,), lw["ln2"], eps)
+        return h + (self._moe(lw, x) if self.is_moe[i] else swiglu(x, lw["gate_up"], lw["down"]))
+
+    def _trunk(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        ctx = self.begin(batch)
+        h = F.embedding(batch.tokens, self.weights["embed"])
+        for i, lw in enumerate(self.weights["layers"]):
+            h = self.layer(i, lw, h, batch, cache, ctx)
+        return h
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Final normed hidden states [B, T, H] at every position; K/V of real tokens go into the cache."""
+        h = self._trunk(batch, cache)
+        return F.rms_norm(h, (self.config.hidden_size,), self.weights["norm"], self.config.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.weights["lm_head"])
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Logits [B, vocab] at each row's last token; K/V and indexer keys of real tokens go into the cache."""
-        w, eps = self.weights, self.config.rms_norm_eps
-        hidden = self.config.hidden_size
-        cos, sin = self.rope.at(batch.positions)
-        h = F.embedding(batch.tokens, w["embed"])
-        causal = attention_bias(batch.mask, self.heads, 1, h.dtype)
-        bias = causal  # "shared" indexer layers reuse the previous full layer's choice
-        for i, lw in enumerate(w["layers"]):
-            x = F.rms_norm(h, (hidden,), lw["ln1"], eps)
-            o, bias = self._attention(i, lw, x, batch, cache, cos, sin, causal, bias)
-            h = h + o
-            x = F.rms_norm(h, (hidden,), lw["ln2"], eps)
-            h = h + (self._moe(lw, x) if self.is_moe[i] else swiglu(x, lw["gate_up"], lw["down"]))
-        last = F.rms_norm(last_tokens(h, batch), (hidden,), w["norm"], eps)
-        return F.linear(last, w["lm_head"])
+        h = self._trunk(batch, cache)
+        last = F.rms_norm(last_tokens(h, batch), (self.config.hidden_size,), self.weights["norm"], self.config.rms_norm_eps)
+        return self.logits(last)
 
     def _attention(self, i, lw, x, batch: ForwardBatch, cache: KVCache, cos, sin, causal, bias):
         bsz, width, _ = x.shape
         heads, nope, rope = self.heads, self.nope, self.rope_dim
         splits = [self.q_rank, self.kv_rank, rope] + ([self.index_dim, self.index_heads] if self.has_indexer[i] else [])
-        parts = F.linear(x, lw["in_proj"], lw["in_bias"]).split(splits, dim=-1)
+        parts = linear(x, lw["in_proj"], lw["in_bias"]).split(splits, dim=-1)
         q_latent, kv_latent, k_rot = parts[:3]
 
         q_resid = F.rms_norm(q_latent, (self.q_rank,), lw["q_norm"], LATENT_NORM_EPS)
-        q = F.linear(q_resid, lw["q_b"]).view(bsz, width, heads, nope + rope)
+        q = linear(q_resid, lw["q_b"]).view(bsz, width, heads, nope + rope)
         q = torch.cat((q[..., :nope], rotate(q[..., nope:], cos, sin, interleaved=True)), dim=-1)
 
-        kv = F.linear(F.rms_norm(kv_latent, (self.kv_rank,), lw["kv_norm"], LATENT_NORM_EPS), lw["kv_b"])
+        kv = linear(F.rms_norm(kv_latent, (self.kv_rank,), lw["kv_norm"], LATENT_NORM_EPS), lw["kv_b"])
         k_nope, v = kv.view(bsz, width, heads, nope + self.v_dim).split([nope, self.v_dim], dim=-1)
         k_rot = rotate(k_rot.unsqueeze(2), cos, sin, interleaved=True).expand(-1, -1, heads, -1)
         cache.write(i, "k", batch, torch.cat((k_nope, k_rot), dim=-1))
@@ -165,7 +205,7 @@ class GlmMoeDsaModel:
             selected = self._select(i, lw, q_resid, index_k, index_weights, batch, cache, cos, sin)
             bias = causal if selected is None else attention_bias(selected, self.heads, 1, x.dtype)
         o = attend(q, cache.read(i, "k", batch), cache.read(i, "v", batch), bias, self.scale)
-        return F.linear(o, lw["o"], lw["o_bias"]), bias
+        return linear(o, lw["o"], lw["o_bias"]), bias
 
     def _select(self, i, lw, q_resid, index_k, index_weights, batch: ForwardBatch, cache: KVCache, cos, sin):
         """DSA: each query sees at most index_topk cached positions, those its indexer scores highest.
@@ -179,7 +219,7 @@ class GlmMoeDsaModel:
         if batch.context_len <= self.index_topk:
             return None  # no query has more than top-k visible positions: all are kept
         bsz, width, _ = q_resid.shape
-        q = F.linear(q_resid, lw["index_q"]).view(bsz, width, self.index_heads, self.index_dim)
+        q = linear(q_resid, lw["index_q"]).view(bsz, width, self.index_heads, self.index_dim)
         q = torch.cat((rotate(q[..., :rope], cos, sin, interleaved=True), q[..., rope:]), dim=-1)
         keys = cache.read(i, "index_k", batch)  # [B, 1, L, D]
         scores = F.relu(torch.matmul(q, keys.transpose(-1, -2)) * self.index_dim**-0.5)  # [B, T, heads, L]
@@ -199,8 +239,8 @@ class GlmMoeDsaModel:
         route = torch.zeros(x.shape[0], self.experts + 1, dtype=x.dtype, device=x.device)
         route[:, self.experts] = 1  # the shared expert always runs with weight 1
         route.scatter_(1, chosen, weights)
-        gate, up = F.linear(x, lw["gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up * (route @ lw["expand"]), lw["down"]).view(shape)
+        gate, up = linear(x, lw["gate_up"]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up * (route @ lw["expand"]), lw["down"]).view(shape)
 
     def _route(self, lw, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmoid scores; choice by score + correction bias within the best groups; weights from scores."""

@@ -6,18 +6,26 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from ..fp8 import linear, quantize_weights
 from ..kv_cache import CacheLayout, ForwardBatch, KVCache
 from .common import RopeTable, attend, attention_bias, last_tokens, rotate, swiglu, weight_getter
 
+LINEAR_KEYS = frozenset({"qkv", "o", "gate_up", "down"})
+"""Weight-dict entries that are matrices of a linear layer (what rollout.fp8 quantizes)."""
+
 
 class Qwen3Model:
-    def __init__(self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device):
+    linear_keys = LINEAR_KEYS
+
+    def __init__(
+        self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False
+    ):
         if config.hidden_act != "silu":
             raise ValueError(f"qwen3: only silu MLPs are supported, got {config.hidden_act!r}")
         if getattr(config, "use_sliding_window", False) or "sliding_attention" in (config.layer_types or []):
             raise ValueError("qwen3: sliding-window attention is not supported by the embedded engine")
         self.config = config
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.fp8 = dtype, device, fp8
         self.vocab_size = config.vocab_size
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -27,57 +35,82 @@ class Qwen3Model:
         self.rope = RopeTable(Qwen3RotaryEmbedding(config), max_len, dtype=dtype, device=device)
         self.load_state_dict(state_dict)
 
-    def cache_layout(self) -> CacheLayout:
+    def cache_layout(self, extra_layers: int = 0) -> CacheLayout:
+        """One entry per decoder layer, plus `extra_layers` more of the same shape (the MTP layer)."""
         kv = (self.kv_heads, self.head_dim)
-        return [{"k": kv, "v": kv} for _ in range(self.config.num_hidden_layers)]
+        return [{"k": kv, "v": kv} for _ in range(self.config.num_hidden_layers + extra_layers)]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Take transformers-named weights and fuse them (q/k/v into one matrix, gate/up into one)."""
         get = weight_getter(state_dict, dtype=self.dtype, device=self.device)
-        bias = self.config.attention_bias
-        layers = []
-        for i in range(self.config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            layers.append(
-                dict(
-                    ln1=get(p + "input_layernorm.weight"),
-                    qkv=torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
-                    qkv_bias=torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]) if bias else None,
-                    q_norm=get(a + "q_norm.weight"),
-                    k_norm=get(a + "k_norm.weight"),
-                    o=get(a + "o_proj.weight"),
-                    o_bias=get(a + "o_proj.bias") if bias else None,
-                    ln2=get(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                    down=get(p + "mlp.down_proj.weight"),
-                )
-            )
+        layers = [self.layer_weights(get, i) for i in range(self.config.num_hidden_layers)]
         embed = get("model.embed_tokens.weight")
         tied = self.config.tie_word_embeddings and "lm_head.weight" not in state_dict
-        self.weights = dict(
+        weights = dict(
             embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=embed if tied else get("lm_head.weight")
         )
+        if self.fp8:
+            quantize_weights(weights, LINEAR_KEYS)
+        self.weights = weights  # swapped whole, after every tensor (and its quantization) is ready
+
+    def layer_weights(self, get, i: int) -> dict:
+        """Decoder layer i's weights; i = num_hidden_layers is the MTP block, named the same way."""
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        bias = self.config.attention_bias
+        return dict(
+            ln1=get(p + "input_layernorm.weight"),
+            qkv=torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
+            qkv_bias=torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]) if bias else None,
+            q_norm=get(a + "q_norm.weight"),
+            k_norm=get(a + "k_norm.weight"),
+            o=get(a + "o_proj.weight"),
+            o_bias=get(a + "o_proj.bias") if bias else None,
+            ln2=get(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+            down=get(p + "mlp.down_proj.weight"),
+        )
+
+    def begin(self, batch: ForwardBatch) -> dict:
+        """What every layer of one forward shares: RoPE at the batch's positions and the attention mask."""
+        cos, sin = self.rope.at(batch.positions)
+        return dict(cos=cos, sin=sin, bias=attention_bias(batch.mask, self.kv_heads, self.heads // self.kv_heads, self.dtype))
+
+    def layer(self, i: int, lw: dict, h: torch.Tensor, batch: ForwardBatch, cache: KVCache, ctx: dict) -> torch.Tensor:
+        """One decoder layer over h [B, T, H]; its K/V go to cache layer i."""
+        eps, hd = self.eps, self.head_dim
+        bsz, width, _ = h.shape
+        q_size, kv_size = self.heads * hd, self.kv_heads * hd
+        x = F.rms_norm(h, (h.shape[-1],), lw["ln1"], eps)
+        q, k, v = linear(x, lw["qkv"], lw["qkv_bias"]).split([q_size, kv_size, kv_size], dim=-1)
+        q = F.rms_norm(q.view(bsz, width, self.heads, hd), (hd,), lw["q_norm"], eps)
+        k = F.rms_norm(k.view(bsz, width, self.kv_heads, hd), (hd,), lw["k_norm"], eps)
+        q, k = rotate(q, ctx["cos"], ctx["sin"], interleaved=False), rotate(k, ctx["cos"], ctx["sin"], interleaved=False)
+        cache.write(i, "k", batch, k)
+        cache.write(i, "v", batch, v.view(bsz, width, self.kv_heads, hd))
+        o = attend(q, cache.read(i, "k", batch), cache.read(i, "v", batch), ctx["bias"], self.scale)
+        h = h + linear(o, lw["o"], lw["o_bias"])
+        return h + swiglu(F.rms_norm(h, (h.shape[-1],), lw["ln2"], eps), lw["gate_up"], lw["down"])
+
+    def _trunk(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        w = self.weights
+        ctx = self.begin(batch)
+        h = F.embedding(batch.tokens, w["embed"])
+        for i, lw in enumerate(w["layers"]):
+            h = self.layer(i, lw, h, batch, cache, ctx)
+        return h
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Final normed hidden states [B, T, H] at every position; K/V of every real token go into the cache."""
+        h = self._trunk(batch, cache)
+        return F.rms_norm(h, (h.shape[-1],), self.weights["norm"], self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.weights["lm_head"])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Logits [B, vocab] at each row's last token; K/V of every real token go into the cache."""
-        w, eps, hd = self.weights, self.eps, self.head_dim
-        bsz, width = batch.tokens.shape
-        cos, sin = self.rope.at(batch.positions)
-        q_size, kv_size = self.heads * hd, self.kv_heads * hd
-        h = F.embedding(batch.tokens, w["embed"])
-        bias = attention_bias(batch.mask, self.kv_heads, self.heads // self.kv_heads, h.dtype)
-        for i, lw in enumerate(w["layers"]):
-            x = F.rms_norm(h, (h.shape[-1],), lw["ln1"], eps)
-            q, k, v = F.linear(x, lw["qkv"], lw["qkv_bias"]).split([q_size, kv_size, kv_size], dim=-1)
-            q = F.rms_norm(q.view(bsz, width, self.heads, hd), (hd,), lw["q_norm"], eps)
-            k = F.rms_norm(k.view(bsz, width, self.kv_heads, hd), (hd,), lw["k_norm"], eps)
-            q, k = rotate(q, cos, sin, interleaved=False), rotate(k, cos, sin, interleaved=False)
-            cache.write(i, "k", batch, k)
-            cache.write(i, "v", batch, v.view(bsz, width, self.kv_heads, hd))
-            o = attend(q, cache.read(i, "k", batch), cache.read(i, "v", batch), bias, self.scale)
-            h = h + F.linear(o, lw["o"], lw["o_bias"])
-            h = h + swiglu(F.rms_norm(h, (h.shape[-1],), lw["ln2"], eps), lw["gate_up"], lw["down"])
-        last = F.rms_norm(last_tokens(h, batch), (h.shape[-1],), w["norm"], eps)
-        return F.linear(last, w["lm_head"])
+        h = self._trunk(batch, cache)
+        return self.logits(F.rms_norm(last_tokens(h, batch), (h.shape[-1],), self.weights["norm"], self.eps))
