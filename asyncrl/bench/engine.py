@@ -8,6 +8,10 @@ repeated and the median kept; engine and transformers runs alternate so drift hi
 
     asyncrl bench engine --json bench-engine.json
     python -m asyncrl.bench.engine --json bench-engine.json
+
+With `policy.path=SFT_CHECKPOINT`, the same run adds MTP drafting and FP8 measurements
+(`asyncrl/bench/engine_mtp.py`): `mtp_accept_len`, `mtp_speedup_b1`, `mtp_speedup_b64`,
+`fp8_weight_bytes_ratio`, `fp8_mean_abs_logprob_gap`.
 """
 
 from __future__ import annotations
@@ -82,9 +86,12 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
         assert produced == batch * NEW_TOKENS, produced
         return produced / elapsed
 
+    from . import engine_mtp
+
     b64, hf64, b1 = [], [], []
+    mtp_steps = engine_mtp.REPEATS + 1 if config.policy.path else 0
     with Progress(TextColumn("bench engine"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as progress:
-        task = progress.add_task("measure", total=3 * (REPEATS + 1))
+        task = progress.add_task("measure", total=3 * (REPEATS + 1) + mtp_steps)
         for measure in (lambda: engine_tok_s(BATCH), lambda: hf_tok_s(BATCH), lambda: engine_tok_s(1)):
             measure()  # warm-up: allocator, thread pools, kernels
             progress.advance(task)
@@ -92,7 +99,8 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
             for runs, measure in ((b64, lambda: engine_tok_s(BATCH)), (hf64, lambda: hf_tok_s(BATCH)), (b1, lambda: engine_tok_s(1))):
                 runs.append(measure())
                 progress.advance(task)
-    engine.shutdown()
+        engine.shutdown()
+        mtp_results = engine_mtp.run(config, threads, BATCH, progress=lambda: progress.advance(task))
 
     results = {
         "tok_s_b1": round(statistics.median(b1), 1),
@@ -110,6 +118,7 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
             "torch": torch.__version__,
             "machine": platform.machine(),
         },
+        **mtp_results,
     }
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")

@@ -1,0 +1,152 @@
+"""`asyncrl bench engine`, second part: MTP drafting and FP8 weights in the embedded engine.
+
+Measured on an SFT checkpoint (`policy.path`, e.g. from `asyncrl sft quickstart`): the MTP layer
+is only worth drafting with once trained, and its acceptance depends on how well the policy knows
+the tasks. Prompts are the built-in tasks': held-out arithmetic problems and tool-call problems,
+rendered by the checkpoint's chat template. Sampling is the RL setting, temperature 1.
+
+- `mtp_accept_len`: tokens emitted per verify step (accepted drafts + 1) at 4 draft tokens, over
+  every request; per task too.
+- `mtp_speedup_b1` / `mtp_speedup_b64`: generated tokens per second with drafting over without,
+  requests one at a time / 64 at once, alternating sides, medians of REPEATS. Each side samples
+  its own tokens (same seeds, different random streams), so token counts differ a little.
+- `fp8_weight_bytes_ratio`: the engine's policy weights with FP8 linears (1 byte + a float32 scale
+  per output row; the rest, embeddings, norms, router and LM head, at 2 bytes) over all at bf16.
+- `fp8_mean_abs_logprob_gap`: mean |rollout log-prob - learner log-prob| over tokens sampled by the
+  FP8 engine, the learner being the full-precision transformers forward (fp32 engine for reference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+
+import torch
+
+from asyncrl.configs.schema import RunConfig
+
+DRAFT_TOKENS = 4
+MAX_TOKENS = 96
+REPEATS = 3
+B1_PROMPTS = 12
+
+
+def task_prompts(config: RunConfig, tokenizer, count: int) -> list[tuple[str, list[int]]]:
+    """(task, prompt ids): three quarters held-out arithmetic, one quarter tool-call problems."""
+    from asyncrl.envs.arithmetic import ArithmeticTask
+    from asyncrl.envs.tool_demos import PYTHON_TOOL, sample_tool_problem
+
+    tools = count // 4
+    arithmetic = ArithmeticTask(config.tasks.arithmetic).heldout_set(count - tools, config.seed)
+    rng = random.Random(config.seed)
+    prompts = [("arithmetic", tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True)) for p in arithmetic]
+    for _ in range(tools):
+        messages = sample_tool_problem(rng).messages()
+        prompts.append(("tool", tokenizer.apply_chat_template(messages, tools=[PYTHON_TOOL], add_generation_prompt=True)))
+    return [(task, list(ids["input_ids"] if hasattr(ids, "keys") else ids)) for task, ids in prompts]
+
+
+def _generate(engine, prompts: list[list[int]], temperature: float = 1.0):
+    async def go():
+        params = [dict(temperature=temperature, max_tokens=MAX_TOKENS, seed=i) for i in range(len(prompts))]
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+
+    return asyncio.run(go())
+
+
+def _tok_s(engine, prompts: list[list[int]], batch: int) -> float:
+    start, produced = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        produced += sum(len(r.token_ids) for r in _generate(engine, prompts[i : i + batch]))
+    return produced / (time.perf_counter() - start)
+
+
+def _learner_gap(model, results) -> float:
+    """Mean |engine log-prob - full-precision transformers log-prob| over every sampled token."""
+    gaps = []
+    with torch.inference_mode():
+        for r in results:
+            ids = torch.tensor([r.prompt_token_ids + r.token_ids])
+            logits = model(ids).logits[0, len(r.prompt_token_ids) - 1 : -1].float()
+            ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.token_ids)[:, None]).squeeze(1)
+            gaps.append((torch.tensor(r.logprobs) - ref).abs())
+    return torch.cat(gaps).mean().item()
+
+
+def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
+    from asyncrl.policy.checkpoint import load_policy
+    from asyncrl.rollout import EmbeddedEngine
+    from asyncrl.rollout.fp8 import weight_bytes
+
+    if config.policy.path is None:
+        return {"mtp_note": "set policy.path to an SFT checkpoint (asyncrl sft quickstart) to measure MTP and FP8"}
+    model, tokenizer, mtp = load_policy(config.policy.path)
+    model = model.float().eval()
+    if mtp is None:
+        raise SystemExit(f"bench engine: {config.policy.path} has no MTP layer to draft with")
+    base = config.rollout.model_copy(update={"torch_threads": threads, "max_num_seqs": batch, "retained_prefixes": 0})
+    plain = EmbeddedEngine(model, base, engine_id="plain")
+    drafting = EmbeddedEngine(
+        model, base.model_copy(update={"mtp_drafting": True, "mtp_draft_tokens": DRAFT_TOKENS}), engine_id="mtp", mtp=mtp
+    )
+    fp8 = EmbeddedEngine(model, base.model_copy(update={"fp8": True}), engine_id="fp8")
+    tasks_and_prompts = task_prompts(config, tokenizer, batch)
+    prompts = [p for _, p in tasks_and_prompts]
+    b1_prompts = prompts[: B1_PROMPTS * 3 // 4] + prompts[-(B1_PROMPTS // 4) :]
+
+    results = _generate(drafting, prompts)
+    per_task = {}
+    for task in ("arithmetic", "tool"):
+        steps = sum(r.mtp_verify_steps for (t, _), r in zip(tasks_and_prompts, results) if t == task)
+        emitted = sum(r.mtp_accept_len * r.mtp_verify_steps for (t, _), r in zip(tasks_and_prompts, results) if t == task and r.mtp_verify_steps)
+        per_task[task] = round(emitted / steps, 3) if steps else None
+    accept_len = drafting.health()["mtp_accept_len"]
+    greedy_engine = EmbeddedEngine(model, drafting.config, engine_id="mtp-greedy", mtp=mtp)
+    _generate(greedy_engine, prompts, temperature=0.0)
+    greedy_accept = greedy_engine.health()["mtp_accept_len"]
+    greedy_engine.shutdown()
+    if progress:
+        progress()
+
+    sides = {"b1_plain": [], "b1_mtp": [], "b64_plain": [], "b64_mtp": []}
+    _tok_s(plain, prompts, batch), _tok_s(drafting, prompts, batch)  # warm-up
+    for _ in range(REPEATS):
+        sides["b1_plain"].append(_tok_s(plain, b1_prompts, 1))
+        sides["b1_mtp"].append(_tok_s(drafting, b1_prompts, 1))
+        sides["b64_plain"].append(_tok_s(plain, prompts, batch))
+        sides["b64_mtp"].append(_tok_s(drafting, prompts, batch))
+        if progress:
+            progress()
+    median = {k: statistics.median(v) for k, v in sides.items()}
+
+    fp8_bytes = weight_bytes(fp8.model.weights, skip=frozenset({"expand"}))
+    bf16_bytes = weight_bytes(plain.model.weights, skip=frozenset({"expand"}))
+    fp8_gap = _learner_gap(model, _generate(fp8, prompts))
+    fp32_gap = _learner_gap(model, _generate(plain, prompts))
+    for engine in (plain, drafting, fp8):
+        engine.shutdown()
+    return {
+        "mtp_accept_len": round(accept_len, 3),
+        "mtp_speedup_b1": round(median["b1_mtp"] / median["b1_plain"], 2),
+        "mtp_speedup_b64": round(median["b64_mtp"] / median["b64_plain"], 2),
+        "fp8_weight_bytes_ratio": round(fp8_bytes / bf16_bytes, 3),
+        "fp8_mean_abs_logprob_gap": round(fp8_gap, 5),
+        "mtp_details": {
+            "draft_tokens": DRAFT_TOKENS,
+            "accept_len_by_task": per_task,
+            "accept_len_greedy": round(greedy_accept, 3),
+            "tok_s_medians": {k: round(v, 1) for k, v in median.items()},
+            "runs": sides,
+            "checkpoint": config.policy.path,
+            "prompts": len(prompts),
+            "b1_prompts": len(b1_prompts),
+            "max_tokens": MAX_TOKENS,
+        },
+        "fp8_details": {
+            "weight_bytes_fp8": fp8_bytes,
+            "weight_bytes_bf16": bf16_bytes,
+            "fp32_engine_mean_abs_logprob_gap": fp32_gap,
+        },
+    }
