@@ -103,6 +103,8 @@ class ArithmeticTaskConfig(Section):
     """Most digits in an operand."""
     word_problem_fraction: float = Field(0.1, ge=0.0, le=1.0)
     """Share of problems phrased as a short word problem instead of a bare expression."""
+    subtraction_fraction: float = Field(0.25, ge=0.0, le=1.0)
+    """Share of subtractions (a - b with a >= b); the rest are additions."""
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     """Share of the problem space reserved for evaluation; training never sees it."""
 

@@ -88,9 +88,8 @@ def verify(completion_text: str, problem: Problem) -> bool:
 class ArithmeticTask:
     """Samples training or held-out problems; each split is closed under rephrasing."""
 
-    def __init__(self, config: ArithmeticTaskConfig, subtraction_fraction: float = 0.25) -> None:
+    def __init__(self, config: ArithmeticTaskConfig) -> None:
         self.config = config
-        self.subtraction_fraction = subtraction_fraction
 
     def _operand(self, rng: random.Random) -> int:
         digits = rng.randint(self.config.min_digits, self.config.max_digits)
@@ -99,7 +98,7 @@ class ArithmeticTask:
 
     def _draw(self, rng: random.Random) -> Problem:
         a, b = self._operand(rng), self._operand(rng)
-        op: Op = "-" if rng.random() < self.subtraction_fraction else "+"
+        op: Op = "-" if rng.random() < self.config.subtraction_fraction else "+"
         if op == "-" and a < b:
             a, b = b, a  # answers stay non-negative, so no sign to learn
         template = None
@@ -116,6 +115,23 @@ class ArithmeticTask:
         raise RuntimeError("the problem space is too small for this held-out fraction")
 
     def heldout_set(self, num_problems: int, seed: int) -> list[Problem]:
-        """A fixed evaluation set: the same seed gives the same problems in every process."""
+        """A fixed evaluation set of distinct problems: the same seed gives the same set in every process.
+
+        Distinct, because drawing with replacement repeats the few held-out one-digit problems ~5
+        times each in 500, so a handful of problems would weigh a tenth of the score.
+        """
         rng = random.Random(seed)
-        return [self.sample(rng, heldout=True) for _ in range(num_problems)]
+        problems: dict[str, Problem] = {}
+        misses = 0
+        while len(problems) < num_problems:
+            problem = self.sample(rng, heldout=True)
+            if problem.canonical in problems:
+                misses += 1
+                if misses > 100 * num_problems:
+                    raise ValueError(
+                        f"the held-out split has too few distinct problems for {num_problems} "
+                        f"(found {len(problems)}): lower eval.num_problems or widen the operand digits"
+                    )
+                continue
+            problems[problem.canonical] = problem
+        return list(problems.values())

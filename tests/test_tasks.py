@@ -34,6 +34,23 @@ def test_heldout_share_of_the_problem_space_matches_the_config():
     assert 0.08 < share < 0.12
 
 
+def test_heldout_set_holds_distinct_problems_and_says_when_the_split_is_too_small():
+    task = ArithmeticTask(ArithmeticTaskConfig(min_digits=1, max_digits=2, heldout_fraction=0.1))
+    problems = task.heldout_set(200, seed=4)
+    assert len(problems) == 200 == len({p.canonical for p in problems})
+    tiny = ArithmeticTask(ArithmeticTaskConfig(min_digits=1, max_digits=1, heldout_fraction=0.1))
+    with pytest.raises(ValueError, match="too few distinct problems"):
+        tiny.heldout_set(500, seed=4)
+
+
+def test_subtraction_share_follows_the_config():
+    for fraction in (0.0, 0.5):
+        task = ArithmeticTask(ArithmeticTaskConfig(subtraction_fraction=fraction))
+        rng = random.Random(2)
+        share = sum(task.sample(rng).op == "-" for _ in range(4000)) / 4000
+        assert abs(share - fraction) < 0.03
+
+
 def test_problems_are_deterministic_from_the_seed():
     task = ArithmeticTask(ArithmeticTaskConfig())
     first = [task.sample(random.Random(7)) for _ in range(3)]
