@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Callable
+
+import yaml
 
 from asyncrl.configs import ConfigError, RunConfig, dump_config, load_config, preset_names
 
@@ -103,13 +106,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.name not in BENCHMARKS:
         print(f"asyncrl bench: unknown benchmark {args.name!r} (known: {', '.join(sorted(BENCHMARKS))})", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    config = load_config(args.config, args.overrides)
+    source, overrides = args.config, list(args.overrides)
+    if source is not None and "=" in source and not Path(source).is_file():
+        source, overrides = None, [source, *overrides]  # no CONFIG given: the first word is an override
+    config, options = BENCHMARKS[args.name].resolve(source, overrides)
     if args.dry_run:
         print(dump_config(config), end="")
+        if options is not None:
+            print(yaml.safe_dump({"bench": options.model_dump(mode="json")}, sort_keys=False), end="")
         return 0
-    results = BENCHMARKS[args.name](config, args.json)
+    results = BENCHMARKS[args.name].run(config, args.json, options)
     print(json.dumps(results, indent=2))
     return 0
+
+
+def _bench_epilog() -> str:
+    from asyncrl.bench import BENCHMARKS
+
+    return "\n".join(["benchmarks:", *(line for name, bench in BENCHMARKS.items() for line in bench.describe(name))])
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -159,10 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print results as JSON lines")
     gen.set_defaults(handler=cmd_generate)
 
-    bench = sub.add_parser("bench", help="run a benchmark and write its results as JSON")
+    bench = sub.add_parser(
+        "bench", help="run a benchmark and write its results as JSON", epilog=_bench_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     bench.add_argument("name", help="benchmark name, e.g. engine")
-    bench.add_argument("config", nargs="?", default=None, help="preset or YAML config (default: built-in defaults)")
-    bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    bench.add_argument("config", nargs="?", default=None, help="preset or YAML config (default: the benchmark's own, below)")
+    bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides; bench.KEY=VALUE sets the benchmark's own settings")
     bench.add_argument("--json", default=None, metavar="PATH", help="write results to this JSON file")
     bench.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     bench.set_defaults(handler=cmd_bench)
