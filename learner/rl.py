@@ -253,8 +253,13 @@ class RLLearner:
     # -- weights, checkpoints, optimizer ------------------------------------------------------
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
-        """The policy's weights (no MTP layer), as CPU copies the engines can load while training goes on."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
+        """The policy's weights, plus its MTP layer under "mtp.*" when it trains one (so drafting
+        engines keep drafting for the policy they serve), as CPU copies the engines can load while
+        training goes on."""
+        weights = {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
+        if self._trains_mtp:
+            weights.update({f"mtp.{name}": t.detach().to("cpu", copy=True) for name, t in self.mtp.state_dict().items()})
+        return weights
 
     def reset_optimizer(self) -> None:
         self.optimizer.state.clear()

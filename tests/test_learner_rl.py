@@ -200,6 +200,21 @@ def test_push_due_every_k_steps_and_optional_optimizer_reset():
     assert pushed[name].data_ptr() != learner.model.state_dict()[name].data_ptr()  # a copy, not the live weights
 
 
+def test_push_carries_the_mtp_layer_it_trains_so_drafting_engines_follow():
+    learner = make_learner(mtp=True, mtp_loss_weight=0.5)
+    samples = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21, 22])]
+    learner.train_step(samples)
+    pushed = learner.state_dict_for_push()
+    mtp_keys = {k for k in pushed if k.startswith("mtp.")}
+    assert {k.removeprefix("mtp.") for k in mtp_keys} == learner.mtp.state_dict().keys()
+    assert pushed.keys() - mtp_keys == learner.model.state_dict().keys()
+    name = next(iter(mtp_keys))
+    torch.testing.assert_close(pushed[name], learner.mtp.state_dict()[name.removeprefix("mtp.")])
+    # Without the MTP loss the layer never changes: nothing to push.
+    frozen = make_learner(mtp=True, mtp_loss_weight=0.0)
+    assert not any(k.startswith("mtp.") for k in frozen.state_dict_for_push())
+
+
 def test_save_and_load_resume_version_weights_and_optimizer(tmp_path):
     learner = make_learner(mtp=True, mtp_loss_weight=0.5)
     samples = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21, 22])]
