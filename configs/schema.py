@@ -220,6 +220,35 @@ class StoreConfig(Section):
     """Most trajectories one claim takes."""
 
 
+class SandboxConfig(Section):
+    """Where tool code runs (`asyncrl.envs.sandbox`): the backend and the limits every call runs under."""
+
+    backend: Literal["process", "docker"] = "process"
+    """`process`: bubblewrap namespaces on this machine; `docker`: one container per episode."""
+    timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Wall-clock limit of one tool call; the call's whole process tree is killed when it passes."""
+    max_output_bytes: int = Field(8192, ge=256, le=16 * 1024 * 1024)
+    """stdout plus stderr kept from one call; a call that writes more is cut there and killed."""
+    memory_mb: int = Field(256, ge=32, le=65536)
+    """Address space of the tool process (process and docker) and memory of the container (docker)."""
+    max_processes: int = Field(32, ge=1, le=4096)
+    """Processes and threads tool code may run at once (a fork bomb stops here)."""
+    cpus: float = Field(1.0, gt=0, le=256)
+    """CPU share of a container (docker); the process backend lowers the tool's priority instead."""
+    scratch_mb: int = Field(64, ge=1, le=65536)
+    """Size of the writable /scratch directory (docker: tmpfs size; process: largest file)."""
+    network: bool = False
+    """Give tool code a network (docker: the engine's default network; process: the host's)."""
+    python: str = "/usr/bin/python3"
+    """Interpreter the process backend runs tool code with (its prefix is mounted read-only)."""
+    docker_image: str = "asyncrl-sandbox:py3"
+    """Image of the docker backend; `scripts/build_sandbox_image.sh` builds it locally."""
+    docker_host: str | None = None
+    """Docker engine address (e.g. unix:///run/asyncrl-docker/docker.sock); None: $DOCKER_HOST or the default."""
+    start_timeout_s: float = Field(60.0, gt=0, le=3600)
+    """Longest wait for a container to start or be removed before the sandbox counts as failed."""
+
+
 class GatewayConfig(Section):
     """The TITO gateway: where it listens, how it routes and watches engines, and what it refuses."""
 

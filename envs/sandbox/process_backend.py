@@ -1,0 +1,150 @@
+"""The `process` backend: every tool call in a fresh bubblewrap sandbox on this machine.
+
+Namespaces: no network (an empty network namespace), a PID namespace that dies with the call, the
+system's /usr mounted read-only and nothing else of the host's files, a private /tmp, and the
+episode's scratch directory as /scratch (the only place tool code can write, and what persists
+between one episode's calls). When asyncrl runs as root, bubblewrap runs as nobody (65534) so that
+RLIMIT_NPROC binds (the kernel never applies it to root). Limits are rlimits set by the supervisor
+(`runner.py`); the wall clock is enforced by the supervisor and, as a backstop, here by killing the
+sandbox's process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+from asyncrl.configs.schema import SandboxConfig
+from asyncrl.envs.sandbox.base import OpeningSandbox, SandboxError, ToolResult
+from asyncrl.envs.sandbox.calls import HOST_GRACE_S, read_answer, runner_argv, timed_out_on_host
+
+NOBODY = 65534
+
+
+def _root_mounts(python: Path) -> list[str]:
+    """Read-only /usr, the /bin, /lib... links of a merged-/usr system (or binds where they are real
+    directories), and the interpreter's own prefix when it lives outside /usr."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64"):
+        path = Path("/") / name
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), str(path)]
+    prefix = python.resolve().parent.parent
+    if not prefix.is_relative_to("/usr") and prefix != Path("/"):
+        args += ["--ro-bind", str(prefix), str(prefix)]
+    return args
+
+
+class ProcessSandbox:
+    def __init__(self, backend: "ProcessBackend", scratch: Path) -> None:
+        self._backend = backend
+        self._scratch = scratch
+        self._lock = asyncio.Lock()  # one call at a time, as in a terminal
+        self._closed = False
+
+    async def run_python(self, code: str, *, timeout_s: float | None = None) -> ToolResult:
+        config = self._backend.config
+        timeout_s = config.timeout_s if timeout_s is None else timeout_s
+        async with self._lock:
+            if self._closed:
+                raise SandboxError("sandbox is closed")
+            argv = self._backend.bwrap_argv(self._scratch) + runner_argv(
+                config.python, code, timeout_s=timeout_s, config=config, limit_processes=True
+            )
+            spawn = asyncio.ensure_future(
+                asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env={"PATH": "/usr/bin:/bin"},  # the host's environment (keys, tokens) stays out
+                    cwd="/",
+                    start_new_session=True,
+                    **self._backend.drop_privileges,
+                )
+            )
+            try:
+                # Shielded: cancelled mid-spawn, asyncio would kill bwrap alone, possibly before its
+                # child set up --die-with-parent, and that child would run on to its own timeout.
+                proc = await asyncio.shield(spawn)
+            except asyncio.CancelledError:
+                proc = await spawn
+                await _kill(proc)
+                raise
+            except OSError as e:
+                raise SandboxError(f"could not start bubblewrap: {e}") from e
+            try:
+                stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout_s + HOST_GRACE_S)
+            except asyncio.TimeoutError:
+                await _kill(proc)
+                return timed_out_on_host(timeout_s)
+            except BaseException:
+                await asyncio.shield(_kill(proc))  # cancelled episode: the call must not outlive it
+                raise
+            return read_answer(stdout, stderr, proc.returncode)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        async with self._lock:  # a call still running was killed by its own cancellation
+            await asyncio.to_thread(shutil.rmtree, self._scratch, True)
+
+    async def __aenter__(self) -> "ProcessSandbox":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    # bubblewrap leads its own session: the group holds bwrap and, through --die-with-parent and
+    # the PID namespace, takes everything inside down with it.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    await proc.wait()
+
+
+class ProcessBackend:
+    name = "process"
+
+    def __init__(self, config: SandboxConfig) -> None:
+        self.config = config
+        self._bwrap = shutil.which("bwrap")
+        self.drop_privileges = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
+
+    def bwrap_argv(self, scratch: Path) -> list[str]:
+        net = ["--share-net"] if self.config.network else []
+        return [
+            self._bwrap, "--unshare-all", "--unshare-user", *net, "--disable-userns", "--die-with-parent", "--new-session",
+            "--clearenv", "--hostname", "sandbox",
+            *_root_mounts(Path(self.config.python)),
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", str(self.config.scratch_mb * 1024 * 1024), "--tmpfs", "/tmp",
+            "--bind", str(scratch), "/scratch", "--chdir", "/scratch",
+            "--remount-ro", "/",  # the sandbox's own root (a tmpfs holding the mount points)
+        ]  # fmt: skip
+
+    def open(self) -> OpeningSandbox:
+        return OpeningSandbox(self._open)
+
+    async def _open(self) -> ProcessSandbox:
+        if self._bwrap is None:
+            raise SandboxError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap, or use sandbox.backend=docker")
+        if not os.access(self.config.python, os.X_OK):
+            raise SandboxError(f"sandbox interpreter {self.config.python} is missing: install python3 or set sandbox.python")
+        scratch = Path(tempfile.mkdtemp(prefix="asyncrl-sandbox-"))
+        if self.drop_privileges:
+            os.chown(scratch, NOBODY, NOBODY)
+        return ProcessSandbox(self, scratch)
+
+    async def close(self) -> None:
+        """Nothing outlives a call here: each one's PID namespace dies with it."""
