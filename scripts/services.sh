@@ -24,6 +24,55 @@ ensure_redis() {
     return 1
 }
 
+# bubblewrap for the `process` sandbox backend.
+ensure_bubblewrap() {
+    command -v bwrap >/dev/null 2>&1 && return 0
+    echo "[services] installing bubblewrap"
+    _apt_install bubblewrap
+}
+
+# A Docker engine for the `docker` sandbox backend, and the sandbox image; DOCKER_HOST is exported
+# for the tests. An engine that already answers (at $DOCKER_HOST or the default socket) is used as
+# it is. Otherwise Debian's docker.io is installed and dockerd started on a private socket with a data
+# root of its own, leaving the host's network alone (no iptables rules, no bridge: the sandboxes run
+# without a network). Needs root to start an engine; returns 1, saying why, where it cannot.
+ensure_docker() {
+    if ! _docker_answers; then
+        local dir="${ASYNCRL_DOCKER_DIR:-/run/asyncrl-docker}"
+        export DOCKER_HOST="unix://$dir/docker.sock"
+        if ! _docker_answers; then
+            if [ "$(id -u)" -ne 0 ]; then
+                echo "[services] no Docker engine answers and starting one needs root" >&2
+                unset DOCKER_HOST
+                return 1
+            fi
+            if ! command -v dockerd >/dev/null 2>&1; then
+                echo "[services] installing docker.io"
+                _apt_install docker.io
+            fi
+            echo "[services] starting dockerd on $DOCKER_HOST"
+            mkdir -p "$dir"
+            nohup setsid dockerd --host "$DOCKER_HOST" --data-root /var/lib/asyncrl-docker \
+                --exec-root "$dir/exec" --pidfile "$dir/dockerd.pid" --iptables=false --bridge=none \
+                >/tmp/asyncrl-dockerd.log 2>&1 &
+            local up=""
+            for _ in $(seq 1 300); do
+                _docker_answers && { up=1; break; }
+                sleep 0.2
+            done
+            if [ -z "$up" ]; then
+                echo "[services] dockerd did not answer within 60 s; see /tmp/asyncrl-dockerd.log" >&2
+                return 1
+            fi
+        fi
+    fi
+    bash "$(dirname "${BASH_SOURCE[0]}")/build_sandbox_image.sh"
+}
+
+_docker_answers() {
+    command -v docker >/dev/null 2>&1 && timeout 10 docker version --format '{{.Server.Version}}' >/dev/null 2>&1
+}
+
 _apt_install() {
     local sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
