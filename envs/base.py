@@ -3,6 +3,11 @@
 An environment draws tasks and runs one episode of a task against an OpenAI-compatible client bound
 to one rollout (the gateway records every call the client makes). It returns the reward and the
 episode's status; it never needs to know about token IDs, the store or the learner.
+
+An environment that runs tools says so with `needs_sandbox = True`: the runner then opens a fresh
+sandbox for each episode, passes it as the third argument and closes it afterwards, whatever
+happens. Environments without tools may leave both the attribute and the parameter out; they are
+called as `run_episode(task, client)`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ class EpisodeResult:
     reward: float
     status: EpisodeStatus = "ok"
     metrics: dict[str, Any] = field(default_factory=dict)
-    """Environment-specific numbers (e.g. turns, tool calls), stored with the trajectory."""
+    """Environment-specific numbers (e.g. turns, tool calls), stored with the trajectory. A boolean
+    `correct` is what held-out evaluation counts as success (without it, the reward is the score)."""
     reason: str = ""
     """Why the status is not ok, for people reading the trajectory."""
 
@@ -31,12 +37,26 @@ class EpisodeResult:
 @runtime_checkable
 class Environment(Protocol):
     name: str
-    """Registry name; also the `task` recorded with each rollout."""
+    """Registry name; the default `task` recorded with each rollout."""
 
     def sample_task(self, rng: random.Random, split: Split = "train") -> Any:
         """One task from the training split, or from the held-out evaluation split."""
         ...
 
-    async def run_episode(self, task: Any, client: Any) -> EpisodeResult:
-        """Play one episode of `task`; `client` is an `openai.AsyncOpenAI` bound to this rollout."""
+    async def run_episode(self, task: Any, client: Any, sandbox: Any = None) -> EpisodeResult:
+        """Play one episode of `task`; `client` is an `openai.AsyncOpenAI` bound to this rollout,
+        `sandbox` an open `asyncrl.envs.sandbox.Sandbox` when `needs_sandbox` is true."""
         ...
+
+
+def needs_sandbox(env: Any) -> bool:
+    """Whether the runner must open a sandbox for each of `env`'s episodes (False when undeclared)."""
+    return bool(getattr(env, "needs_sandbox", False))
+
+
+def score(result: EpisodeResult) -> float:
+    """What held-out evaluation counts for one episode: `metrics["correct"]` when the environment
+    reports it (so a format term in the reward does not count as success), else the reward."""
+    if "correct" in result.metrics:
+        return float(bool(result.metrics["correct"]))
+    return float(result.reward)

@@ -1,9 +1,10 @@
 """Run one episode through the gateway's rollout lifecycle, and account for every way it can end.
 
-open a rollout -> hand the environment a client bound to it -> finish with the reward and status.
-Once the rollout is open, whatever the environment does (raise, hang, return garbage) the rollout
-ends in exactly one recorded status and the runner does not raise, so one broken episode cannot take
-a run down. Only a gateway that cannot open a rollout at all is an error for the caller.
+open a rollout -> (open a sandbox) -> hand the environment a client bound to the rollout -> close the
+sandbox -> finish with the reward and status. Once the rollout is open, whatever the environment or
+its sandbox does (raise, hang, return garbage, fail to start) the rollout ends in exactly one
+recorded status and the runner does not raise, so one broken episode cannot take a run down. Only a
+gateway that cannot open a rollout at all is an error for the caller.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import openai
 
 from asyncrl.gateway.client import AsyncGatewayClient, GatewayRefused
 
-from .base import EpisodeResult, Environment
+from .base import EpisodeResult, Environment, needs_sandbox
 
 log = logging.getLogger(__name__)
 
@@ -30,30 +31,24 @@ async def run_recorded_episode(
     metadata: dict | None = None,
     timeout_s: float = 300.0,
     http_client: Any = None,
+    sandboxes: Any = None,
+    task_name: str | None = None,
 ) -> tuple[str, EpisodeResult]:
     """(rollout id, result) of one episode; the rollout is finished (or aborted) before returning.
 
     `http_client`: an `httpx.AsyncClient` shared by many episodes' OpenAI clients. Without one each
     episode builds its own (with its own SSL context: ~10 ms of CPU, most of a short episode's cost).
+    `sandboxes`: the `SandboxBackend` that opens a sandbox per episode for environments that need one.
+    `task_name`: recorded as the rollout's task (default: the environment's name).
     """
-    rollout = await gateway.open_rollout(task=env.name, group_id=group_id, metadata=metadata)
+    rollout = await gateway.open_rollout(task=task_name or env.name, group_id=group_id, metadata=metadata)
     shared = {"http_client": http_client} if http_client is not None else {}
     client = rollout.async_openai(max_retries=0, timeout=timeout_s, **shared)
     try:
-        result = await asyncio.wait_for(env.run_episode(task, client), timeout_s)
-        if not isinstance(result, EpisodeResult):
-            result = EpisodeResult(0.0, "env_crash", reason=f"run_episode returned {type(result).__name__}, not EpisodeResult")
-    except asyncio.TimeoutError:
-        result = EpisodeResult(0.0, "timeout", reason=f"episode exceeded {timeout_s} s")
+        result = await play_episode(env, task, client, sandboxes, timeout_s)
     except asyncio.CancelledError:
         await _abort(gateway, rollout.rollout_id, "cancelled")
         raise
-    except openai.APIError as error:
-        # The policy call failed (engine gone, limits): not the environment's fault.
-        result = EpisodeResult(0.0, "error", reason=f"{type(error).__name__}: {error}")
-    except Exception as error:  # the environment's own bug or its sandbox failing
-        log.warning("environment %s crashed: %s", env.name, error)
-        result = EpisodeResult(0.0, "env_crash", reason=f"{type(error).__name__}: {error}")
     finally:
         if http_client is None:
             await client.close()  # a shared client belongs to the caller
@@ -62,6 +57,51 @@ async def run_recorded_episode(
     except GatewayRefused as refusal:  # e.g. aborted meanwhile by the scheduler: already accounted for
         log.warning("rollout %s not finished: %s", rollout.rollout_id, refusal)
     return rollout.rollout_id, result
+
+
+async def play_episode(env: Environment, task: Any, client: Any, sandboxes: Any = None, timeout_s: float = 300.0) -> EpisodeResult:
+    """One episode against any OpenAI-compatible `client`, every failure turned into a status.
+
+    The sandbox (when the environment needs one) is opened inside the time limit, so a sandbox that
+    cannot start ends the episode as env_crash or timeout, and it is closed whatever happened.
+    Only cancellation propagates.
+    """
+    try:
+        return await asyncio.wait_for(_play(env, task, client, sandboxes), timeout_s)
+    except asyncio.TimeoutError:
+        return EpisodeResult(0.0, "timeout", reason=f"episode exceeded {timeout_s} s")
+    except openai.APIError as error:
+        # The policy call failed (engine gone, limits): not the environment's fault.
+        return EpisodeResult(0.0, "error", reason=f"{type(error).__name__}: {error}")
+    except Exception as error:  # the environment's own bug, or its sandbox failing (SandboxError)
+        log.warning("environment %s crashed: %s", env.name, error)
+        return EpisodeResult(0.0, "env_crash", reason=f"{type(error).__name__}: {error}")
+
+
+async def _play(env: Environment, task: Any, client: Any, sandboxes: Any) -> EpisodeResult:
+    if not needs_sandbox(env):
+        result = await env.run_episode(task, client)
+    else:
+        if sandboxes is None:
+            raise RuntimeError(f"environment {env.name} needs a sandbox and no sandbox backend was given")
+        sandbox = await sandboxes.open()
+        try:
+            result = await env.run_episode(task, client, sandbox)
+        finally:
+            await _close(sandbox, env.name)
+    if not isinstance(result, EpisodeResult):
+        return EpisodeResult(0.0, "env_crash", reason=f"run_episode returned {type(result).__name__}, not EpisodeResult")
+    return result
+
+
+async def _close(sandbox: Any, env_name: str) -> None:
+    # Shielded: a timeout or cancellation of the episode must not leave the sandbox running.
+    try:
+        await asyncio.shield(sandbox.close())
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # the episode's result stands; the backend owns cleaning up after itself
+        log.warning("closing the sandbox of a %s episode failed: %s", env_name, error)
 
 
 async def _abort(gateway: AsyncGatewayClient, rollout_id: str, reason: str) -> None:
