@@ -8,7 +8,7 @@ validate a config without pulling in torch or Ray.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -115,11 +115,60 @@ class ArithmeticTaskConfig(Section):
         return self
 
 
+class AgenticTaskConfig(Section):
+    """The built-in agentic task: products too large to compute in the head, solved with a python tool."""
+
+    min_digits: int = Field(3, ge=1, le=12)
+    """Fewest digits in a factor."""
+    max_digits: int = Field(5, ge=1, le=12)
+    """Most digits in a factor."""
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of the problem space reserved for evaluation; training never sees it."""
+    max_turns: int = Field(3, ge=1, le=64)
+    """Most model calls per episode (tool calls and the final answer together)."""
+    max_tokens: int = Field(48, ge=1)
+    """Token budget of each model call (a tool call with two 5-digit factors is ~35 tokens)."""
+    format_reward: float = Field(0.1, ge=0.0, le=1.0)
+    """Reward of a wrong answer after at least one python call that ran cleanly (a right answer gets 1)."""
+
+    @model_validator(mode="after")
+    def _check_digits(self) -> "AgenticTaskConfig":
+        if self.min_digits > self.max_digits:
+            raise ValueError("min_digits must not exceed max_digits")
+        return self
+
+
+class TaskSpec(Section):
+    """One task of the mix that `asyncrl run` trains on: an environment, its share and its rate limit."""
+
+    env: str = Field("reasoning", min_length=1)
+    """A registered environment name (built-in or entry point in group asyncrl.envs) or an import path 'package.module:Class'."""
+    options: dict[str, Any] = {}
+    """Keyword arguments of the environment's constructor (or of its from_config hook)."""
+    ratio: float = Field(1.0, gt=0.0, le=1e6)
+    """Relative share of admitted GRPO groups (shares are ratio / sum of ratios)."""
+    max_episodes_per_s: float | None = Field(None, gt=0.0)
+    """Most episodes started per second for this task (a token bucket, burst of one group); None: unlimited."""
+    eval_problems: int | None = Field(None, ge=0, le=100000)
+    """Held-out episodes per evaluation of this task; None: eval.num_problems; 0: not evaluated."""
+
+
 class TasksConfig(Section):
-    """The built-in tasks used for demonstrations, rollouts and evaluation."""
+    """The built-in tasks used for demonstrations, rollouts and evaluation, and the task mix of RL."""
 
     arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
     """Arithmetic reasoning."""
+    agentic: AgenticTaskConfig = AgenticTaskConfig()
+    """Tool use: multiplication through a sandboxed python tool."""
+    mix: dict[str, TaskSpec] = {}
+    """Tasks `asyncrl run` trains on at once, by name (recorded as each rollout's task); empty: reasoning alone."""
+
+    @model_validator(mode="after")
+    def _check_mix(self) -> "TasksConfig":
+        for name in self.mix:
+            if not name or not all(c.isalnum() or c in "_.-" for c in name):
+                raise ValueError(f"task name {name!r} must be letters, digits, '_', '.' or '-'")
+        return self
 
 
 class SFTConfig(Section):
@@ -397,6 +446,7 @@ class RunConfig(Section):
     logging: LoggingConfig = LoggingConfig()
     learner: LearnerConfig = LearnerConfig()
     run: LoopConfig = LoopConfig()
+    sandbox: SandboxConfig = SandboxConfig()
 
     @model_validator(mode="after")
     def _check_loop(self) -> "RunConfig":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from asyncrl.configs.schema import ArithmeticTaskConfig
+from asyncrl.configs.schema import ArithmeticTaskConfig, RunConfig
 
 from .arithmetic import ArithmeticTask, Problem, verify
 from .base import EpisodeResult, Split
@@ -22,8 +22,20 @@ class ReasoningEnv:
         self.max_tokens = max_tokens
         self.temperature = temperature
 
+    @classmethod
+    def from_config(cls, config: RunConfig | None, **options) -> "ReasoningEnv":
+        """`tasks.arithmetic` with `options` overriding its fields; the run's answer budget and temperature."""
+        config = config or RunConfig()
+        task = ArithmeticTaskConfig(**{**config.tasks.arithmetic.model_dump(), **options})
+        # The learner scores tokens at rollout.sampling.temperature; episodes must sample at the same one.
+        return cls(task, max_tokens=config.run.episode_max_tokens, temperature=config.rollout.sampling.temperature)
+
     def sample_task(self, rng: random.Random, split: Split = "train") -> Problem:
         return self.task.sample(rng, heldout=split == "eval")
+
+    def heldout_tasks(self, num_problems: int, seed: int) -> list[Problem]:
+        """Distinct held-out problems (drawn with replacement, the few one-digit sums would repeat)."""
+        return self.task.heldout_set(num_problems, seed)
 
     async def run_episode(self, task: Problem, client) -> EpisodeResult:
         reply = await client.chat.completions.create(

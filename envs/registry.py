@@ -1,0 +1,89 @@
+"""Environments by name: the built-ins, plug-ins registered through entry points, or an import path.
+
+A reference is one of
+- a registered name: a built-in (`reasoning`, `agentic`) or an entry point in the group
+  `asyncrl.envs` of any installed package (`[project.entry-points."asyncrl.envs"] name =
+  "package.module:Class"`), found without importing anything but the one chosen;
+- an import path `package.module:Class` (a class or any factory function).
+
+`load_environment(ref, options, config)` builds the environment: `Class.from_config(config,
+**options)` when the class defines that hook (to read the run's settings), else `Class(**options)`.
+Errors say what went wrong in the user's terms: an unknown name lists the known ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from .base import Environment
+
+GROUP = "asyncrl.envs"
+BUILTIN: dict[str, str] = {
+    "reasoning": "asyncrl.envs.reasoning:ReasoningEnv",
+    "agentic": "asyncrl.envs.agentic:AgenticEnv",
+}
+
+
+class EnvironmentNotFound(LookupError):
+    """The reference names no known environment, or its import path does not resolve."""
+
+
+def registered() -> dict[str, str]:
+    """Every registered name -> its import path: built-ins, then entry points of installed packages."""
+    names = dict(BUILTIN)
+    for point in entry_points(group=GROUP):
+        if point.name in names and names[point.name] != point.value:
+            raise EnvironmentNotFound(
+                f"environment name {point.name!r} is registered twice: {names[point.name]} and {point.value} "
+                f"(entry point of {_dist_name(point)}); rename one, or use an import path in the config"
+            )
+        names[point.name] = point.value
+    return names
+
+
+def resolve(ref: str) -> Any:
+    """The class or factory a reference points at (imported, not called)."""
+    path = ref if ":" in ref else registered().get(ref)
+    if path is None:
+        known = ", ".join(sorted(registered()))
+        raise EnvironmentNotFound(
+            f"unknown environment {ref!r}; known: {known}. Register one through an entry point in the group "
+            f"{GROUP!r}, or give an import path 'package.module:Class'"
+        )
+    module_name, _, attribute = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise EnvironmentNotFound(f"environment {ref!r}: cannot import module {module_name!r} ({error})") from error
+    target: Any = module
+    for part in attribute.split("."):
+        if not part or not hasattr(target, part):
+            raise EnvironmentNotFound(f"environment {ref!r}: module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise EnvironmentNotFound(f"environment {ref!r}: {path} is not a class or factory")
+    return target
+
+
+def load_environment(ref: str, options: dict | None = None, config: Any = None) -> Environment:
+    """Build the environment `ref` names with `options`; `config` (the RunConfig) goes to a `from_config` hook."""
+    factory = resolve(ref)
+    options = dict(options or {})
+    try:
+        if hasattr(factory, "from_config"):
+            env = factory.from_config(config, **options)
+        else:
+            env = factory(**options)
+    except TypeError as error:
+        raise TypeError(f"environment {ref!r} could not be built with options {sorted(options)}: {error}") from error
+    missing = [m for m in ("name", "sample_task", "run_episode") if not hasattr(env, m)]
+    if missing:
+        raise TypeError(f"environment {ref!r} built a {type(env).__name__}, which lacks {', '.join(missing)} (see envs/base.py)")
+    return env
+
+
+def _dist_name(point: Any) -> str:
+    dist = getattr(point, "dist", None)
+    return getattr(dist, "name", None) or "an installed package"
