@@ -1,10 +1,12 @@
 """The scheduler loop: a few named verbs, repeated until the learner has taken `run.steps` steps.
 
-    admit     start GRPO groups of episodes while the in-flight and staleness bounds allow
+    admit     start GRPO groups of episodes while the in-flight and staleness bounds allow, each
+              group's task picked by the task mix (shares and rate limits: `sched/tasks.py`)
     collect   claim finished trajectories (aborted ones too) from the store into their groups
     train     hand complete groups to the learner (a Ray call: episodes keep running meanwhile);
               when the step returns, book its ledger, push weights when due, checkpoint when due
-    evaluate  held-out greedy accuracy on the rollout workers, every `run.eval_every` versions
+    evaluate  each task's held-out greedy success on the rollout workers, every `run.eval_every`
+              versions (the environments' own episodes, recorded nowhere: `envs/evaluation.py`)
     report    the live display
 
 Async and sync runs are this same loop with a different admission rule (`groups_to_admit`). Async
@@ -20,23 +22,23 @@ was not acknowledged is claimed again (`recover`). Every rollout ends in one acc
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
-import ray
-
 from asyncrl.configs.schema import RunConfig
+from asyncrl.envs.evaluation import AsyncGenerateFn, evaluate_env
 from asyncrl.envs.runner import run_recorded_episode
 from asyncrl.gateway.records import TERMINAL_STATUSES
 from asyncrl.gateway.store import RolloutClosed
-from asyncrl.learner.evaluate import GenerateFn, evaluate_arithmetic
 from asyncrl.learner.publish import push_weights
 
 from .groups import Group, GroupBuffer, group_samples
 from .rundir import LoopState
+from .tasks import TaskMix
 
 CONSUMER = "learner"
 """The store consumer name the loop claims and acknowledges trajectories under."""
@@ -51,7 +53,7 @@ class Parts:
     store: object  # TrajectoryStore
     gateway: object  # the lifecycle client (sched/lifecycle.py)
     http: object  # httpx.AsyncClient shared by every episode's OpenAI client
-    env: object  # Environment
+    tasks: TaskMix
     learner: object  # LearnerActor handle
     workers: list
     tokenizer: object
@@ -114,12 +116,16 @@ class Loop:
         if self.failures:
             raise RuntimeError(f"an episode could not start: {self.failures[0]!r}") from self.failures[0]
         for _ in range(self.groups_to_admit()):
-            task, group_id = self.p.env.sample_task(self.rng, "train"), uuid.uuid4().hex[:16]
+            task = self.p.tasks.pick()
+            if task is None:
+                return  # every task is at its rate limit
+            problem, group_id = task.env.sample_task(self.rng, "train"), uuid.uuid4().hex[:16]
             self.groups.open(group_id, self.group_size)
             for _ in range(self.group_size):
                 episode = run_recorded_episode(
-                    self.p.env, task, self.p.gateway, group_id=group_id, timeout_s=self.config.run.episode_timeout_s,
+                    task.env, problem, self.p.gateway, group_id=group_id, timeout_s=self.config.run.episode_timeout_s,
                     metadata={"admitted_at_version": self.pushed}, http_client=self.p.http,
+                    sandboxes=task.sandboxes, task_name=task.name,
                 )  # fmt: skip
                 running = asyncio.create_task(episode)
                 self.episodes.add(running)
@@ -248,13 +254,21 @@ class Loop:
     async def evaluate(self, force: bool = False) -> float | None:
         if not force and self.pushed - self.evaluated < self.config.run.eval_every:
             return None
-        generate = workers_greedy_generate(self.p.workers)
-        config = self.config
-        result = await asyncio.to_thread(evaluate_arithmetic, generate, self.p.tokenizer, config.tasks.arithmetic, config.eval)
-        self.accuracy, self.evaluated = result.accuracy, self.pushed
-        self.p.metrics.record({"step": self.pushed, "eval_accuracy": result.accuracy, "elapsed_s": self.elapsed()})
-        self.p.display.say(f"version {self.pushed}  {self.elapsed():6.0f}s  held-out accuracy {result.accuracy:.1%}")
-        return result.accuracy
+        generate, config = workers_greedy_generate(self.p.workers), self.config
+        scores = {}
+        for task, num_problems in self.p.tasks.evaluated(config.eval.num_problems):
+            result = await evaluate_env(
+                task.env, generate, self.p.tokenizer, num_problems=num_problems, seed=config.eval.seed,
+                sandboxes=task.sandboxes, default_max_tokens=config.eval.max_tokens, timeout_s=config.run.episode_timeout_s,
+            )  # fmt: skip
+            scores[task.name] = result.accuracy
+        # One number for the display and summary: the tasks weigh equally, whatever their shares.
+        self.accuracy, self.evaluated = sum(scores.values()) / len(scores) if scores else None, self.pushed
+        per_task = {f"eval_accuracy/{name}": value for name, value in scores.items()} if len(scores) > 1 else {}
+        self.p.metrics.record({"step": self.pushed, "eval_accuracy": self.accuracy, **per_task, "elapsed_s": self.elapsed()})
+        shown = "  ".join(f"{name} {value:.1%}" for name, value in scores.items())
+        self.p.display.say(f"version {self.pushed}  {self.elapsed():6.0f}s  held-out accuracy {shown}")
+        return self.accuracy
 
     def elapsed(self) -> float:
         return self.state.rl_wall_s + time.monotonic() - self.started_at
@@ -282,12 +296,14 @@ def abort_running(store, reason: str) -> int:
     return len(running)
 
 
-def workers_greedy_generate(workers: list) -> GenerateFn:
-    """Greedy decoding on the rollout workers, prompts spread round-robin (each worker batches its share)."""
+def workers_greedy_generate(workers: list) -> AsyncGenerateFn:
+    """Greedy decoding on the rollout workers, requests spread round-robin (each worker batches what
+    it is sent at once)."""
+    turn = itertools.count()
 
-    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        sampling = {"temperature": 0.0, "max_tokens": max_tokens}
-        refs = [workers[i % len(workers)].generate.remote(p, sampling) for i, p in enumerate(prompts)]
-        return [result.token_ids for result in ray.get(refs)]
+    async def generate(prompt: list[int], max_tokens: int) -> list[int]:
+        worker = workers[next(turn) % len(workers)]
+        result = await asyncio.wrap_future(worker.generate.remote(prompt, {"temperature": 0.0, "max_tokens": max_tokens}).future())
+        return result.token_ids
 
     return generate

@@ -36,6 +36,7 @@ from .display import Display
 from .lifecycle import InProcessLifecycle
 from .loop import Loop, Parts
 from .rundir import LoopState, RunDir
+from .tasks import TaskMix
 
 
 class RunExists(RuntimeError):
@@ -47,7 +48,7 @@ def run(
 ) -> dict:
     """Run (or, with `resume`, continue) the RL job; returns the summary also written to summary.json.
 
-    `env` replaces the built-in reasoning environment (any `Environment`; evaluation stays arithmetic).
+    `env` replaces the configured task mix (`tasks.mix`) with that one environment (any `Environment`).
     """
     began = time.monotonic()
     sft = None
@@ -75,6 +76,7 @@ def run(
 async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environment | None) -> dict:
     latest = rundir.latest_checkpoint() if resumed else None
     checkpoint, state = latest if latest else (None, LoopState())
+    tasks = TaskMix.from_config(config, env)  # first: a bad environment reference fails before anything starts
     started_ray = _start_ray(config)
     display = Display(config.logging.progress)
     actors: list = []
@@ -91,9 +93,8 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         gateway = await stack.enter_async_context(_serve_gateway(config, store, workers, tokenizer))
         metrics = rundir.metrics(config, resume=resumed)
         stack.callback(metrics.close)
-        env = env or _reasoning_env(config)
         http = await stack.enter_async_context(_episode_http_client(config))
-        parts = Parts(store, gateway, http, env, learner, workers, tokenizer, rundir, metrics, display)
+        parts = Parts(store, gateway, http, tasks, learner, workers, tokenizer, rundir, metrics, display)
         loop = Loop(config, parts, state)
         stack.push_async_callback(loop.stop_episodes)  # on a crash, before the gateway goes
         await loop.push()  # the engines serve exactly the learner's weights, at its version
@@ -156,13 +157,6 @@ def _start_learner(config: RunConfig, checkpoint: Path | None):
     from asyncrl.learner.actor import create_learner
 
     return create_learner(config, resume_from=str(checkpoint) if checkpoint else None)
-
-
-def _reasoning_env(config: RunConfig) -> Environment:
-    from asyncrl.envs.reasoning import ReasoningEnv
-
-    # The learner scores tokens at rollout.sampling.temperature; episodes must sample at the same one.
-    return ReasoningEnv(config.tasks.arithmetic, max_tokens=config.run.episode_max_tokens, temperature=config.rollout.sampling.temperature)
 
 
 def _episode_http_client(config: RunConfig):
