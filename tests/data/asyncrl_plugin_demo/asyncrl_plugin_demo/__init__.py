@@ -1,0 +1,1 @@
+"""A tiny asyncrl environment plug-in, used by tests/test_env_plugin.py."""
