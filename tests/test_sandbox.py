@@ -104,6 +104,22 @@ def test_sandbox_start_ms_measures_every_backend_asked(name) -> None:
     assert set(means) == {name} and means[name] > 0
 
 
+def test_process_backend_removes_scratch_of_sandboxes_left_open() -> None:
+    config = available_config("process")
+
+    async def go():
+        backend = open_backend(config)
+        closed, left_open = await backend.open(), await backend.open()
+        await closed.run_python("open('f', 'w').write('x')")
+        await closed.close()
+        scratch = [closed._scratch, left_open._scratch]
+        assert [p.exists() for p in scratch] == [False, True]
+        await backend.close()
+        return scratch
+
+    assert not any(p.exists() for p in asyncio.run(go()))
+
+
 def test_config_rejects_limits_out_of_bounds() -> None:
     with pytest.raises(ValueError):
         SandboxConfig(memory_mb=1)

@@ -12,6 +12,7 @@ sandbox's process group.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import shutil
 import signal
@@ -95,6 +96,7 @@ class ProcessSandbox:
         self._closed = True
         async with self._lock:  # a call still running was killed by its own cancellation
             await asyncio.to_thread(shutil.rmtree, self._scratch, True)
+        self._backend.scratch_dirs.discard(self._scratch)
 
     async def __aenter__(self) -> "ProcessSandbox":
         return self
@@ -120,6 +122,10 @@ class ProcessBackend:
         self.config = config
         self._bwrap = shutil.which("bwrap")
         self.drop_privileges = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
+        # Scratch directories of sandboxes not closed yet, removed by `close` or at interpreter exit
+        # (an episode task that was never finished, a run stopped mid-episode).
+        self.scratch_dirs: set[Path] = set()
+        atexit.register(self._remove_scratch)
 
     def bwrap_argv(self, scratch: Path) -> list[str]:
         net = ["--share-net"] if self.config.network else []
@@ -144,7 +150,15 @@ class ProcessBackend:
         scratch = Path(tempfile.mkdtemp(prefix="asyncrl-sandbox-"))
         if self.drop_privileges:
             os.chown(scratch, NOBODY, NOBODY)
+        self.scratch_dirs.add(scratch)
         return ProcessSandbox(self, scratch)
 
+    def _remove_scratch(self) -> None:
+        while self.scratch_dirs:
+            shutil.rmtree(self.scratch_dirs.pop(), ignore_errors=True)
+
     async def close(self) -> None:
-        """Nothing outlives a call here: each one's PID namespace dies with it."""
+        """Remove the scratch directories of sandboxes left open. No process outlives a call here:
+        each one's PID namespace dies with it."""
+        await asyncio.to_thread(self._remove_scratch)
+        atexit.unregister(self._remove_scratch)
