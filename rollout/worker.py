@@ -1,4 +1,7 @@
-"""Rollout workers: one `EmbeddedEngine` per Ray actor, on a fraction of a CPU or one GPU.
+"""Rollout workers: one engine per Ray actor, on a fraction of a CPU or one GPU.
+
+`rollout.type` picks the engine: the embedded torch engine, or vLLM (`rollout/vllm_engine.py`,
+imported only when chosen, since vLLM lives in its own environment).
 
 Methods are async so one actor serves many concurrent `generate` calls, which the engine batches.
 Weights arrive as a state dict; pass an `ObjectRef` from `ray.put` so N workers share one copy in
@@ -22,9 +25,11 @@ class RolloutWorker:
     def __init__(self, model, config: RolloutConfig | dict, engine_id: str, version: int = 0, mtp=None) -> None:
         """`model`: a transformers causal LM (or an ObjectRef to one) or a model directory; `mtp`: its
         MTP layer (or state dict), for `rollout.mtp_drafting` when `model` is not a checkpoint directory."""
-        self.engine = EmbeddedEngine(
-            model, RolloutConfig.model_validate(config), engine_id=engine_id, version=version, mtp=mtp
-        )
+        config = RolloutConfig.model_validate(config)
+        engine_class = EmbeddedEngine
+        if config.type == "vllm":
+            from .vllm_engine import VLLMEngine as engine_class
+        self.engine = engine_class(model, config, engine_id=engine_id, version=version, mtp=mtp)
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
