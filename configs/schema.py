@@ -233,9 +233,9 @@ class RolloutConfig(Section):
     sampling: SamplingConfig = SamplingConfig()
     """Default sampling options."""
     fp8: bool = False
-    """Embedded engine: store linear weights as float8_e4m3fn with per-output-channel scales (the learner keeps full precision)."""
+    """FP8 rollouts: the embedded engine stores linear weights as float8_e4m3fn with per-output-channel scales; vLLM runs quantization="fp8" (GPU only). The learner keeps full precision."""
     mtp_drafting: bool = False
-    """Embedded engine: speculative decoding with the policy's MTP layer as drafter (the policy must have one); output distribution unchanged."""
+    """Speculative decoding with the policy's MTP layer as drafter (embedded engine, or vLLM's "mtp" method); the policy must have one; output distribution unchanged."""
     mtp_draft_tokens: int = Field(4, ge=1, le=64)
     """Draft tokens per verify step when mtp_drafting is on; at most mtp_max_draft_tokens."""
     mtp_max_draft_tokens: int = Field(8, ge=1, le=64)
