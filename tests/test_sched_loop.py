@@ -115,3 +115,14 @@ def test_a_killed_run_resumes_without_losing_or_retraining_trajectories(ray_sess
     summary = run(None, resume=run_dir, overrides=["run.steps=7"], env=CoinEnv())
     check_ledger(summary)  # acked ones were not trained again, unacked ones were not lost
     assert summary["version"] == 7
+
+
+def test_run_with_mtp_drafting_engines_trains_and_pushes(ray_session, tmp_path):
+    from asyncrl.sched.run import run
+
+    drafting = ("policy.mtp.enabled=true", "rollout.mtp_drafting=true", "rollout.mtp_draft_tokens=2", "learner.mtp_loss_weight=0.5")
+    summary = run(config(tmp_path, "name=d", "run.mode=sync", "run.steps=2", *drafting), env=CoinEnv())
+    check_ledger(summary)
+    assert summary["version"] == 2 and summary["engine_versions"] == [2]
+    steps = [r for r in read_metrics(tmp_path / "d") if r.get("stepped")]
+    assert steps and all(r["mtp_loss"] > 0 for r in steps)  # the drafter trains beside the policy
