@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncrl.rollout.types import RequestError
@@ -27,13 +26,13 @@ from asyncrl.rollout.types import RequestError
 from . import api
 from .conversation import ConversationError
 from .engines import connect
+from .lean_route import LeanJSONRoute, rollout_key
 from .pool import Abandoned, EngineUnavailable, GenerationTimeout
 from .service import GatewayError, GatewayService
 from .store import RolloutClosed, StoreError, UnknownRollout
 from .toolcalls import MessageError
 
 log = logging.getLogger(__name__)
-_bearer = HTTPBearer(auto_error=False, description="the rollout's api_key from POST /rollouts")
 
 # exception type -> (status, code); the first match in this order wins.
 _ERRORS: list[tuple[type[BaseException], int, str]] = [
@@ -92,11 +91,6 @@ class _TooLarge(HTTPException):
         super().__init__(413, message)
 
 
-async def _key(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str | None:
-    # async: FastAPI runs a plain `def` dependency on a worker thread, a thread hop per request.
-    return credentials.credentials if credentials else None
-
-
 def settle_heap() -> None:
     """Move everything alive at start-up (torch, transformers, the tokenizer: ~380k objects) out of the
     garbage collector's reach. Otherwise each full collection walks them all, stopping the event loop
@@ -133,22 +127,26 @@ def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
     _install_errors(app)
 
-    # The hot path answers with a ready JSONResponse: FastAPI's generic encoding of a returned dict
-    # (jsonable_encoder) cost as much as the rest of the gateway's work on a request.
-    @app.post("/v1/chat/completions", tags=["openai"], response_class=JSONResponse)
-    async def chat_completions(request: api.ChatCompletionRequest, key: str | None = Depends(_key)) -> JSONResponse:
+    # The hot path: FastAPI's generic request handling (dependency solving, validation, response
+    # encoding) cost as much as the gateway's own work on a call, so these two routes are declared as
+    # usual (the OpenAPI schema is FastAPI's own) but answered by a `LeanJSONRoute`.
+    async def chat_completions(request: api.ChatCompletionRequest, key: str | None = Depends(rollout_key)) -> JSONResponse:
         return JSONResponse(await service.chat(key, request))
 
-    @app.post("/v1/completions", tags=["openai"], response_class=JSONResponse)
-    async def completions(request: api.CompletionRequest, key: str | None = Depends(_key)) -> JSONResponse:
+    async def completions(request: api.CompletionRequest, key: str | None = Depends(rollout_key)) -> JSONResponse:
         return JSONResponse(await service.complete(key, request))
+
+    for path, endpoint in (("/v1/chat/completions", chat_completions), ("/v1/completions", completions)):
+        app.router.add_api_route(
+            path, endpoint, methods=["POST"], tags=["openai"], response_class=JSONResponse, route_class_override=LeanJSONRoute
+        )
 
     @app.get("/v1/models", tags=["openai"])
     async def models() -> dict:
         return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}]}
 
     @app.post("/v1/tokens/generate", tags=["tokens"])
-    async def tokens_generate(request: api.TokenGenerateRequest, key: str | None = Depends(_key)) -> api.TokenGenerateResponse:
+    async def tokens_generate(request: api.TokenGenerateRequest, key: str | None = Depends(rollout_key)) -> api.TokenGenerateResponse:
         return await service.generate_tokens(key, request)
 
     @app.post("/rollouts", tags=["lifecycle"])

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .template import TokenizerTemplate
 from .toolcalls import to_template_messages, to_template_tools
 
 MessageKey = tuple[str, str, tuple[tuple[str, str], ...]]
@@ -100,10 +101,13 @@ class Prepared:
 
 
 class Conversation:
-    """The token-exact state of one rollout. `tokenizer`: a Hugging Face tokenizer with a chat template."""
+    """The token-exact state of one rollout. `tokenizer`: a Hugging Face tokenizer with a chat template;
+    `template` renders and encodes for it (default: the tokenizer's own calls; the gateway passes
+    one `template.chat_template(tokenizer)` to all its conversations)."""
 
-    def __init__(self, tokenizer: Any, *, max_branches: int | None = None) -> None:
+    def __init__(self, tokenizer: Any, *, max_branches: int | None = None, template: TokenizerTemplate | None = None) -> None:
         self.tokenizer = tokenizer
+        self.template = template or TokenizerTemplate(tokenizer)
         self.max_branches = max_branches
         self._branches: dict[int, Branch] = {}
         self._next_branch = 0
@@ -125,7 +129,7 @@ class Conversation:
         msgs, tool_defs = to_template_messages(messages), to_template_tools(tools)
         keys = tuple(message_key(m) for m in msgs)
         tools_key = json.dumps(tool_defs, sort_keys=True, ensure_ascii=False)
-        full = self._render(msgs, tool_defs, generation_prompt=True)
+        full = self.template.render(msgs, tool_defs, generation_prompt=True)
         source, k = self._longest_match(keys, tools_key)
         reason: ForkReason = "fresh" if not self._branches else "rewrite"
         if source is not None:
@@ -134,16 +138,16 @@ class Conversation:
             if made_from is not None and k not in source.unclosed and full.startswith(made_from):
                 prefix = made_from  # the template renders the reused turns as they are: one render
             else:
-                prefix = self._render(msgs[:k], tool_defs, generation_prompt=False)
+                prefix = self.template.render(msgs[:k], tool_defs, generation_prompt=False)
             if full.startswith(prefix):
                 base = source.token_ids[: source.marks[k]]
                 suffix = full[len(prefix) :]
-                prompt = base + self._encode(suffix)
+                prompt = base + self.template.encode(suffix)
                 target = source.id if k == len(source.messages) else None  # None: a fork at mark k
                 text = None if made_from is None else made_from + suffix
                 return self._prepared(target, prompt, len(base), source.id, k, keys, tools_key, reason, text)
             reason = "template"  # the template rewrites earlier turns (e.g. drops old reasoning)
-        return self._prepared(None, self._encode(full), 0, None, 0, keys, tools_key, reason, full)
+        return self._prepared(None, self.template.encode(full), 0, None, 0, keys, tools_key, reason, full)
 
     def commit(self, prepared: Prepared, completion_token_ids: Sequence[int], assistant_message: Mapping) -> int:
         """Record a finished turn: its completion tokens and the assistant message the gateway returned
@@ -206,12 +210,3 @@ class Conversation:
         self._calls += 1
         next_id = self._next_branch if branch_id is None else branch_id
         return Prepared(next_id, prompt, self._calls - 1, reused, source, base_messages, keys, tools_key, reason, text)
-
-    def _render(self, messages: list[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
-        )
-
-    def _encode(self, text: str) -> list[int]:
-        # The template writes its own special tokens (BOS included, where a model has one) as text.
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []

@@ -33,6 +33,7 @@ from .conversation import Conversation, ConversationError
 from .pool import EnginePool
 from .records import Turn
 from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryStore, UnknownRollout
+from .template import chat_template
 from .toolcalls import MessageError, parse_completion
 
 MAX_TOMBSTONES = 100_000
@@ -80,6 +81,7 @@ class GatewayService:
     ) -> None:
         self.store, self.tokenizer, self.pool = store, tokenizer, pool
         self.config, self.sampling, self.model_name = config, sampling, model_name
+        self.template = chat_template(tokenizer)
         self._secret = secret or secrets.token_bytes(32)
         self._live: dict[str, Rollout] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
@@ -142,7 +144,7 @@ class GatewayService:
                 wake.set_result(f"rollout {rollout_id} was {status or 'ended'} while this request was running; nothing was recorded")
 
     def _new_rollout(self, rollout_id: str) -> Rollout:
-        return Rollout(rollout_id, Conversation(self.tokenizer, max_branches=self.config.max_branches))
+        return Rollout(rollout_id, Conversation(self.tokenizer, max_branches=self.config.max_branches, template=self.template))
 
     def _key(self, rollout_id: str) -> str:
         return f"rk-{rollout_id}.{self._mac(rollout_id)}"
