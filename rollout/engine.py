@@ -403,7 +403,9 @@ class EmbeddedEngine:
                 request.computed += len(rows[b])
             else:
                 if hidden is not None:
-                    request.mtp_hidden = torch.cat([request.mtp_hidden, hidden[b, :kept]])
+                    pending = hidden[b, :kept]
+                    # The drafter consumed its pending states this step (None) unless it had nothing to draft.
+                    request.mtp_hidden = pending if request.mtp_hidden is None else torch.cat([request.mtp_hidden, pending])
                 request.computed += kept
             if drafted[b]:
                 request.verify_steps += 1

@@ -47,27 +47,41 @@ class ForwardBatch:
         lengths = [len(row) for row in rows]
         width = max(lengths)
         tokens = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
+        return cls.from_tokens(slots, tokens, starts, None if min(lengths) == width else lengths)
+
+    @classmethod
+    def from_tokens(
+        cls, slots: list[int], tokens: torch.Tensor, starts: list[int], lengths: list[int] | None = None
+    ) -> "ForwardBatch":
+        """Rows already padded into tokens [B, T]; `lengths` None means every row is T long.
+
+        Speculative decoding feeds its drafts this way, straight from the tensors it drew them into.
+        """
+        device = tokens.device
+        width = tokens.shape[1]
         start_t = torch.tensor(starts, dtype=torch.long, device=device)
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
-        positions = start_t[:, None] + torch.arange(width, device=device)
-        context_len = max(s + n for s, n in zip(starts, lengths))
+        positions = start_t[:, None] + torch.arange(width, device=device) if width > 1 else start_t[:, None]
+        context_len = max(starts) + width if lengths is None else max(s + n for s, n in zip(starts, lengths))
         mask = torch.arange(context_len, device=device)[None, None, :] <= positions[:, :, None]
-        if all(n == width for n in lengths):
+        if lengths is None:
             write_rows = None
             write_slots = slot_t.repeat_interleave(width) if width > 1 else slot_t
             write_positions = positions.reshape(-1)
+            last_index = torch.full((len(slots),), width - 1, dtype=torch.long, device=device)
         else:
             real = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
             write_rows = real.reshape(-1).nonzero().squeeze(1)
             write_slots = slot_t[:, None].expand(-1, width).reshape(-1)[write_rows]
             write_positions = positions.reshape(-1)[write_rows]
+            last_index = torch.tensor(lengths, dtype=torch.long, device=device) - 1
         lo = slots[0]
         contiguous = slots == list(range(lo, lo + len(slots)))
         return cls(
             slots=slot_t,
             tokens=tokens,
             positions=positions,
-            last_index=torch.tensor(lengths, dtype=torch.long, device=device) - 1,
+            last_index=last_index,
             mask=mask,
             context_len=context_len,
             write_rows=write_rows,

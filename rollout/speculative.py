@@ -22,7 +22,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .kv_cache import ForwardBatch
-from .sampler import distributions
+from .sampler import SamplingRows, distributions
 
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -72,6 +72,11 @@ class SpeculativeDecoder:
     `prompt` + `output`, `params`, `rng`, and `mtp_computed` / `mtp_hidden`: the MTP layer's K/V
     covers positions before `mtp_computed`, and `mtp_hidden` holds the target's hidden states of
     positions mtp_computed..computed-1, fed to the MTP layer at the next step.
+
+    At this model size a step costs mostly per-call overhead, not arithmetic, so the step works on
+    whole-batch tensors: drafts and their distributions go straight into [B, D] / [B, D, V] tensors,
+    sampling options become tensors once per step, and Python touches each request only to draw its
+    uniforms and to hand its tokens back.
     """
 
     def __init__(self, model, mtp, cache, draft_tokens: int, device: torch.device) -> None:
@@ -85,69 +90,96 @@ class SpeculativeDecoder:
         The caller keeps a prefix of each request's tokens (it may stop early) and advances
         `computed` by that many; the hidden states of the kept positions go to `mtp_hidden`.
         """
+        size, vocab, device = len(batch), self.model.vocab_size, self.device
         counts = [min(self.draft_tokens, r.params.max_tokens - len(r.output) - 1) for r in batch]
-        drafts, q_rows = self._draft(batch, counts)
         depth = max(counts)
-        rows = [[(r.output or r.prompt)[-1]] + d for r, d in zip(batch, drafts)]
-        forward = ForwardBatch.build([r.slot for r in batch], rows, [r.computed for r in batch], self.device)
-        hidden = self.model.hidden_states(forward, self.cache)
-        width, vocab = hidden.shape[1], self.model.vocab_size
-        logits = self.model.logits(hidden).reshape(-1, vocab)
-        p, logp = distributions(logits, [r.params for r in batch for _ in range(width)])
-        p, logp = p.view(len(batch), width, vocab), logp.view(len(batch), width, vocab)
-        q = torch.zeros(len(batch), depth, vocab, dtype=p.dtype, device=self.device)
-        draft_t = torch.zeros(len(batch), depth, dtype=torch.long, device=self.device)
-        accept_u = torch.zeros(len(batch), depth, dtype=torch.float64)
-        final_u = torch.zeros(len(batch), dtype=torch.float64)
-        for b, (request, count) in enumerate(zip(batch, counts)):
-            if count:
-                q[b, :count] = torch.stack(q_rows[b])
-                draft_t[b, :count] = torch.tensor(drafts[b], device=self.device)
-                accept_u[b, :count] = torch.tensor([request.rng.random() for _ in range(count)], dtype=torch.float64)
-            final_u[b] = request.rng.random()
-        accepted, final = verify(
-            p, q, draft_t, torch.tensor(counts, device=self.device), accept_u.to(self.device), final_u.to(self.device)
+        rows = SamplingRows([r.params for r in batch], vocab, device)
+        uniforms = self._uniforms(batch, counts, depth)
+        drafts = torch.zeros(size, depth, dtype=torch.long, device=device)
+        q = torch.zeros(size, depth, vocab, dtype=torch.float64, device=device)
+        if depth:
+            self._draft(batch, counts, rows, uniforms, drafts, q)
+
+        width = depth + 1
+        last = torch.tensor([(r.output or r.prompt)[-1] for r in batch], dtype=torch.long, device=device)
+        ragged = None if min(counts) == depth else [n + 1 for n in counts]
+        forward = ForwardBatch.from_tokens(
+            [r.slot for r in batch], torch.cat([last[:, None], drafts], 1), [r.computed for r in batch], ragged
         )
-        tokens, logprobs = [], []
-        for b, (n, last) in enumerate(zip(accepted.tolist(), final.tolist())):
-            emitted = drafts[b][:n] + [last]
-            tokens.append(emitted)
-            logprobs.append(logp[b, torch.arange(n + 1), torch.tensor(emitted)].tolist())
+        hidden = self.model.hidden_states(forward, self.cache)
+        logits = self.model.logits(hidden).reshape(-1, vocab)
+        p, logp = distributions(logits, rows.repeat(width))
+        p, logp = p.view(size, width, vocab), logp.view(size, width, vocab)
+        accepted, final = verify(
+            p, q, drafts, torch.tensor(counts, device=device), uniforms[:, depth : 2 * depth], uniforms[:, 2 * depth]
+        )
+        # Emitted tokens are the accepted drafts, then the final token at column `accepted`.
+        emitted = torch.cat([drafts, final[:, None]], 1).scatter_(1, accepted[:, None], final[:, None])
+        emitted_logp = logp.gather(2, emitted[:, :, None]).squeeze(2)
+        kept = [n + 1 for n in accepted.tolist()]
+        tokens = [row[:n] for row, n in zip(emitted.tolist(), kept)]
+        logprobs = [row[:n] for row, n in zip(emitted_logp.tolist(), kept)]
         return tokens, logprobs, counts, hidden
 
-    def _draft(self, batch: list, counts: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-        """Chain `counts[b]` drafts per request: token ids and the distribution each was drawn from."""
-        drafts: list[list[int]] = [[] for _ in batch]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in batch]
+    def _uniforms(self, batch: list, counts: list[int], depth: int) -> torch.Tensor:
+        """[B, 2D+1] float64: per request, its draft draws, its acceptance tests, its last token.
+
+        Each request draws its 2n+1 numbers from its own stream in one go, in that order, so a
+        seeded request's tokens do not depend on what else is batched; unused columns are 0.
+        """
+        table = []
+        for request, n in zip(batch, counts):
+            draws = [request.rng.random() for _ in range(2 * n + 1)]
+            pad = [0.0] * (depth - n)
+            table.append(draws[:n] + pad + draws[n : 2 * n] + pad + draws[2 * n :])
+        return torch.tensor(table, dtype=torch.float64, device=self.device)
+
+    def _draft(
+        self, batch: list, counts: list[int], rows: SamplingRows, uniforms: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor
+    ) -> None:
+        """Chain `counts[b]` drafts per request into drafts[b] and the distributions drawn from into q[b]."""
         active = [b for b, n in enumerate(counts) if n > 0]
-        if not active:
-            return drafts, q_rows
+        requests = [batch[b] for b in active]
+        index = None if len(active) == len(batch) else torch.tensor(active, device=self.device)
         # Depth 1 catches the MTP layer up on every position the target computed since its last
         # step (the prompt, after prefill; the kept tokens, after a verify).
-        requests = [batch[b] for b in active]
-        rows = [(r.prompt + r.output)[r.mtp_computed + 1 : r.computed + 1] for r in requests]
-        forward = ForwardBatch.build([r.slot for r in requests], rows, [r.mtp_computed for r in requests], self.device)
+        forward = ForwardBatch.build(
+            [r.slot for r in requests],
+            [_tokens(r, r.mtp_computed + 1, r.computed + 1) for r in requests],
+            [r.mtp_computed for r in requests],
+            self.device,
+        )
         logits, hidden = self.mtp.forward(forward, self.cache, pad_sequence([r.mtp_hidden for r in requests], batch_first=True))
         for r in requests:
-            r.mtp_computed, r.mtp_hidden = r.computed, r.mtp_hidden[:0]
-        step = 0
-        while True:
-            probs, _ = distributions(logits, [batch[b].params for b in active])
-            uniforms = torch.tensor([batch[b].rng.random() for b in active], dtype=torch.float64, device=self.device)
-            tokens = draw(probs, uniforms).tolist()
-            for i, b in enumerate(active):
-                drafts[b].append(tokens[i])
-                q_rows[b].append(probs[i])
-            step += 1
-            going = [i for i, b in enumerate(active) if counts[b] > step]
+            r.mtp_computed, r.mtp_hidden = r.computed, None
+        step_rows = rows if index is None else rows.select(index)
+        slots, starts = [r.slot for r in requests], [r.computed for r in requests]
+        for step in range(max(counts)):
+            probs, _ = distributions(logits, step_rows)
+            column = uniforms[:, step] if index is None else uniforms[index, step]
+            tokens = draw(probs, column)
+            if index is None:
+                drafts[:, step], q[:, step] = tokens, probs
+            else:
+                drafts[index, step], q[index, step] = tokens, probs
+            going = [i for i, b in enumerate(active) if counts[b] > step + 1]
             if not going:
-                return drafts, q_rows
-            active = [active[i] for i in going]
+                return
+            if len(going) < len(active):  # only near max_tokens: some requests want fewer drafts
+                keep = torch.tensor(going, device=self.device)
+                active = [active[i] for i in going]
+                index = torch.tensor(active, device=self.device)
+                step_rows = rows.select(index)
+                slots, starts = [slots[i] for i in going], [starts[i] for i in going]
+                tokens, hidden = tokens[keep], hidden[keep]
             # Depth k > 1 sits one position further on, fed the MTP layer's own output as the hidden state.
-            forward = ForwardBatch.build(
-                [batch[b].slot for b in active],
-                [[drafts[b][-1]] for b in active],
-                [batch[b].computed + step - 1 for b in active],
-                self.device,
-            )
-            logits, hidden = self.mtp.forward(forward, self.cache, hidden[going].unsqueeze(1))
+            forward = ForwardBatch.from_tokens(slots, tokens[:, None], [s + step for s in starts])
+            logits, hidden = self.mtp.forward(forward, self.cache, hidden.unsqueeze(1))
+
+
+def _tokens(request, lo: int, hi: int) -> list[int]:
+    """Tokens lo..hi-1 of the request's prompt + output, without concatenating the two lists."""
+    split = len(request.prompt)
+    if lo >= split:
+        return request.output[lo - split : hi - split]
+    return (request.prompt + request.output)[lo:hi]
