@@ -41,7 +41,7 @@ def _secret(run_dir: Path) -> bytes:
     return bytes.fromhex(path.read_text().strip())
 
 
-def _engines(config: RunConfig, model) -> list:
+def _engines(config: RunConfig, model, mtp=None) -> list:
     from .engines import LocalEngine, RayEngine
 
     rollout = config.rollout
@@ -51,23 +51,41 @@ def _engines(config: RunConfig, model) -> list:
         from asyncrl.rollout.worker import create_workers
 
         ray.init(ignore_reinit_error=True, log_to_driver=False)
-        workers = create_workers(model, rollout, name_prefix=f"{config.name}-rollout")
+        workers = create_workers(model, rollout, name_prefix=f"{config.name}-rollout", mtp=mtp)
         return [RayEngine(worker, f"{config.name}-rollout-{i}") for i, worker in enumerate(workers)]
     from asyncrl.rollout import EmbeddedEngine
 
-    return [LocalEngine(EmbeddedEngine(model, rollout, engine_id=f"engine-{i}")) for i in range(rollout.num_workers)]
+    return [LocalEngine(EmbeddedEngine(model, rollout, engine_id=f"engine-{i}", mtp=mtp)) for i in range(rollout.num_workers)]
+
+
+def _policy(config: RunConfig):
+    """(model, tokenizer, MTP layer or None): the layer only when the engines draft with it."""
+    from asyncrl.policy.checkpoint import build_policy
+
+    drafting = config.rollout.mtp_drafting
+    policy = config.policy.model_copy(update={"mtp": config.policy.mtp.model_copy(update={"enabled": drafting})})
+    if drafting and config.policy.path is not None:
+        from asyncrl.policy.checkpoint import load_policy
+
+        # build_policy would give a checkpoint without one a fresh, untrained layer: refuse instead.
+        model, tokenizer, mtp = load_policy(config.policy.path)
+        if mtp is None:
+            raise ValueError(
+                f"rollout.mtp_drafting: the checkpoint {config.policy.path} has no MTP layer to draft with "
+                "(train one with policy.mtp.enabled, or set rollout.mtp_drafting=false)"
+            )
+        return model, tokenizer, mtp
+    # The tiny policy starts with a fresh MTP layer, as it does in a run with policy.mtp.enabled.
+    return build_policy(policy, config.seed)
 
 
 def build_service(config: RunConfig):
     """(service, engine handles) for `config`; the policy is policy.path or the tiny policy."""
-    from asyncrl.policy.checkpoint import build_policy
-
     from .pool import EnginePool
     from .service import GatewayService
 
-    policy = config.policy.model_copy(update={"mtp": config.policy.mtp.model_copy(update={"enabled": False})})
-    model, tokenizer, _ = build_policy(policy, config.seed)
-    handles = _engines(config, model)
+    model, tokenizer, mtp = _policy(config)
+    handles = _engines(config, model, mtp)
     pool = EnginePool(config.gateway)
     for handle in handles:
         pool.add_local(handle)

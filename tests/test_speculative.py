@@ -223,3 +223,27 @@ def test_engine_refuses_bad_drafting_setups(small_vocab):
     unchecked = RolloutConfig(mtp_drafting=True).model_copy(update={"mtp_draft_tokens": 0})
     with pytest.raises(ValueError, match="mtp_draft_tokens must be in"):
         EmbeddedEngine(model, unchecked, mtp=mtp)
+
+
+def test_serve_gives_drafting_engines_the_policys_mtp_layer(tmp_path):
+    """`asyncrl serve` with rollout.mtp_drafting: engines draft with the checkpoint's MTP layer, and a
+    checkpoint without one is refused at start-up (no fresh, untrained drafter in its place)."""
+    from asyncrl.configs.schema import RunConfig
+    from asyncrl.gateway.serve import _engines, _policy
+    from asyncrl.policy.checkpoint import build_tokenizer, save_policy
+
+    model = make_tiny_model("qwen3")
+    mtp = build_mtp(model, seed=1).eval()
+    save_policy(tmp_path / "with", model, build_tokenizer(), mtp)
+    save_policy(tmp_path / "without", model, build_tokenizer())
+    rollout = {"mtp_drafting": True, "num_workers": 1, "max_num_seqs": 2, "retained_prefixes": 0}
+    config = RunConfig.model_validate({"policy": {"path": str(tmp_path / "with")}, "rollout": rollout})
+    loaded, _, loaded_mtp = _policy(config)
+    [handle] = _engines(config, loaded, loaded_mtp)
+    engine = handle.engine
+    torch.testing.assert_close(engine.drafter.weights["eh_proj"], mtp.state_dict()["eh_proj.weight"])
+    [result] = run_to_completion(engine, [([5, 17, 33], SamplingParams(max_tokens=6, seed=0))])
+    assert len(result.token_ids) == 6 and result.mtp_verify_steps > 0
+    config = RunConfig.model_validate({"policy": {"path": str(tmp_path / "without")}, "rollout": rollout})
+    with pytest.raises(ValueError, match="has no MTP layer to draft with"):
+        _policy(config)
