@@ -36,7 +36,7 @@ async def run_recorded_episode(
 ) -> tuple[str, EpisodeResult]:
     """(rollout id, result) of one episode; the rollout is finished (or aborted) before returning.
 
-    `http_client`: an `httpx.AsyncClient` shared by many episodes' OpenAI clients. Without one each
+    `http_client`: an HTTP client the OpenAI client accepts, shared by many episodes. Without one each
     episode builds its own (with its own SSL context: ~10 ms of CPU, most of a short episode's cost).
     `sandboxes`: the `SandboxBackend` that opens a sandbox per episode for environments that need one.
     `task_name`: recorded as the rollout's task (default: the environment's name).

@@ -52,7 +52,7 @@ class Parts:
 
     store: object  # TrajectoryStore
     gateway: object  # the lifecycle client (sched/lifecycle.py)
-    http: object  # httpx.AsyncClient shared by every episode's OpenAI client
+    http: object  # the HTTP client (openai.DefaultAioHttpClient) shared by every episode's OpenAI client
     tasks: TaskMix
     learner: object  # LearnerActor handle
     workers: list
