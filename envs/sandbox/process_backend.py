@@ -4,7 +4,11 @@ Namespaces: no network (an empty network namespace), a PID namespace that dies w
 system's /usr mounted read-only and nothing else of the host's files, a private /tmp, and the
 episode's scratch directory as /scratch (the only place tool code can write, and what persists
 between one episode's calls). When asyncrl runs as root, bubblewrap runs as nobody (65534) so that
-RLIMIT_NPROC binds (the kernel never applies it to root). Limits are rlimits set by the supervisor
+RLIMIT_NPROC binds (the kernel never applies it to root, nor to a user namespace's uid that maps to
+root outside, so bubblewrap's own --uid would not do). The switch is made by `setpriv` in front of
+bubblewrap, not by the event loop's subprocess call: uvloop, which `asyncrl run` uses, refuses
+`user=`/`group=`, and a `preexec_fn` would run Python in the forked child of a threaded process.
+Limits are rlimits set by the supervisor
 (`runner.py`); the wall clock is enforced by the supervisor and, as a backstop, here by killing the
 sandbox's process group.
 """
@@ -67,7 +71,6 @@ class ProcessSandbox:
                     env={"PATH": "/usr/bin:/bin"},  # the host's environment (keys, tokens) stays out
                     cwd="/",
                     start_new_session=True,
-                    **self._backend.drop_privileges,
                 )
             )
             try:
@@ -121,7 +124,8 @@ class ProcessBackend:
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
         self._bwrap = shutil.which("bwrap")
-        self.drop_privileges = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
+        self.as_root = os.geteuid() == 0
+        self._setpriv = shutil.which("setpriv")
         # Scratch directories of sandboxes not closed yet, removed by `close` or at interpreter exit
         # (an episode task that was never finished, a run stopped mid-episode).
         self.scratch_dirs: set[Path] = set()
@@ -130,6 +134,7 @@ class ProcessBackend:
     def bwrap_argv(self, scratch: Path) -> list[str]:
         net = ["--share-net"] if self.config.network else []
         return [
+            *self._drop_privileges(),
             self._bwrap, "--unshare-all", "--unshare-user", *net, "--disable-userns", "--die-with-parent", "--new-session",
             "--clearenv", "--hostname", "sandbox",
             *_root_mounts(Path(self.config.python)),
@@ -139,16 +144,24 @@ class ProcessBackend:
             "--remount-ro", "/",  # the sandbox's own root (a tmpfs holding the mount points)
         ]  # fmt: skip
 
+    def _drop_privileges(self) -> list[str]:
+        """The command that runs bubblewrap as nobody, with no supplementary groups, when we are root."""
+        if not self.as_root:
+            return []
+        return [self._setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+
     def open(self) -> OpeningSandbox:
         return OpeningSandbox(self._open)
 
     async def _open(self) -> ProcessSandbox:
         if self._bwrap is None:
             raise SandboxError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap, or use sandbox.backend=docker")
+        if self.as_root and self._setpriv is None:
+            raise SandboxError("setpriv (util-linux) is missing: as root, the process sandbox needs it to run tool code as nobody")
         if not os.access(self.config.python, os.X_OK):
             raise SandboxError(f"sandbox interpreter {self.config.python} is missing: install python3 or set sandbox.python")
         scratch = Path(tempfile.mkdtemp(prefix="asyncrl-sandbox-"))
-        if self.drop_privileges:
+        if self.as_root:
             os.chown(scratch, NOBODY, NOBODY)
         self.scratch_dirs.add(scratch)
         return ProcessSandbox(self, scratch)
