@@ -5,7 +5,8 @@ and a few take far longer than the rest. `LatencyEnv` reproduces that on top of 
 environment: each episode also waits a latency drawn from `LatencyDistribution`, a lognormal body
 with a Pareto tail (infinite variance for tail_alpha <= 2), capped. The wait is an asyncio sleep,
 so it costs no CPU: what it measures is how well a loop hides latency, not how fast it computes.
-Rewards, statuses and the model calls are the wrapped environment's own.
+Rewards, statuses, the model calls and the sandbox (for a wrapped environment that needs one) are
+the wrapped environment's own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pydantic import Field
 
 from asyncrl.configs.schema import Section
 
-from .base import EpisodeResult, Environment, Split
+from .base import EpisodeResult, Environment, Split, needs_sandbox
 
 
 class LatencyConfig(Section):
@@ -67,16 +68,21 @@ class LatencyEnv:
         self.env, self.config = env, config
         self.name = env.name
         self.latency = LatencyDistribution(config)
+        # The runner opens a sandbox per episode for the wrapper exactly when the wrapped env needs one.
+        self.needs_sandbox = needs_sandbox(env)
 
     def sample_task(self, rng: random.Random, split: Split = "train") -> Any:
         return self.env.sample_task(rng, split)
 
-    async def run_episode(self, task: Any, client: Any) -> EpisodeResult:
+    async def run_episode(self, task: Any, client: Any, sandbox: Any = None) -> EpisodeResult:
         # Drawn when the episode starts, so the draws follow admission order whatever the finish order.
         latency = self.latency.sample()
         if self.config.when == "before":
             await asyncio.sleep(latency)
-        result = await self.env.run_episode(task, client)
+        if self.needs_sandbox:
+            result = await self.env.run_episode(task, client, sandbox)
+        else:  # environments without tools may not take a sandbox parameter at all (envs/base.py)
+            result = await self.env.run_episode(task, client)
         if self.config.when == "after":
             await asyncio.sleep(latency)
         result.metrics = {**result.metrics, "tool_latency_s": latency}

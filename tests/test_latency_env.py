@@ -83,3 +83,46 @@ def test_the_wait_does_not_block_the_event_loop():
 
     asyncio.run(both())
     assert ran == [0]  # the other task ran before the episode reached its model call
+
+
+class ToolEnv(FixedEnv):
+    name = "tool"
+    needs_sandbox = True
+
+    async def run_episode(self, task: int, client, sandbox) -> EpisodeResult:
+        output = await sandbox.run_python("print(6 * 7)")
+        return EpisodeResult(reward=1.0, metrics={"output": output})
+
+
+class RecordingSandbox:
+    def __init__(self) -> None:
+        self.codes, self.closed = [], False
+
+    async def run_python(self, code: str) -> str:
+        self.codes.append(code)
+        return "42"
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class RecordingBackend:
+    def __init__(self) -> None:
+        self.opened: list[RecordingSandbox] = []
+
+    async def open(self) -> RecordingSandbox:
+        self.opened.append(RecordingSandbox())
+        return self.opened[-1]
+
+
+def test_a_wrapped_environment_that_needs_a_sandbox_gets_the_runners():
+    from asyncrl.envs.base import needs_sandbox
+    from asyncrl.envs.runner import play_episode
+
+    env = LatencyEnv(ToolEnv(), LatencyConfig(median_s=0.01, sigma=0.0, tail_prob=0.0))
+    assert needs_sandbox(env) and not needs_sandbox(LatencyEnv(FixedEnv(), LatencyConfig()))
+    backend = RecordingBackend()
+    result = asyncio.run(play_episode(env, 3, client=None, sandboxes=backend))
+    assert (result.status, result.reward, result.metrics["output"]) == ("ok", 1.0, "42"), result
+    (sandbox,) = backend.opened
+    assert sandbox.codes == ["print(6 * 7)"] and sandbox.closed
