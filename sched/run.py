@@ -110,16 +110,34 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         eval_after = await loop.close()
         engine_versions = await asyncio.gather(*(worker.version.remote() for worker in workers))
         counts = store.counts()
-        rundir.plot(metrics.read())
+        records = metrics.read()
+        rundir.plot(records)
     started = sum(counts[status] for status in ("running", *TERMINAL_STATUSES))
     ledger = {**state.ledger, "started": started}
     summary = {
         "mode": config.run.mode, "version": state.version, "eval_before": state.eval_before, "eval_after": eval_after,
+        **eval_by_task(records, [task.name for task, _ in tasks.evaluated(config.eval.num_problems)]),
         "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions,
         "ledger": ledger, "balanced": sum(state.ledger.values()) == started,
         "run_dir": str(rundir.path),
     }  # fmt: skip
     return summary
+
+
+def eval_by_task(records: list[dict], names: list[str]) -> dict:
+    """`eval_before_by_task` / `eval_after_by_task`: each evaluated task's held-out accuracy at the
+    first and the last evaluation in the metrics (`eval_before` / `eval_after` are their mean). The
+    loop records `eval_accuracy/<task>` only beside other tasks; a lone task's is `eval_accuracy`."""
+    evals = [r for r in records if r.get("eval_accuracy") is not None]
+    if not evals:
+        return {"eval_before_by_task": None, "eval_after_by_task": None}
+
+    def by_task(record: dict) -> dict:
+        if len(names) == 1:
+            return {names[0]: record["eval_accuracy"]}
+        return {name: record.get(f"eval_accuracy/{name}") for name in names}
+
+    return {"eval_before_by_task": by_task(evals[0]), "eval_after_by_task": by_task(evals[-1])}
 
 
 def _start_ray(config: RunConfig) -> bool:
