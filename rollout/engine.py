@@ -148,6 +148,8 @@ class EmbeddedEngine:
         )
         self.verify_steps = 0
         self.verify_tokens = 0
+        # What the rejection rule accepted (+1), before a stop token or max_tokens cut the step short.
+        self.verify_tokens_before_stop = 0
         self.version = version
         self.generated_tokens = 0
         self.last_error: str | None = None
@@ -412,6 +414,7 @@ class EmbeddedEngine:
                 request.verify_tokens += kept
                 self.verify_steps += 1
                 self.verify_tokens += kept
+                self.verify_tokens_before_stop += len(tokens[b])
             self.generated_tokens += kept
             if reason:
                 finished.append(self._finish(request, reason))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,6 +88,16 @@ class ForwardBatch:
             write_slots=write_slots,
             write_positions=write_positions,
             slot_range=(lo, lo + len(slots)) if contiguous else None,
+        )
+
+
+    def next_position(self, tokens: torch.Tensor) -> "ForwardBatch":
+        """The same single-token rows one position further on, fed tokens [B, 1] (chained drafts)."""
+        positions = self.positions + 1
+        context_len = self.context_len + 1
+        mask = torch.arange(context_len, device=tokens.device)[None, None, :] <= positions[:, :, None]
+        return replace(
+            self, tokens=tokens, positions=positions, mask=mask, context_len=context_len, write_positions=positions.reshape(-1)
         )
 
 

@@ -154,6 +154,7 @@ class SpeculativeDecoder:
             r.mtp_computed, r.mtp_hidden = r.computed, None
         step_rows = rows if index is None else rows.select(index)
         slots, starts = [r.slot for r in requests], [r.computed for r in requests]
+        forward = None
         for step in range(max(counts)):
             probs, _ = distributions(logits, step_rows)
             column = uniforms[:, step] if index is None else uniforms[index, step]
@@ -172,9 +173,13 @@ class SpeculativeDecoder:
                 step_rows = rows.select(index)
                 slots, starts = [slots[i] for i in going], [starts[i] for i in going]
                 tokens, hidden = tokens[keep], hidden[keep]
+                forward = None
             # Depth k > 1 sits one position further on, fed the MTP layer's own output as the hidden state.
-            forward = ForwardBatch.from_tokens(slots, tokens[:, None], [s + step for s in starts])
-            logits, hidden = self.mtp.forward(forward, self.cache, hidden.unsqueeze(1))
+            if forward is None:
+                forward = ForwardBatch.from_tokens(slots, tokens[:, None], [s + step for s in starts])
+            else:
+                forward = forward.next_position(tokens[:, None])
+            logits, hidden = self.mtp.forward(forward, self.cache, hidden.unsqueeze(1), chained=True)
 
 
 def _tokens(request, lo: int, hi: int) -> list[int]:

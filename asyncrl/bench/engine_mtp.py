@@ -2,14 +2,18 @@
 
 Measured on an SFT checkpoint (`policy.path`, e.g. from `asyncrl sft quickstart`): the MTP layer
 is only worth drafting with once trained, and its acceptance depends on how well the policy knows
-the tasks. Prompts are the built-in tasks': held-out arithmetic problems and tool-call problems,
-rendered by the checkpoint's chat template. Sampling is the RL setting, temperature 1.
+the tasks. Prompts are the built-in tasks' (`task_prompts`), rendered by the checkpoint's chat
+template. Sampling is the RL setting, temperature 1.
 
 - `mtp_accept_len`: tokens emitted per verify step (accepted drafts + 1) at 4 draft tokens, over
-  every request; per task too.
+  every request; per task too. The first token (from prefill) is no verify step and not counted; a
+  step cut short by a stop token or max_tokens counts the tokens it emitted
+  (`accept_len_before_stop` counts what the rejection rule accepted in those steps instead).
 - `mtp_speedup_b1` / `mtp_speedup_b64`: generated tokens per second with drafting over without,
-  requests one at a time / 64 at once, alternating sides, medians of REPEATS. Each side samples
-  its own tokens (same seeds, different random streams), so token counts differ a little.
+  requests one at a time / 64 at once, sides alternating in order, medians of REPEATS. Each side
+  samples its own tokens (same seeds, different random streams), so token counts differ a little.
+  The same runs per CPU second of this process (`speedup_*_cpu_time`) are steadier on a shared
+  machine, where wall-clock time also counts waiting for a core.
 - `fp8_weight_bytes_ratio`: the engine's policy weights with FP8 linears (1 byte + a float32 scale
   per output row; the rest, embeddings, norms, router and LM head, at 2 bytes) over all at bf16.
 - `fp8_mean_abs_logprob_gap`: mean |rollout log-prob - learner log-prob| over tokens sampled by the
@@ -30,22 +34,31 @@ from asyncrl.configs.schema import RunConfig
 DRAFT_TOKENS = 4
 MAX_TOKENS = 96
 REPEATS = 3
-B1_PROMPTS = 12
+B1_PROMPTS = 10
 
 
 def task_prompts(config: RunConfig, tokenizer, count: int) -> list[tuple[str, list[int]]]:
-    """(task, prompt ids): three quarters held-out arithmetic, one quarter tool-call problems."""
-    from asyncrl.envs.arithmetic import ArithmeticTask
-    from asyncrl.envs.tool_demos import PYTHON_TOOL, sample_tool_problem
+    """(task, prompt ids) from the built-in task mix (configs/mixed.yaml: reasoning 3, agentic 1).
 
-    tools = count // 4
-    arithmetic = ArithmeticTask(config.tasks.arithmetic).heldout_set(count - tools, config.seed)
-    rng = random.Random(config.seed)
-    prompts = [("arithmetic", tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True)) for p in arithmetic]
-    for _ in range(tools):
-        messages = sample_tool_problem(rng).messages()
-        prompts.append(("tool", tokenizer.apply_chat_template(messages, tools=[PYTHON_TOOL], add_generation_prompt=True)))
-    return [(task, list(ids["input_ids"] if hasattr(ids, "keys") else ids)) for task, ids in prompts]
+    Held-out problems of both. An agentic episode generates twice, so each contributes two prompts:
+    the tool call after the question ("tool_call"), and the answer after the tool's output
+    ("tool_answer", rendered from the SFT demonstration's conversation up to the tool message).
+    """
+    from asyncrl.envs.agentic import AgenticEnv
+    from asyncrl.envs.arithmetic import ArithmeticTask
+    from asyncrl.envs.tool_demos import PYTHON_TOOL
+
+    episodes = round(count / 5)  # 3 arithmetic requests : 1 agentic episode of 2 requests
+    arithmetic = ArithmeticTask(config.tasks.arithmetic).heldout_set(count - 2 * episodes, config.seed)
+    agentic, rng = AgenticEnv(config.tasks.agentic), random.Random(config.seed)
+    rendered = [("arithmetic", tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True)) for p in arithmetic]
+    for _ in range(episodes):
+        problem = agentic.sample_task(rng, "eval")
+        before_answer = problem.demonstration()[:-1]
+        for task, messages in (("tool_call", problem.messages()), ("tool_answer", before_answer)):
+            ids = tokenizer.apply_chat_template(messages, tools=[PYTHON_TOOL], add_generation_prompt=True)
+            rendered.append((task, ids))
+    return [(task, list(ids["input_ids"] if hasattr(ids, "keys") else ids)) for task, ids in rendered]
 
 
 def _generate(engine, prompts: list[list[int]], temperature: float = 1.0):
@@ -56,11 +69,12 @@ def _generate(engine, prompts: list[list[int]], temperature: float = 1.0):
     return asyncio.run(go())
 
 
-def _tok_s(engine, prompts: list[list[int]], batch: int) -> float:
-    start, produced = time.perf_counter(), 0
+def _tok_s(engine, prompts: list[list[int]], batch: int) -> tuple[float, float]:
+    """(generated tokens per wall-clock second, per CPU second of this process)."""
+    start, cpu_start, produced = time.perf_counter(), time.process_time(), 0
     for i in range(0, len(prompts), batch):
         produced += sum(len(r.token_ids) for r in _generate(engine, prompts[i : i + batch]))
-    return produced / (time.perf_counter() - start)
+    return produced / (time.perf_counter() - start), produced / (time.process_time() - cpu_start)
 
 
 def _learner_gap(model, results) -> float:
@@ -94,15 +108,17 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
     fp8 = EmbeddedEngine(model, base.model_copy(update={"fp8": True}), engine_id="fp8")
     tasks_and_prompts = task_prompts(config, tokenizer, batch)
     prompts = [p for _, p in tasks_and_prompts]
-    b1_prompts = prompts[: B1_PROMPTS * 3 // 4] + prompts[-(B1_PROMPTS // 4) :]
+    b1_prompts = [p for _, p in task_prompts(config, tokenizer, B1_PROMPTS)]  # the same mix, fewer
 
     results = _generate(drafting, prompts)
     per_task = {}
-    for task in ("arithmetic", "tool"):
-        steps = sum(r.mtp_verify_steps for (t, _), r in zip(tasks_and_prompts, results) if t == task)
-        emitted = sum(r.mtp_accept_len * r.mtp_verify_steps for (t, _), r in zip(tasks_and_prompts, results) if t == task and r.mtp_verify_steps)
+    for task in dict.fromkeys(t for t, _ in tasks_and_prompts):
+        mine = [r for (t, _), r in zip(tasks_and_prompts, results) if t == task and r.mtp_verify_steps]
+        steps = sum(r.mtp_verify_steps for r in mine)
+        emitted = sum(r.mtp_accept_len * r.mtp_verify_steps for r in mine)
         per_task[task] = round(emitted / steps, 3) if steps else None
     accept_len = drafting.health()["mtp_accept_len"]
+    before_stop = drafting.verify_tokens_before_stop / drafting.verify_steps
     greedy_engine = EmbeddedEngine(model, drafting.config, engine_id="mtp-greedy", mtp=mtp)
     _generate(greedy_engine, prompts, temperature=0.0)
     greedy_accept = greedy_engine.health()["mtp_accept_len"]
@@ -111,15 +127,20 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
         progress()
 
     sides = {"b1_plain": [], "b1_mtp": [], "b64_plain": [], "b64_mtp": []}
+    cpu_sides = {k: [] for k in sides}
     _tok_s(plain, prompts, batch), _tok_s(drafting, prompts, batch)  # warm-up
-    for _ in range(REPEATS):
-        sides["b1_plain"].append(_tok_s(plain, b1_prompts, 1))
-        sides["b1_mtp"].append(_tok_s(drafting, b1_prompts, 1))
-        sides["b64_plain"].append(_tok_s(plain, prompts, batch))
-        sides["b64_mtp"].append(_tok_s(drafting, prompts, batch))
+    for repeat in range(REPEATS):
+        # Alternate which side goes first, so a load change between the two hits both alike.
+        order = ("plain", "mtp") if repeat % 2 == 0 else ("mtp", "plain")
+        for size, measured, chunk in (("b1", b1_prompts, 1), ("b64", prompts, batch)):
+            for side in order:
+                wall, cpu = _tok_s(plain if side == "plain" else drafting, measured, chunk)
+                sides[f"{size}_{side}"].append(wall)
+                cpu_sides[f"{size}_{side}"].append(cpu)
         if progress:
             progress()
     median = {k: statistics.median(v) for k, v in sides.items()}
+    cpu_median = {k: statistics.median(v) for k, v in cpu_sides.items()}
 
     fp8_bytes = weight_bytes(fp8.model.weights, skip=frozenset({"expand"}))
     bf16_bytes = weight_bytes(plain.model.weights, skip=frozenset({"expand"}))
@@ -136,9 +157,13 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
         "mtp_details": {
             "draft_tokens": DRAFT_TOKENS,
             "accept_len_by_task": per_task,
+            "accept_len_before_stop": round(before_stop, 3),
             "accept_len_greedy": round(greedy_accept, 3),
             "tok_s_medians": {k: round(v, 1) for k, v in median.items()},
             "runs": sides,
+            "speedup_b1_cpu_time": round(cpu_median["b1_mtp"] / cpu_median["b1_plain"], 2),
+            "speedup_b64_cpu_time": round(cpu_median["b64_mtp"] / cpu_median["b64_plain"], 2),
+            "tok_per_cpu_s_medians": {k: round(v, 1) for k, v in cpu_median.items()},
             "checkpoint": config.policy.path,
             "prompts": len(prompts),
             "b1_prompts": len(b1_prompts),

@@ -45,17 +45,21 @@ class NativeMTP:
         self.weights = weights
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: ForwardBatch, cache: KVCache, hidden: torch.Tensor, *, chained: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft logits [B, vocab] and block output [B, H] at each row's last token.
 
         Row b feeds, at positions starts[b] + j, the hidden state `hidden[b, j]` of that position and
-        `batch.tokens[b, j]`, the token after it.
+        `batch.tokens[b, j]`, the token after it. `chained`: one token per row, never at position 0
+        (drafts 2..D), which skips work that only a first position or ragged rows need.
         """
         w, size = self.weights, hidden.shape[-1]
         embeds = F.embedding(batch.tokens, self.model.weights["embed"])
-        # As in training (and vLLM): the token embedding at position 0 is zeroed.
-        embeds = embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
+        if not chained:
+            # As in training (and vLLM): the token embedding at position 0 is zeroed.
+            embeds = embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
         mixed = torch.cat([F.rms_norm(embeds, (size,), w["enorm"], self.eps), F.rms_norm(hidden, (size,), w["hnorm"], self.eps)], -1)
         h = self.model.layer(self.index, w["block"], linear(mixed, w["eh_proj"]), batch, cache, self.model.begin(batch))
-        out = last_tokens(h, batch)
+        out = h[:, 0] if chained else last_tokens(h, batch)
         return self.model.logits(F.rms_norm(out, (size,), w["shared_norm"], self.eps)), out
