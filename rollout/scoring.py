@@ -1,0 +1,114 @@
+"""Prefill-only scoring: the log-prob of every given token under a model, from one forward, no sampling.
+
+Cross-stage distillation (distill/) asks each teacher how likely it finds the tokens the student
+sampled. That needs no decoding, no sampler and no scheduling, so it is its own small verb beside
+the `Engine` protocol rather than a mode of `generate`: an engine samples, a scorer only reads.
+
+`NativeScorer` runs the embedded engine's native forward (`rollout/models/`, the same code that
+samples rollouts and matches the transformers forward within 1e-4) over whole sequences at once,
+in a private KV cache, so scoring never competes with an engine's slots or retained prefixes.
+The log-probs are taken at a temperature, as the learner takes them: softmax(logits / T), with
+T = 0 (greedy) meaning 1, so a teacher and the student are compared on the same footing.
+"""
+
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .kv_cache import ForwardBatch, KVCache
+from .models import build_model
+from .types import RequestError
+
+DEFAULT_MAX_BATCH_TOKENS = 8192
+"""Padded tokens (rows x longest row) in one scoring forward; bounds its memory."""
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Prefill-only scoring of token sequences."""
+
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Per sequence, the log-prob of each token given the ones before it, aligned with the
+        sequence: entry 0 is 0.0 (nothing predicts the first token). Bad input is a RequestError."""
+        ...
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature log-probs are taken at: greedy (0) reports raw log-probs, as the engines do."""
+    return temperature if temperature > 0 else 1.0
+
+
+class NativeScorer:
+    """Implements `Scorer` with the embedded engine's native forward (CPU or one GPU)."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        max_rows: int = 64,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """`model`: a transformers causal LM in memory, or a directory `from_pretrained` can load."""
+        if isinstance(model, (str, Path)):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+        config = model.config
+        self.device = torch.device(device)
+        self.max_len = config.max_position_embeddings
+        self.vocab_size = config.vocab_size
+        self.max_batch_tokens = max(max_batch_tokens, self.max_len)  # the longest sequence always fits
+        self.max_rows = max_rows
+        self.model = build_model(config, model.state_dict(), max_len=self.max_len, dtype=dtype, device=self.device)
+        self.cache = KVCache(self.model.cache_layout(), max_rows, self.max_len, dtype=dtype, device=self.device)
+
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        if not 0.0 <= temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {temperature}")
+        rows = [self._validate(i, sequence) for i, sequence in enumerate(sequences)]
+        scores: list[list[float] | None] = [None] * len(rows)
+        for chunk in self._chunks(rows):
+            for i, logprobs in zip(chunk, self._forward([rows[i] for i in chunk], effective_temperature(temperature))):
+                scores[i] = logprobs
+        return scores
+
+    def _validate(self, index: int, sequence) -> list[int]:
+        try:
+            tokens = [operator.index(t) for t in sequence]
+        except TypeError as error:
+            raise RequestError(f"sequence {index}: token ids must be integers: {error}") from None
+        if not tokens:
+            raise RequestError(f"sequence {index} is empty")
+        if len(tokens) > self.max_len:
+            raise RequestError(f"sequence {index} has {len(tokens)} tokens, more than the model's {self.max_len}")
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"sequence {index}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return tokens
+
+    def _chunks(self, rows: list[list[int]]) -> list[list[int]]:
+        """Indices of rows, longest first, cut so no forward exceeds max_rows or max_batch_tokens padded."""
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks and len(chunks[-1]) < self.max_rows and (len(chunks[-1]) + 1) * len(rows[chunks[-1][0]]) <= self.max_batch_tokens:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        return chunks
+
+    @torch.inference_mode()
+    def _forward(self, rows: list[list[int]], temperature: float) -> list[list[float]]:
+        # Every row starts at position 0 and writes its own K/V before reading it, so whatever an
+        # earlier chunk left in these slots is never seen by a real token.
+        batch = ForwardBatch.build(list(range(len(rows))), rows, [0] * len(rows), self.device)
+        logits = self.model.logits(self.model.hidden_states(batch, self.cache)).float() / temperature
+        chosen = logits[:, :-1].gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+        logprobs = (chosen - torch.logsumexp(logits[:, :-1], dim=-1)).cpu()
+        return [[0.0, *logprobs[b, : len(row) - 1].tolist()] for b, row in enumerate(rows)]
