@@ -138,6 +138,23 @@ class AgenticTaskConfig(Section):
         return self
 
 
+class GeneralTaskConfig(Section):
+    """The built-in general task: short instructions with verifiable constraints (envs/general.py)."""
+
+    max_words: int = Field(3, ge=1, le=8)
+    """Most words an instruction may ask for (every character is a decoding step of the char-level policy)."""
+    constraint_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Chance that each optional constraint (word count, ending, forbidden word) is part of an instruction."""
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of the instruction space reserved for evaluation; training never sees it."""
+    max_tokens: int = Field(32, ge=1)
+    """Token budget of each answer."""
+    reward: str = Field("constraints", min_length=1)
+    """Reward plug-in: a registered name (constraints, http, judge, or an entry point in group asyncrl.rewards) or an import path."""
+    reward_options: dict[str, Any] = {}
+    """Keyword arguments of the reward (for http and judge they override the `rewards` section's fields)."""
+
+
 class TaskSpec(Section):
     """One task of the mix that `asyncrl run` trains on: an environment, its share and its rate limit."""
 
@@ -160,6 +177,8 @@ class TasksConfig(Section):
     """Arithmetic reasoning."""
     agentic: AgenticTaskConfig = AgenticTaskConfig()
     """Tool use: multiplication through a sandboxed python tool."""
+    general: GeneralTaskConfig = GeneralTaskConfig()
+    """General instructions with verifiable constraints (format, length, casing, required and forbidden words)."""
     mix: dict[str, TaskSpec] = {}
     """Tasks `asyncrl run` trains on at once, by name (recorded as each rollout's task); empty: reasoning alone."""
 
@@ -190,10 +209,59 @@ class SFTConfig(Section):
     """Global gradient-norm clip."""
     tool_demo_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Share of demonstrations that show the agentic tool-call format (a python tool call and its answer)."""
+    general_demo_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of demonstrations of the general task (an instruction and an answer meeting its constraints); with tool_demo_fraction at most 1."""
     eval_every: int = Field(50, ge=1)
     """Evaluate held-out accuracy every this many steps."""
     stop_at_accuracy: float | None = Field(0.3, ge=0.0, le=1.0)
     """Stop at the first evaluation at or above this held-out accuracy (leaves room for RL); None disables."""
+
+    @model_validator(mode="after")
+    def _check_fractions(self) -> "SFTConfig":
+        if self.tool_demo_fraction + self.general_demo_fraction > 1.0:
+            raise ValueError("tool_demo_fraction + general_demo_fraction must not exceed 1")
+        return self
+
+
+class HTTPRewardConfig(Section):
+    """A reward-model service over HTTP (reward `http`): POST JSON, read back a score."""
+
+    url: str = "http://127.0.0.1:8000/score"
+    """Endpoint that takes {"prompt_messages", "completion", "task"} and answers {"reward": number, "details": {...}}."""
+    timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Longest wait for one answer; past it the episode ends as env_crash."""
+
+
+class JudgeRewardConfig(Section):
+    """A generative reward model (reward `judge`): an LLM grades the answer by a rubric through an OpenAI-compatible API."""
+
+    base_url: str = "http://127.0.0.1:8000/v1"
+    """OpenAI-compatible base URL (a second `asyncrl serve`, vLLM, or a hosted API)."""
+    model: str = "judge"
+    """Model name sent with each request."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the API key (an `asyncrl serve` judge takes a rollout key); unset: 'EMPTY'."""
+    rubric: str | None = None
+    """Prompt template with {instruction} and {response}; it must ask for 'score: N' (None: the built-in rubric)."""
+    max_score: float = Field(10.0, gt=0)
+    """Top of the judge's scale; reward = score / max_score (a score outside [0, max_score] counts as unparseable)."""
+    max_tokens: int = Field(32, ge=1, le=65536)
+    """Token budget of the judge's verdict."""
+    temperature: float = Field(0.0, ge=0.0, le=10.0)
+    """Sampling temperature of the judge."""
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Longest wait for one verdict; past it the episode ends as env_crash."""
+    max_retries: int = Field(0, ge=0, le=10)
+    """Retries of a failed judge call (the openai client's own backoff)."""
+
+
+class RewardsConfig(Section):
+    """Settings of the built-in reward plug-ins that call a service (envs/rewards/)."""
+
+    http: HTTPRewardConfig = HTTPRewardConfig()
+    """The HTTP reward-model service."""
+    judge: JudgeRewardConfig = JudgeRewardConfig()
+    """The LLM judge."""
 
 
 class SamplingConfig(Section):
@@ -438,6 +506,7 @@ class RunConfig(Section):
     """torch intra-op threads in the driver process (SFT, evaluation)."""
     policy: PolicyConfig = PolicyConfig()
     tasks: TasksConfig = TasksConfig()
+    rewards: RewardsConfig = RewardsConfig()
     sft: SFTConfig = SFTConfig()
     rollout: RolloutConfig = RolloutConfig()
     store: StoreConfig = StoreConfig()

@@ -1,7 +1,7 @@
 """Environments by name: the built-ins, plug-ins registered through entry points, or an import path.
 
 A reference is one of
-- a registered name: a built-in (`reasoning`, `agentic`) or an entry point in the group
+- a registered name: a built-in (`reasoning`, `agentic`, `general`) or an entry point in the group
   `asyncrl.envs` of any installed package (`[project.entry-points."asyncrl.envs"] name =
   "package.module:Class"`), found without importing anything but the one chosen;
 - an import path `package.module:Class` (a class or any factory function).
@@ -23,6 +23,7 @@ GROUP = "asyncrl.envs"
 BUILTIN: dict[str, str] = {
     "reasoning": "asyncrl.envs.reasoning:ReasoningEnv",
     "agentic": "asyncrl.envs.agentic:AgenticEnv",
+    "general": "asyncrl.envs.general:GeneralEnv",
 }
 
 
@@ -32,11 +33,17 @@ class EnvironmentNotFound(LookupError):
 
 def registered() -> dict[str, str]:
     """Every registered name -> its import path: built-ins, then entry points of installed packages."""
-    names = dict(BUILTIN)
-    for point in entry_points(group=GROUP):
+    return registered_names(BUILTIN, GROUP, "environment", EnvironmentNotFound)
+
+
+def registered_names(builtin: dict[str, str], group: str, kind: str, error: type[LookupError]) -> dict[str, str]:
+    """`builtin` plus the entry points of `group`; a name registered twice raises `error` naming both.
+    Shared with the reward registry (envs/rewards/registry.py), which has its own names and group."""
+    names = dict(builtin)
+    for point in entry_points(group=group):
         if point.name in names and names[point.name] != point.value:
-            raise EnvironmentNotFound(
-                f"environment name {point.name!r} is registered twice: {names[point.name]} and {point.value} "
+            raise error(
+                f"{kind} name {point.name!r} is registered twice: {names[point.name]} and {point.value} "
                 f"(entry point of {_dist_name(point)}); rename one, or use an import path in the config"
             )
         names[point.name] = point.value
@@ -52,18 +59,23 @@ def resolve(ref: str) -> Any:
             f"unknown environment {ref!r}; known: {known}. Register one through an entry point in the group "
             f"{GROUP!r}, or give an import path 'package.module:Class'"
         )
+    return import_target(ref, path, "environment", EnvironmentNotFound)
+
+
+def import_target(ref: str, path: str, kind: str, error: type[LookupError]) -> Any:
+    """The callable at `path` ('package.module:Attr.attr'); `ref` is what the user wrote, for messages."""
     module_name, _, attribute = path.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise EnvironmentNotFound(f"environment {ref!r}: cannot import module {module_name!r} ({error})") from error
+    except ImportError as failure:
+        raise error(f"{kind} {ref!r}: cannot import module {module_name!r} ({failure})") from failure
     target: Any = module
     for part in attribute.split("."):
         if not part or not hasattr(target, part):
-            raise EnvironmentNotFound(f"environment {ref!r}: module {module_name!r} has no attribute {attribute!r}")
+            raise error(f"{kind} {ref!r}: module {module_name!r} has no attribute {attribute!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise EnvironmentNotFound(f"environment {ref!r}: {path} is not a class or factory")
+        raise error(f"{kind} {ref!r}: {path} is not a class or factory")
     return target
 
 

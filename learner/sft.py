@@ -138,7 +138,10 @@ def run_sft(config: RunConfig) -> SFTResult:
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=sft.lr, weight_decay=sft.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, sft.warmup_steps)))
-    stream = DemoStream(tokenizer, config.tasks.arithmetic, sft.tool_demo_fraction, seed=config.seed)
+    stream = DemoStream(
+        tokenizer, config.tasks.arithmetic, sft.tool_demo_fraction, seed=config.seed,
+        general_demo_fraction=sft.general_demo_fraction, general_config=config.tasks.general,
+    )  # fmt: skip
     # Evaluation samples the way rollouts will: through the embedded engine, fed the current weights.
     engine = EmbeddedEngine(model, config.rollout.model_copy(update={"torch_threads": config.torch_threads}))
     generate = engine_greedy_generate(engine)

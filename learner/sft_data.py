@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.configs.schema import ArithmeticTaskConfig
+from asyncrl.configs.schema import ArithmeticTaskConfig, GeneralTaskConfig
 from asyncrl.envs.arithmetic import ArithmeticTask
+from asyncrl.envs.general import GeneralTask
 from asyncrl.envs.tool_demos import PYTHON_TOOL, sample_tool_problem
 
 
@@ -62,20 +63,26 @@ def render_demo(tokenizer, messages: list[dict], tools: list[dict] | None = None
 
 
 class DemoStream:
-    """An endless, seeded mix of arithmetic demonstrations and tool-call demonstrations."""
+    """An endless, seeded mix of arithmetic, tool-call and general-instruction demonstrations."""
 
     def __init__(
-        self, tokenizer, task_config: ArithmeticTaskConfig, tool_demo_fraction: float, seed: int
-    ) -> None:
+        self, tokenizer, task_config: ArithmeticTaskConfig, tool_demo_fraction: float, seed: int,
+        general_demo_fraction: float = 0.0, general_config: GeneralTaskConfig | None = None,
+    ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.task = ArithmeticTask(task_config)
         self.tool_demo_fraction = tool_demo_fraction
+        self.general_demo_fraction = general_demo_fraction
+        self.general = GeneralTask(general_config) if general_demo_fraction else None
         self.rng = random.Random(seed)
 
     def next(self) -> Demo:
-        if self.rng.random() < self.tool_demo_fraction:
+        draw = self.rng.random()
+        if draw < self.tool_demo_fraction:
             problem = sample_tool_problem(self.rng)
             return render_demo(self.tokenizer, problem.demonstration(), tools=[PYTHON_TOOL])
+        if self.general is not None and draw < self.tool_demo_fraction + self.general_demo_fraction:
+            return render_demo(self.tokenizer, self.general.sample(self.rng).demonstration())  # training split only
         return render_demo(self.tokenizer, self.task.sample(self.rng).demonstration())
 
     def batch(self, size: int) -> list[Demo]:
