@@ -493,6 +493,44 @@ class LoopConfig(Section):
     """With policy.path unset, run the SFT warm start first and start RL from its checkpoint."""
 
 
+class TeacherSpec(Section):
+    """One teacher of cross-stage distillation: an earlier stage's final checkpoint and its share of prompts."""
+
+    checkpoint: str | None = None
+    """The stage's final checkpoint (a Hugging Face directory); required."""
+    ratio: float = Field(1.0, gt=0.0, le=1e6)
+    """Relative share of the student's prompts drawn from this stage's task (shares are ratio / sum of ratios)."""
+
+    @model_validator(mode="after")
+    def _check_checkpoint(self) -> "TeacherSpec":
+        if not self.checkpoint:
+            raise ValueError("a teacher needs its stage's checkpoint (checkpoint: PATH)")
+        return self
+
+
+class DistillConfig(Section):
+    """On-policy cross-stage distillation (`asyncrl distill`, distill/): the student (policy.path) samples
+    prompts of each earlier stage and learns from that stage's final checkpoint, token by token."""
+
+    teachers: dict[str, TeacherSpec] = {}
+    """Stage name -> its teacher; the name is the stage's task (an entry of tasks.mix, or a built-in environment name); empty: no distillation."""
+    cpus_per_teacher: float = Field(0.5, gt=0.0)
+    """Ray CPU resources of each teacher's scoring actor (fractions allowed)."""
+    gpus_per_teacher: float = Field(0.0, ge=0.0)
+    """Ray GPU resources of each teacher's scoring actor; 0 on CPU machines (with a GPU the teacher scores on it)."""
+    torch_threads: int = Field(1, ge=1, le=256)
+    """torch intra-op threads inside each teacher actor."""
+    max_batch_tokens: int = Field(8192, ge=1)
+    """Most padded tokens (rows x longest) in one teacher scoring forward; bounds its memory."""
+
+    @model_validator(mode="after")
+    def _check_names(self) -> "DistillConfig":
+        for name in self.teachers:
+            if not name or not all(c.isalnum() or c in "_.-" for c in name):
+                raise ValueError(f"teacher name {name!r} must be letters, digits, '_', '.' or '-'")
+        return self
+
+
 class RunConfig(Section):
     """A whole asyncrl job. Presets live beside this module as YAML files."""
 
@@ -516,9 +554,12 @@ class RunConfig(Section):
     learner: LearnerConfig = LearnerConfig()
     run: LoopConfig = LoopConfig()
     sandbox: SandboxConfig = SandboxConfig()
+    distill: DistillConfig = DistillConfig()
 
     @model_validator(mode="after")
     def _check_loop(self) -> "RunConfig":
         if self.run.max_inflight < self.learner.group_size:
             raise ValueError("run.max_inflight must be at least learner.group_size (groups are admitted whole)")
+        if self.distill.teachers and self.learner.group_size != 1:
+            raise ValueError("distillation trains on single rollouts: set learner.group_size to 1 (it has no groups)")
         return self
