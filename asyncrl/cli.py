@@ -80,6 +80,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary["balanced"] else 1
 
 
+def cmd_distill(args: argparse.Namespace) -> int:
+    config = _resolve(args)
+    if config is None:
+        return 0
+    from asyncrl.distill.run import NotADistillation, distill
+    from asyncrl.sched.run import RunExists
+
+    try:
+        summary = distill(config)
+    except (NotADistillation, RunExists) as err:
+        print(f"asyncrl distill: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(format_summary(summary))
+    kl = summary.get("reverse_kl") or {}
+    if kl:
+        print("reverse KL to each teacher (first -> last step): " + "  ".join(f"{k} {a:.3f} -> {b:.3f}" for k, (a, b) in kl.items()))
+    return 0 if summary["balanced"] else 1
+
+
 def format_summary(summary: dict) -> str:
     def pct(value):
         return "-" if value is None else f"{value:.1%}"
@@ -156,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(run, required=False)
     run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a stopped run from its last checkpoint")
     run.set_defaults(handler=cmd_run)
+
+    distill = sub.add_parser(
+        "distill", help="on-policy cross-stage distillation: the student (policy.path) learns from distill.teachers"
+    )
+    _add_config_arguments(distill)
+    distill.set_defaults(handler=cmd_distill)
 
     gen = sub.add_parser("generate", help="sample from a checkpoint with the embedded engine")
     gen.add_argument("checkpoint", help="a Hugging Face model directory (e.g. runs/quickstart/sft/checkpoint)")

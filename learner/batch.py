@@ -3,6 +3,10 @@
 Samples are bucketed by length the way SFT buckets demonstrations (`sft_data.length_buckets`) and
 each bucket is cut so that no micro-batch holds more than `max_tokens` padded tokens (rows x
 longest row), which bounds activation memory whatever the mix of short and long rollouts.
+
+A sample may carry `teacher_logprobs` (aligned with its tokens, as `distill.ScoredSample` does):
+it is a distillation sample, whose advantage is per token and is computed in the learner's step
+from those log-probs (`distill/advantage.py`) instead of from its reward.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class Row:
     loss_mask: list[int]
     logprobs: list[float]
     advantage: float
+    teacher_logprobs: list[float] | None = None
+    """A distillation row: the teacher's log-prob of every token (its advantage is then per token)."""
 
 
 @dataclass
@@ -40,7 +46,11 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor
     """[B, T] log-prob of each sampled token under the distribution it was sampled from; 0 elsewhere."""
     advantages: torch.Tensor
-    """[B] one advantage per row."""
+    """[B] one advantage per row (0 for distillation rows)."""
+    teacher_logprobs: torch.Tensor
+    """[B, T] teacher log-prob of each token of a distillation row; 0 elsewhere."""
+    distill: torch.Tensor
+    """[B] bool: the row is a distillation row (per-token advantages from `teacher_logprobs`)."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         return MicroBatch(*(t.to(device) for t in vars(self).values()))
@@ -56,7 +66,10 @@ def to_rows(samples: Sequence[Sample], advantages: Sequence[float]) -> list[Row]
         if n and sample.loss_mask[0]:
             # Position 0 has no context to predict it from; it can only be a prompt token.
             raise ValueError(f"rollout {sample.rollout_id!r}: its first token is marked as sampled")
-        rows.append(Row(sample.token_ids, sample.loss_mask, sample.logprobs, float(advantage)))
+        teacher = getattr(sample, "teacher_logprobs", None)
+        if teacher is not None and len(teacher) != n:
+            raise ValueError(f"rollout {sample.rollout_id!r}: teacher_logprobs and token_ids lengths differ")
+        rows.append(Row(sample.token_ids, sample.loss_mask, sample.logprobs, float(advantage), teacher))
     return rows
 
 
@@ -77,11 +90,15 @@ def micro_batches(rows: list[Row], pad_token_id: int, max_tokens: int) -> list[M
 def _collate(rows: list[Row], pad_token_id: int) -> MicroBatch:
     tensors = collate(rows, pad_token_id)
     logprobs = torch.zeros_like(tensors["loss_mask"])
+    teacher = torch.zeros_like(tensors["loss_mask"])
     for i, row in enumerate(rows):
         logprobs[i, : len(row.logprobs)] = torch.tensor(row.logprobs, dtype=torch.float32)
+        if row.teacher_logprobs is not None:
+            teacher[i, : len(row.teacher_logprobs)] = torch.tensor(row.teacher_logprobs, dtype=torch.float32)
     return MicroBatch(
         input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], loss_mask=tensors["loss_mask"],
         rollout_logprobs=logprobs, advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        teacher_logprobs=teacher, distill=torch.tensor([r.teacher_logprobs is not None for r in rows]),
     )  # fmt: skip
 
 

@@ -19,6 +19,12 @@ temperature and the masks would drop good tokens. Greedy rollouts (T = 0) report
 T = 0 means 1 here. top-k / top-p renormalise over a truncated distribution the learner does not
 reproduce; such runs get a warning and ratios below 1 on every truncated step.
 
+Distillation samples (cross-stage distillation, `distill/`) go through the same step: selection
+(group size 1), the same objective, masks and staleness rule. They carry the teacher's log-prob of
+every token, and their advantage is per token, stop-grad(log pi_teacher - log pi_theta) with
+log pi_theta this step's own detached log-prob (`distill/advantage.py` says why), computed after the
+forward; they are never skipped as zero-advantage.
+
 This module knows nothing of Ray or the loop: the scheduler calls `train_step`, pushes
 `state_dict_for_push()` when a step reports `push_due`, and calls `save` every
 `checkpoint_every` steps.
@@ -39,6 +45,8 @@ from asyncrl.configs.schema import LearnerConfig, RunConfig
 from asyncrl.gateway.samples import Sample
 from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
 from asyncrl.policy.mtp import MTPLayer, mtp_loss, policy_hidden_and_logits
+
+from asyncrl.distill.advantage import distill_advantages
 
 from .batch import MicroBatch, Row, micro_batches, staleness_histogram, to_rows
 from .objectives import ObjectiveOutput, double_sided_is_loss, group_advantages, icepop_grpo_loss
@@ -195,7 +203,7 @@ class RLLearner:
         )  # fmt: skip
         advantages = advantages_for(selection, self.config.normalize_adv_std)
         rows = to_rows(selection.batch, advantages)
-        computed = [row for row in rows if row.advantage != 0.0]
+        computed = [row for row in rows if row.advantage != 0.0 or row.teacher_logprobs is not None]
         trainable = sum(sum(row.loss_mask[1:]) for row in rows)
         stats = self._accumulate(computed, trainable)
         grad_norm = self._step() if computed else None
@@ -225,7 +233,7 @@ class RLLearner:
             hidden, logits = policy_hidden_and_logits(self.model, batch.input_ids, batch.attention_mask)
             logp = sampled_logprobs(logits, batch.input_ids, self.temperature)
             mask = batch.loss_mask[:, 1:]
-            out = self.objective(logp, batch.rollout_logprobs[:, 1:], batch.advantages, mask)
+            out = self.objective(logp, batch.rollout_logprobs[:, 1:], _advantages(batch, logp, mask), mask)
             # The objective divides by this micro-batch's trainable tokens; rescale to the step's.
             loss = out.loss * (float(mask.sum()) / max(total_trainable, 1))
             if self._trains_mtp:
@@ -282,6 +290,14 @@ class RLLearner:
         state = torch.load(directory / STATE_FILE, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+
+
+def _advantages(batch: MicroBatch, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] reward advantages, or [B, T-1] per-token ones when the micro-batch holds distillation rows."""
+    if not bool(batch.distill.any()):
+        return batch.advantages
+    per_token = distill_advantages(batch.teacher_logprobs[:, 1:], logp, mask)
+    return torch.where(batch.distill[:, None], per_token, batch.advantages[:, None].expand_as(per_token))
 
 
 def _selection_metrics(samples: Sequence[Sample], selection: Selection, current_version: int) -> dict:

@@ -8,5 +8,6 @@
 
 Components never call back up into this package: the engines, gateway, environments and learner
 expose verbs (generate, record, run_episode, train_step, update_weights) and `sched/` owns the loop.
-Stages beyond Reasoning RL (agentic, general, distillation) are not scheduled yet.
+A run is one stage: RL over a task mix, or cross-stage distillation when the config lists
+`distill.teachers` (distill/). A pipeline of stages is not scheduled yet.
 """

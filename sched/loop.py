@@ -3,7 +3,8 @@
     admit     start GRPO groups of episodes while the in-flight and staleness bounds allow, each
               group's task picked by the task mix (shares and rate limits: `sched/tasks.py`)
     collect   claim finished trajectories (aborted ones too) from the store into their groups
-    train     hand complete groups to the learner (a Ray call: episodes keep running meanwhile);
+    train     hand complete groups to the learner (a Ray call: episodes keep running meanwhile), scored
+              by their stages' teachers first in a distillation run (distill/);
               when the step returns, book its ledger, push weights when due, checkpoint when due
     evaluate  each task's held-out greedy success on the rollout workers, every `run.eval_every`
               versions (the environments' own episodes, recorded nowhere: `envs/evaluation.py`)
@@ -60,6 +61,7 @@ class Parts:
     rundir: object  # RunDir
     metrics: object  # MetricsLog
     display: object  # Display
+    teachers: object = None  # distill.Teachers: a distillation run's teachers score every batch first; None in RL
 
 
 class Loop:
@@ -160,7 +162,15 @@ class Loop:
         if self.pending is None and self.groups.ready >= self.batch_groups and not self.finished():
             groups = self.groups.take(self.batch_groups)
             samples = group_samples(groups, self.config.learner.crash_statuses)
-            self.pending = asyncio.wrap_future(self.p.learner.train_step.remote(samples).future()), groups
+            self.pending = asyncio.ensure_future(self._learn(samples)), groups
+
+    async def _learn(self, samples: list) -> dict:
+        """One learner step; in distillation the teachers score the samples first (their metrics join the step's)."""
+        scored = {}
+        if self.p.teachers is not None:
+            samples, scored = await self.p.teachers.score(samples)
+        metrics = await asyncio.wrap_future(self.p.learner.train_step.remote(samples).future())
+        return {**metrics, **scored}
 
     async def _book_step(self, metrics: dict, groups: list[Group]) -> None:
         rollout_ids = [t.rollout_id for group in groups for t in group.trajectories]

@@ -11,6 +11,10 @@ Start-up, in order:
    127.0.0.1, over the Ray engine handles. Episodes run as asyncio tasks on the same event loop and
    call the gateway over loopback HTTP like any agent.
 
+A config with `distill.teachers` is a cross-stage distillation run (`asyncrl distill`, distill/):
+the task mix is the teachers' stages at their ratios and a scoring actor per teacher scores every
+batch before the learner sees it; everything else is the same run.
+
 Then `Loop.run` until `run.steps` optimizer steps (or `run.wall_budget_s`), and `Loop.close`, which
 leaves the ledger balanced. A crash or Ctrl-C skips `close`: `asyncrl run --resume` picks up.
 """
@@ -27,6 +31,8 @@ from pathlib import Path
 import ray
 
 from asyncrl.configs.schema import RunConfig
+from asyncrl.distill.mix import distill_task_mix
+from asyncrl.distill.teachers import Teachers, start_teachers
 from asyncrl.envs.base import Environment
 from asyncrl.gateway.app import run_loop, settle_heap
 from asyncrl.gateway.records import TERMINAL_STATUSES
@@ -76,7 +82,11 @@ def run(
 async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environment | None) -> dict:
     latest = rundir.latest_checkpoint() if resumed else None
     checkpoint, state = latest if latest else (None, LoopState())
-    tasks = TaskMix.from_config(config, env)  # first: a bad environment reference fails before anything starts
+    distilling = bool(config.distill.teachers)
+    if distilling and env is not None:
+        raise ValueError("a distillation run takes its tasks from distill.teachers; it cannot train on env=")
+    # First: a bad environment reference fails before anything starts.
+    tasks = distill_task_mix(config) if distilling else TaskMix.from_config(config, env)
     started_ray = _start_ray(config)
     display = Display(config.logging.progress)
     actors: list = []
@@ -90,11 +100,16 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         workers, tokenizer = _start_workers(config)
         learner = _start_learner(config, checkpoint)
         actors += [*workers, learner]
+        teachers = None
+        if distilling:
+            handles = start_teachers(config)
+            actors += list(handles.values())
+            teachers = Teachers.from_config(config, handles)
         gateway = await stack.enter_async_context(_serve_gateway(config, store, workers, tokenizer))
         metrics = rundir.metrics(config, resume=resumed)
         stack.callback(metrics.close)
         http = await stack.enter_async_context(_episode_http_client(config))
-        parts = Parts(store, gateway, http, tasks, learner, workers, tokenizer, rundir, metrics, display)
+        parts = Parts(store, gateway, http, tasks, learner, workers, tokenizer, rundir, metrics, display, teachers)
         loop = Loop(config, parts, state)
         stack.push_async_callback(loop.stop_episodes)  # on a crash, before the gateway goes
         await loop.push()  # the engines serve exactly the learner's weights, at its version
@@ -145,6 +160,7 @@ def _start_ray(config: RunConfig) -> bool:
     if ray.is_initialized():
         return False  # a caller (a test, a notebook) owns the session
     needed = config.rollout.num_workers * config.rollout.cpus_per_worker + config.learner.num_cpus
+    needed += len(config.distill.teachers) * config.distill.cpus_per_teacher
     ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False, log_to_driver=False)
     return True
 

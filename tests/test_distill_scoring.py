@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
+from test_learner_rl import _one_thread  # noqa: F401 (autouse fixture: one torch thread)
 
 from asyncrl.rollout.scoring import NativeScorer, Scorer
 from asyncrl.rollout.types import RequestError
@@ -13,14 +14,6 @@ TOLERANCE = 1e-4
 """Max abs difference of per-token log-probs, native scorer vs transformers, both fp32."""
 
 SEQUENCES = [[5, 17, 33, 9, 64, 2, 71, 8], [40, 41], list(range(20, 60)), [7]]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def full_forward_logprobs(model, tokens: list[int], temperature: float) -> list[float]:
