@@ -80,13 +80,20 @@ def _async(config, json_path, options=None):
     return run(config, json_path, options)
 
 
+def _agentic(config, json_path, options=None):
+    from .agentic import run
+
+    return run(config, json_path, options)
+
+
 def _registry() -> dict[str, Benchmark]:
-    from .asyncloop import OVERRIDES, PRESET, AsyncBenchOptions
+    from . import agentic, asyncloop
 
     return {
         "engine": Benchmark(_engine),
         "gateway": Benchmark(_gateway),
-        "async": Benchmark(_async, PRESET, OVERRIDES, AsyncBenchOptions),
+        "async": Benchmark(_async, asyncloop.PRESET, asyncloop.OVERRIDES, asyncloop.AsyncBenchOptions),
+        "agentic": Benchmark(_agentic, agentic.PRESET, options=agentic.AgenticBenchOptions),
     }
 
 
