@@ -64,9 +64,7 @@ def start_teachers(config: RunConfig) -> dict:
     distill = config.distill
     options = dict(num_cpus=distill.cpus_per_teacher, num_gpus=distill.gpus_per_teacher)
     return {
-        name: TeacherWorker.options(name=f"{config.name}-teacher-{name}", **options).remote(
-            spec.checkpoint, distill.torch_threads, distill.max_batch_tokens
-        )
+        name: TeacherWorker.options(**options).remote(spec.checkpoint, distill.torch_threads, distill.max_batch_tokens)
         for name, spec in distill.teachers.items()
     }
 
