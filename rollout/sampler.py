@@ -67,6 +67,7 @@ def _truncate(logits: torch.Tensor, params: Sequence[SamplingParams] | SamplingR
     if not rows.any_truncates:
         # Nothing cut: the softmax is the final distribution, in token-id order.
         return logp, None, None, best_logp, best_token, rows.greedy
+    softmax = logp
     order = torch.arange(vocab, device=device).expand(logits.shape[0], -1)
     by_prob, by_prob_order = logp.sort(dim=-1, descending=True, stable=True)
     truncating = rows.truncates[:, None]
@@ -82,6 +83,9 @@ def _truncate(logits: torch.Tensor, params: Sequence[SamplingParams] | SamplingR
     keep &= ((probs.cumsum(dim=-1) - probs) < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1.0)
     final = logp_k.masked_fill(~keep, float("-inf"))
     final = final - torch.logsumexp(final, dim=-1, keepdim=True)
+    # Rows that cut nothing keep the bare softmax, bit for bit what they get in a batch where no
+    # row truncates: a row's numbers must not depend on its neighbours' options.
+    final = torch.where(truncating, final, softmax)
     return final, order, keep, best_logp, best_token, rows.greedy
 
 

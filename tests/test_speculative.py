@@ -247,3 +247,15 @@ def test_serve_gives_drafting_engines_the_policys_mtp_layer(tmp_path):
     config = RunConfig.model_validate({"policy": {"path": str(tmp_path / "without")}, "rollout": rollout})
     with pytest.raises(ValueError, match="has no MTP layer to draft with"):
         _policy(config)
+
+
+def test_chained_draft_batches_equal_freshly_built_ones():
+    """`ForwardBatch.next_position` (chained drafts) describes the same forward as building it anew."""
+    from asyncrl.rollout.kv_cache import ForwardBatch
+
+    first = ForwardBatch.from_tokens([2, 3, 4], torch.tensor([[7], [8], [9]]), [5, 11, 3])
+    chained = first.next_position(torch.tensor([[1], [2], [3]]))
+    fresh = ForwardBatch.build([2, 3, 4], [[1], [2], [3]], [6, 12, 4], torch.device("cpu"))
+    for name in ("slots", "tokens", "positions", "last_index", "mask", "write_slots", "write_positions"):
+        assert torch.equal(getattr(chained, name), getattr(fresh, name)), name
+    assert (chained.context_len, chained.write_rows, chained.slot_range) == (fresh.context_len, None, (2, 5))
