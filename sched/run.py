@@ -35,11 +35,12 @@ from asyncrl.distill.mix import distill_task_mix
 from asyncrl.distill.teachers import Teachers, start_teachers
 from asyncrl.envs.base import Environment
 from asyncrl.gateway.app import run_loop, settle_heap
+from asyncrl.gateway.engines import RayEngine
 from asyncrl.gateway.records import TERMINAL_STATUSES
 from asyncrl.gateway.store import open_store
 
 from .display import Display
-from .lifecycle import InProcessLifecycle
+from .serving import InProcessGateway, episode_http_client
 from .loop import Loop, Parts
 from .rundir import LoopState, RunDir
 from .tasks import TaskMix
@@ -105,10 +106,11 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
             handles = start_teachers(config)
             actors += list(handles.values())
             teachers = Teachers.from_config(config, handles)
-        gateway = await stack.enter_async_context(_serve_gateway(config, store, workers, tokenizer))
+        engines = [RayEngine(worker, f"{config.name}-rollout-{i}") for i, worker in enumerate(workers)]
+        gateway = await stack.enter_async_context(InProcessGateway(config, store, engines, tokenizer))
         metrics = rundir.metrics(config, resume=resumed)
         stack.callback(metrics.close)
-        http = await stack.enter_async_context(_episode_http_client(config))
+        http = await stack.enter_async_context(episode_http_client(config))
         parts = Parts(store, gateway, http, tasks, learner, workers, tokenizer, rundir, metrics, display, teachers)
         loop = Loop(config, parts, state)
         stack.push_async_callback(loop.stop_episodes)  # on a crash, before the gateway goes
@@ -193,54 +195,3 @@ def _start_learner(config: RunConfig, checkpoint: Path | None):
     from asyncrl.learner.actor import create_learner
 
     return create_learner(config, resume_from=str(checkpoint) if checkpoint else None)
-
-
-def _episode_http_client(config: RunConfig):
-    import httpx2
-    import openai
-
-    # One connection pool for every episode's OpenAI client, on aiohttp's transport: httpx's own pool
-    # checks every pooled socket (a select() call each) on every request, which capped it at ~16
-    # connections and throttled the engine's batches to 16; aiohttp keeps a free list (~1/3 less
-    # driver CPU per episode, measured). One connection per episode in flight, so none queue here.
-    # Idle connections expire before uvicorn's 5 s keep-alive does: reusing one the server is closing
-    # at that moment fails the request (seen once in 37k episodes with equal expiries).
-    connections = config.run.max_inflight
-    limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
-    return openai.DefaultAioHttpClient(timeout=None, limits=limits)
-
-
-class _serve_gateway:
-    """The gateway (uvicorn on this event loop) over the workers; yields its in-process lifecycle."""
-
-    def __init__(self, config: RunConfig, store, workers: list, tokenizer) -> None:
-        from asyncrl.gateway.engines import RayEngine
-        from asyncrl.gateway.pool import EnginePool
-        from asyncrl.gateway.service import GatewayService
-
-        pool = EnginePool(config.gateway)
-        for i, worker in enumerate(workers):
-            pool.add_local(RayEngine(worker, f"{config.name}-rollout-{i}"))
-        self.service = GatewayService(store, tokenizer, pool, config.gateway, config.rollout.sampling, model_name=config.name)
-        self.config = config
-
-    async def __aenter__(self):
-        import uvicorn
-
-        from asyncrl.gateway.app import create_app
-
-        gateway = self.config.gateway
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.service), host=gateway.host, port=gateway.port, log_level="warning"))
-        self.task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()  # raises why it did not start
-                raise RuntimeError("the gateway stopped during start-up")
-            await asyncio.sleep(0.02)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return InProcessLifecycle(self.service, f"http://{host}:{port}")
-
-    async def __aexit__(self, *exc) -> None:
-        self.server.should_exit = True
-        await asyncio.gather(self.task, return_exceptions=True)
-        self.service.close()

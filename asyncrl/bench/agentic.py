@@ -177,7 +177,7 @@ async def _episodes(config: RunConfig, options: AgenticBenchOptions, store_path:
     from asyncrl.gateway.app import settle_heap
     from asyncrl.gateway.records import TERMINAL_STATUSES
     from asyncrl.gateway.store import open_store
-    from asyncrl.sched.run import _episode_http_client
+    from asyncrl.sched.serving import episode_http_client
 
     env = AgenticEnv.from_config(config)
     sandboxes = SleepingSandboxes(options.latency)
@@ -188,7 +188,7 @@ async def _episodes(config: RunConfig, options: AgenticBenchOptions, store_path:
     http_config = config.model_copy(update={"run": config.run.model_copy(update={"max_inflight": options.episodes})})
     walls: list[float] = []
     try:
-        async with _stub_gateway(config, store, options.engine_latency_s) as lifecycle, _episode_http_client(http_config) as http:
+        async with _stub_gateway(config, store, options.engine_latency_s) as lifecycle, episode_http_client(http_config) as http:
             counting = CountingLifecycle(lifecycle)
 
             async def episode(task) -> str:
@@ -248,19 +248,9 @@ async def _sandbox_starts(config: RunConfig, options: AgenticBenchOptions) -> di
 
 def _stub_gateway(config: RunConfig, store, engine_latency_s: float):
     """`asyncrl run`'s in-process gateway (uvicorn on this event loop), over stub engines instead of Ray workers."""
-    from asyncrl.gateway.pool import EnginePool
-    from asyncrl.gateway.service import GatewayService
     from asyncrl.policy.tokenizer import build_tokenizer
-    from asyncrl.sched.run import _serve_gateway
+    from asyncrl.sched.serving import InProcessGateway
 
     tokenizer = build_tokenizer()
-    pool = EnginePool(config.gateway)
-    for i in range(ENGINES):
-        pool.add_local(ToolUsingEngine(f"stub-{i}", tokenizer, engine_latency_s))
-    service = GatewayService(store, tokenizer, pool, config.gateway, config.rollout.sampling, model_name="bench-agentic")
-
-    class StubGateway(_serve_gateway):
-        def __init__(self) -> None:  # the parent's builds a pool of Ray workers; serving is inherited
-            self.config, self.service = config, service
-
-    return StubGateway()
+    engines = [ToolUsingEngine(f"stub-{i}", tokenizer, engine_latency_s) for i in range(ENGINES)]
+    return InProcessGateway(config, store, engines, tokenizer, model_name="bench-agentic")
