@@ -52,6 +52,9 @@ CREATE TABLE IF NOT EXISTS trajectories (
     acked_at REAL
 );
 CREATE INDEX IF NOT EXISTS handoff ON trajectories(done_seq) WHERE acked_at IS NULL;
+-- MAX(done_seq), taken on every finish, reads this index's last entry; the partial index above
+-- cannot answer it, and a table scan made each finish O(rollouts so far): 0.4 -> 2.5 ms at 40k.
+CREATE INDEX IF NOT EXISTS done_order ON trajectories(done_seq);
 CREATE TABLE IF NOT EXISTS turns (
     rollout_id TEXT NOT NULL,
     idx INTEGER NOT NULL,
