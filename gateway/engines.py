@@ -60,8 +60,9 @@ class RayEngine:
 
         try:
             return await self.actor.generate.remote(prompt_token_ids, dataclasses.asdict(sampling), session_id)
-        except RequestError:
-            raise
+        except RequestError as error:
+            # Ray's re-raised instance prints the actor's traceback; the client gets the refusal only.
+            raise RequestError(str(getattr(error, "cause", error))) from None
         except ray.exceptions.RayError as error:
             raise EngineFailure(f"Ray actor failed: {type(error).__name__}: {error}") from None
 

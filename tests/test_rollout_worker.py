@@ -43,6 +43,15 @@ def test_worker_generates_and_takes_new_weights(ray_session):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         ray.get(workers[0].generate.remote([5, 999], params))
     assert len(ray.get(workers[0].generate.remote([5], params)).token_ids) == 6  # the worker carries on
+
+    # Through the gateway's handle the refusal is the engine's message alone, not the actor's traceback.
+    import asyncio
+
+    from asyncrl.gateway.engines import RayEngine
+
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(RayEngine(workers[0], "rollout-0").generate([5, 999], params, None))
+    assert str(refused.value).startswith("token id 999 is outside the vocabulary") and "Traceback" not in str(refused.value)
     for worker in workers:
         ray.kill(worker)
 
