@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import operator
 import random
 import threading
 import time
@@ -34,7 +33,7 @@ from .models import build_model
 from .models.mtp import NativeMTP
 from .sampler import sample
 from .speculative import SpeculativeDecoder
-from .types import FinishReason, GenerationResult, RequestError, SamplingParams
+from .types import FinishReason, GenerationResult, SamplingParams, resolve_sampling, validate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +182,8 @@ class EmbeddedEngine:
         on_finish: Callable[[GenerationResult], None] | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises RequestError here, and only here."""
-        params = self._sampling_params(sampling)
-        prompt = self._validate_prompt(prompt_token_ids, params)
+        params = resolve_sampling(sampling, self.config.sampling.model_dump())
+        prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         request = _Request(
             id=f"{self.engine_id}-{next(self._ids)}",
             prompt=prompt,
@@ -228,31 +227,6 @@ class EmbeddedEngine:
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
-
-    def _sampling_params(self, sampling: SamplingParams | dict | None) -> SamplingParams:
-        if isinstance(sampling, SamplingParams):
-            sampling.validate()
-            return sampling
-        if sampling is None or isinstance(sampling, dict):
-            defaults = self.config.sampling.model_dump()
-            return SamplingParams.from_dict({**defaults, **(sampling or {})})
-        raise RequestError(f"sampling must be SamplingParams, a dict or None, got {type(sampling).__name__}")
-
-    def _validate_prompt(self, prompt_token_ids, params: SamplingParams) -> list[int]:
-        try:
-            prompt = [operator.index(t) for t in prompt_token_ids]  # ints only: 3.7 is not a token
-        except TypeError as error:
-            raise RequestError(f"prompt_token_ids must be a list of integers: {error}") from None
-        if not prompt:
-            raise RequestError("prompt_token_ids is empty")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {self.max_model_len}"
-            )
-        return prompt
 
     # --- weights and status --------------------------------------------------------------------
 

