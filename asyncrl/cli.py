@@ -99,6 +99,31 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0 if summary["balanced"] else 1
 
 
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from asyncrl.configs.pipeline import dump_pipeline, load_pipeline
+
+    if args.resume is None and args.config is None:
+        print("asyncrl pipeline: give a CONFIG, or --resume PIPELINE_DIR", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    from asyncrl.sched.pipeline import PipelineDir, PipelineExists, run_pipeline
+
+    # CONFIG is optional with --resume (the pipeline directory holds it); a KEY=VALUE there is an override.
+    overrides = ([args.config] if args.resume is not None and args.config else []) + args.overrides
+    try:
+        pipeline = PipelineDir(args.resume).read_config(overrides) if args.resume else load_pipeline(args.config, overrides)
+        if args.dry_run:
+            print(dump_pipeline(pipeline), end="")
+            return 0
+        summary = run_pipeline(None if args.resume else pipeline, resume=args.resume, overrides=overrides)
+    except (PipelineExists, FileNotFoundError) as err:
+        print(f"asyncrl pipeline: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    misses = [check for check in summary["checks"] if not check["passed"]]
+    print(f"pipeline directory: {summary['pipeline_dir']}  ({len(summary['stages'])} stages, {summary['wall_s'] / 60:.1f} min)")
+    print(f"checks: {len(summary['checks']) - len(misses)} of {len(summary['checks'])} met" + ("" if not misses else " (see above)"))
+    return 0
+
+
 def format_summary(summary: dict) -> str:
     def pct(value):
         return "-" if value is None else f"{value:.1%}"
@@ -181,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_arguments(distill)
     distill.set_defaults(handler=cmd_distill)
+
+    pipeline = sub.add_parser(
+        "pipeline", help="run a post-training pipeline (SFT -> RL stages -> distillation) from one file, with its evaluation matrix"
+    )
+    pipeline.add_argument("config", nargs="?", help="pipeline preset name (pipeline) or path to a pipeline YAML")
+    pipeline.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. stages.reasoning.config.run.steps=50")
+    pipeline.add_argument("--resume", metavar="PIPELINE_DIR", default=None, help="continue a stopped pipeline at the stage and step where it stopped")
+    pipeline.add_argument("--dry-run", action="store_true", help="print the resolved pipeline config and exit")
+    pipeline.set_defaults(handler=cmd_pipeline)
 
     gen = sub.add_parser("generate", help="sample from a checkpoint with the embedded engine")
     gen.add_argument("checkpoint", help="a Hugging Face model directory (e.g. runs/quickstart/sft/checkpoint)")

@@ -21,21 +21,33 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the key and the problem."""
 
 
+def _presets() -> dict[str, bool]:
+    """Preset name -> whether it is a pipeline (a file with `stages`) rather than a run config."""
+    found = {}
+    for entry in resources.files(__package__).iterdir():
+        if entry.name.endswith(".yaml"):
+            found[entry.name[:-5]] = "stages" in (yaml.safe_load(entry.read_text()) or {})
+    return dict(sorted(found.items()))
+
+
 def preset_names() -> list[str]:
-    """Names of the YAML presets shipped with the package."""
-    return sorted(p.name[:-5] for p in resources.files(__package__).iterdir() if p.name.endswith(".yaml"))
+    """Names of the run-config presets shipped with the package (`asyncrl run NAME`)."""
+    return [name for name, pipeline in _presets().items() if not pipeline]
 
 
-def _read_yaml(source: str) -> dict[str, Any]:
+def pipeline_preset_names() -> list[str]:
+    """Names of the pipeline presets shipped with the package (`asyncrl pipeline NAME`)."""
+    return [name for name, pipeline in _presets().items() if pipeline]
+
+
+def read_yaml(source: str) -> dict[str, Any]:
     path = Path(source)
     if path.is_file():
         text = path.read_text()
-    elif source in preset_names():
+    elif source in _presets():
         text = resources.files(__package__).joinpath(f"{source}.yaml").read_text()
     else:
-        raise ConfigError(
-            f"config {source!r}: no such file and no such preset (presets: {', '.join(preset_names())})"
-        )
+        raise ConfigError(f"config {source!r}: no such file and no such preset (presets: {', '.join(_presets())})")
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
@@ -100,7 +112,9 @@ def validate(data: dict[str, Any]) -> RunConfig:
 
 def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Resolve a preset name or YAML path (None: all defaults) plus overrides into a RunConfig."""
-    data = _read_yaml(source) if source else {}
+    data = read_yaml(source) if source else {}
+    if "stages" in data:
+        raise ConfigError(f"config {source!r} is a pipeline (it has stages): run it with `asyncrl pipeline {source}`")
     for override in overrides:
         apply_override(data, override)
     return validate(data)

@@ -9,6 +9,7 @@ such a run meaningful before anything starts; `asyncrl run --resume RUN_DIR` con
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.runlog import Panel, plot_panels
@@ -34,11 +35,14 @@ def check_distill_config(config: RunConfig) -> None:
         raise NotADistillation(str(error)) from None
 
 
-def distill(config: RunConfig) -> dict:
-    """Run cross-stage distillation; returns the run's summary (also written to summary.json), with
-    `reverse_kl`: each teacher's reverse KL at the first and the last step, and `reverse_kl.png`."""
+def distill(config: RunConfig, resume: str | Path | None = None) -> dict:
+    """Run (or, with `resume`, continue) cross-stage distillation; returns the run's summary (also
+    written to summary.json), with `reverse_kl`: each teacher's reverse KL at the first and the last
+    step, and `reverse_kl.png`. A resumed run goes on with the config saved in its directory."""
+    if resume is not None:
+        config = RunDir(resume).read_config()
     check_distill_config(config)
-    summary = run(config)
+    summary = run(None, resume=resume) if resume is not None else run(config)
     rundir = RunDir(summary["run_dir"])
     records = [json.loads(line) for line in (rundir.path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary["reverse_kl"] = reverse_kl_over_time(records)
