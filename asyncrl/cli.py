@@ -69,11 +69,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         config = _resolve(args)
         if config is None:
             return 0
+    from asyncrl.envs.sandbox.base import SandboxError
     from asyncrl.sched.run import RunExists, run
 
     try:
         summary = run(config, resume=args.resume, overrides=overrides)
-    except (RunExists, FileNotFoundError) as err:
+    except (RunExists, FileNotFoundError, SandboxError) as err:
         print(f"asyncrl run: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     print(format_summary(summary))
@@ -85,11 +86,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if config is None:
         return 0
     from asyncrl.distill.run import NotADistillation, distill
+    from asyncrl.envs.sandbox.base import SandboxError
     from asyncrl.sched.run import RunExists
 
     try:
         summary = distill(config)
-    except (NotADistillation, RunExists) as err:
+    except (NotADistillation, RunExists, SandboxError) as err:
         print(f"asyncrl distill: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     print(format_summary(summary))
@@ -105,6 +107,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     if args.resume is None and args.config is None:
         print("asyncrl pipeline: give a CONFIG, or --resume PIPELINE_DIR", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    from asyncrl.envs.sandbox.base import SandboxError
     from asyncrl.sched.pipeline import PipelineDir, PipelineExists, run_pipeline
 
     # CONFIG is optional with --resume (the pipeline directory holds it); a KEY=VALUE there is an override.
@@ -115,7 +118,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
             print(dump_pipeline(pipeline), end="")
             return 0
         summary = run_pipeline(None if args.resume else pipeline, resume=args.resume, overrides=overrides)
-    except (PipelineExists, FileNotFoundError) as err:
+    except (PipelineExists, FileNotFoundError, SandboxError) as err:
         print(f"asyncrl pipeline: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     misses = [check for check in summary["checks"] if not check["passed"]]

@@ -88,6 +88,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         raise ValueError("a distillation run takes its tasks from distill.teachers; it cannot train on env=")
     # First: a bad environment reference fails before anything starts.
     tasks = distill_task_mix(config) if distilling else TaskMix.from_config(config, env)
+    await tasks.check_sandboxes()
     started_ray = _start_ray(config)
     display = Display(config.logging.progress)
     actors: list = []

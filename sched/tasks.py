@@ -69,6 +69,15 @@ class TaskMix:
                 task.sandboxes = backend if needs_sandbox(task.env) else None
         return cls(tasks, config.learner.group_size)
 
+    async def check_sandboxes(self) -> None:
+        """Open and close one sandbox of each backend the tasks use. A backend that cannot start
+        (bubblewrap missing, no Docker engine or image) raises its SandboxError here, before the run
+        starts, rather than ending every episode as env_crash for the whole wall budget."""
+        backends = {id(task.sandboxes): task.sandboxes for task in self.tasks if task.sandboxes is not None}
+        for backend in backends.values():
+            async with backend.open():
+                pass
+
     def pick(self) -> Task | None:
         """The task of the next group, or None while every task is at its rate limit."""
         now = self.clock()

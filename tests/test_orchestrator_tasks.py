@@ -121,3 +121,18 @@ def test_a_thousand_episodes_in_flight_as_asyncio_tasks(tmp_path):
         assert {t.task for t in store.list(status="ok")} == {"wait"}
     finally:
         engine.shutdown()
+
+
+def test_a_sandbox_backend_that_cannot_start_stops_the_run_before_it_starts(tmp_path, capsys):
+    """Not every episode's env_crash for the whole wall budget: one clear error before Ray starts."""
+    pytest.importorskip("docker")
+    from asyncrl.cli import main
+    from asyncrl.envs.sandbox.base import SandboxError
+
+    dead = ["sandbox.backend=docker", f"sandbox.docker_host=unix://{tmp_path}/no-engine.sock", "sandbox.start_timeout_s=5"]
+    with pytest.raises(SandboxError, match="no Docker engine answers"):
+        asyncio.run(TaskMix.from_config(load_config("agentic", dead)).check_sandboxes())
+    assert asyncio.run(TaskMix.from_config(load_config("quickstart")).check_sandboxes()) is None  # nothing sandboxed
+    args = ["run", "agentic", *dead, f"runs_dir={tmp_path}", f"policy.path={tmp_path}", "logging.wandb=disabled"]
+    assert main(args) == 2
+    assert "no Docker engine answers" in capsys.readouterr().err

@@ -4,6 +4,8 @@ must raise SandboxError, never a tool result), the sweep of leftover containers,
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 from test_sandbox_hostile import available_config
@@ -125,3 +127,33 @@ def test_config_rejects_limits_out_of_bounds() -> None:
         SandboxConfig(memory_mb=1)
     with pytest.raises(ValueError):
         SandboxConfig(backend="vm")
+
+
+CHILD_HOOK_PROBE = r"""
+import asyncio, os, sys, uvloop
+from asyncrl.envs.sandbox.spawn import Child
+
+marker = sys.argv[1]
+os.register_at_fork(after_in_child=lambda: open(marker, "a").write("hook ran\n"))
+
+async def main():
+    if sys.argv[2] == "asyncio":
+        proc = await asyncio.create_subprocess_exec("/bin/echo", "hi", stdout=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate()
+    else:
+        out, _ = await Child(["/bin/echo", "hi"], env={}, cwd="/").communicate()
+    assert out == b"hi\n", out
+
+uvloop.run(main())
+"""
+
+
+@pytest.mark.parametrize(("spawn", "hook_runs"), [("asyncio", True), ("child", False)])
+def test_sandbox_calls_run_no_python_in_the_forked_child_under_uvloop(tmp_path, spawn, hook_runs) -> None:
+    """The hang seen in a pipeline's agentic stage: under uvloop, asyncio's subprocesses run the
+    interpreter's after-fork hooks in the child (the control case shows it), which can deadlock in
+    a threaded driver and block the event loop. The sandbox's own spawn runs none."""
+    pytest.importorskip("uvloop")
+    marker = tmp_path / "marker"
+    subprocess.run([sys.executable, "-c", CHILD_HOOK_PROBE, str(marker), spawn], check=True, timeout=60)
+    assert marker.exists() == hook_runs

@@ -6,8 +6,9 @@ episode's scratch directory as /scratch (the only place tool code can write, and
 between one episode's calls). When asyncrl runs as root, bubblewrap runs as nobody (65534) so that
 RLIMIT_NPROC binds (the kernel never applies it to root, nor to a user namespace's uid that maps to
 root outside, so bubblewrap's own --uid would not do). The switch is made by `setpriv` in front of
-bubblewrap, not by the event loop's subprocess call: uvloop, which `asyncrl run` uses, refuses
-`user=`/`group=`, and a `preexec_fn` would run Python in the forked child of a threaded process.
+bubblewrap, not by the subprocess call, where a `preexec_fn` would run Python in the forked child of
+a threaded process; the call itself is `spawn.py`'s `Child`, not asyncio's subprocess, for the
+same reason (under uvloop that one runs the interpreter's after-fork hooks in the child).
 Limits are rlimits set by the supervisor
 (`runner.py`); the wall clock is enforced by the supervisor and, as a backstop, here by killing the
 sandbox's process group.
@@ -19,13 +20,13 @@ import asyncio
 import atexit
 import os
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
 from asyncrl.configs.schema import SandboxConfig
 from asyncrl.envs.sandbox.base import OpeningSandbox, SandboxError, ToolResult
 from asyncrl.envs.sandbox.calls import HOST_GRACE_S, read_answer, runner_argv, timed_out_on_host
+from asyncrl.envs.sandbox.spawn import Child
 
 NOBODY = 65534
 
@@ -62,36 +63,21 @@ class ProcessSandbox:
             argv = self._backend.bwrap_argv(self._scratch) + runner_argv(
                 config.python, code, timeout_s=timeout_s, config=config, limit_processes=True
             )
-            spawn = asyncio.ensure_future(
-                asyncio.create_subprocess_exec(
-                    *argv,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    env={"PATH": "/usr/bin:/bin"},  # the host's environment (keys, tokens) stays out
-                    cwd="/",
-                    start_new_session=True,
-                )
-            )
             try:
-                # Shielded: cancelled mid-spawn, asyncio would kill bwrap alone, possibly before its
-                # child set up --die-with-parent, and that child would run on to its own timeout.
-                proc = await asyncio.shield(spawn)
-            except asyncio.CancelledError:
-                proc = await spawn
-                await _kill(proc)
-                raise
+                # The host's environment (keys, tokens) stays out. Started synchronously (vfork and
+                # exec take a millisecond), so no cancellation can land between start and kill.
+                child = Child(argv, env={"PATH": "/usr/bin:/bin"}, cwd="/")
             except OSError as e:
                 raise SandboxError(f"could not start bubblewrap: {e}") from e
             try:
-                stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout_s + HOST_GRACE_S)
+                stdout, stderr = await asyncio.wait_for(child.communicate(), timeout_s + HOST_GRACE_S)
             except asyncio.TimeoutError:
-                await _kill(proc)
+                await child.kill()
                 return timed_out_on_host(timeout_s)
             except BaseException:
-                await asyncio.shield(_kill(proc))  # cancelled episode: the call must not outlive it
+                await asyncio.shield(child.kill())  # cancelled episode: the call must not outlive it
                 raise
-            return read_answer(stdout, stderr, proc.returncode)
+            return read_answer(stdout, stderr, child.returncode)
 
     async def close(self) -> None:
         if self._closed:
@@ -106,16 +92,6 @@ class ProcessSandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-async def _kill(proc: asyncio.subprocess.Process) -> None:
-    # bubblewrap leads its own session: the group holds bwrap and, through --die-with-parent and
-    # the PID namespace, takes everything inside down with it.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    await proc.wait()
 
 
 class ProcessBackend:
