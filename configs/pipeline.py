@@ -79,6 +79,8 @@ class PipelineConfig(Section):
         if "mix" in self.base.get("tasks", {}) or "teachers" in self.base.get("distill", {}):
             raise ValueError("base: tasks.mix and distill.teachers belong to the stages (stages.NAME.tasks / .teachers)")
         names = list(self.stages)
+        if not any(stage.kind == "rl" for stage in self.stages.values()):
+            raise ValueError("stages: a pipeline needs at least one rl stage (its tasks are the evaluation matrix's columns)")
         for position, (name, stage) in enumerate(self.stages.items()):
             if not all(c.isalnum() or c in "_.-" for c in name):
                 raise ValueError(f"stage name {name!r} must be letters, digits, '_', '.' or '-'")

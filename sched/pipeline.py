@@ -79,6 +79,8 @@ def run_pipeline(
     if resume is not None:
         directory = PipelineDir(resume)
         pipeline = directory.read_config(overrides)
+        if overrides:
+            directory.write_config(pipeline)  # a later resume keeps them
     else:
         directory = PipelineDir(Path(pipeline.runs_dir) / pipeline.name)
         if directory.has_pipeline():
@@ -110,7 +112,8 @@ class Pipeline:
             if record is None:
                 self.say(f"== stage {name} ({spec.kind})" + (f" from {previous}" if previous else ""))
                 stage_began = time.monotonic()
-                checkpoint, summary = getattr(self, f"run_{spec.kind}")(name, previous)
+                runner = {"sft": self.run_sft, "rl": self.run_rl, "distill": self.run_distill}[spec.kind]
+                checkpoint, summary = runner(name, previous)
                 record = {"kind": spec.kind, "checkpoint": str(checkpoint), "wall_s": time.monotonic() - stage_began, "summary": summary}
                 self.state["stages"][name] = record
                 self.save()
@@ -160,6 +163,8 @@ class Pipeline:
         else:
             resume = rundir.path if rundir.has_run() else None
             if resume is not None:
+                # The pipeline file is the source of truth: overrides given with --resume reach the stage.
+                rundir.write_config(config)
                 self.say(f"   resuming {rundir.path} from its last checkpoint")
             summary = distill(config, resume=resume) if distilling else run(config, resume=resume)
         latest = rundir.latest_checkpoint()
@@ -172,8 +177,7 @@ class Pipeline:
 
     def evaluate(self, row: str, checkpoint: str) -> None:
         began = time.monotonic()
-        threads = RunConfig.model_validate({k: v for k, v in self.pipeline.base.items() if k == "torch_threads"}).torch_threads
-        self.state["matrix"][row] = evaluate_checkpoint(checkpoint, self.columns, threads)
+        self.state["matrix"][row] = evaluate_checkpoint(checkpoint, self.columns, self.columns[0].config.torch_threads)
         self.save()
         matrix = self.matrix()
         self.dir.write_json(MATRIX_FILE, matrix)

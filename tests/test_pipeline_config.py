@@ -40,6 +40,7 @@ def test_pipeline_presets_are_not_run_presets():
         ("stages.general.config.policy.path=/x", r"config\.policy is set by the pipeline"),
         ("base.tasks.mix.x.env=reasoning", r"tasks\.mix and distill\.teachers belong to the stages"),
         ("stages.reasoning.kind=sft", r"an sft stage can only come first|takes no tasks"),
+        ("stages={sft: {kind: sft}}", r"at least one rl stage"),
     ],
 )
 def test_mistakes_name_the_key_and_the_problem(override, message):

@@ -65,9 +65,10 @@ def test_a_pipeline_killed_mid_stage_resumes_without_redoing_finished_stages(tmp
     sft_weights = Path(state["stages"]["sft"]["checkpoint"]) / "model.safetensors"
     sft_written = sft_weights.stat().st_mtime_ns
     killed_at = max(json.loads(p.read_text())["version"] for p in rl_checkpoints.glob("step-*/loop_state.json"))
-    assert 0 < killed_at < 40
+    assert 0 < killed_at < 24
 
-    second = start("--resume", str(pipe), log=tmp_path / "second.log")
+    # Resumed with an override for the stage it stopped in: the pipeline file is the source of truth.
+    second = start("--resume", str(pipe), "stages.reasoning.config.run.steps=24", log=tmp_path / "second.log")
     assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
     out = (tmp_path / "second.log").read_text()
 
@@ -75,7 +76,8 @@ def test_a_pipeline_killed_mid_stage_resumes_without_redoing_finished_stages(tmp
     assert f"resumed at version {killed_at}" in out  # the RL stage continued at its step
     summary = json.loads((pipe / "summary.json").read_text())
     assert list(summary["stages"]) == ["sft", "reasoning", "distill"]
-    assert summary["stages"]["reasoning"]["summary"]["version"] == 40
+    assert summary["stages"]["reasoning"]["summary"]["version"] == 24
+    assert yaml.safe_load((pipe / "pipeline.yaml").read_text())["stages"]["reasoning"]["config"]["run"]["steps"] == 24
     assert summary["stages"]["reasoning"]["summary"]["balanced"] and summary["stages"]["distill"]["summary"]["balanced"]
     assert summary["tasks"] == ["reasoning"] and list(summary["rows"]) == ["sft", "reasoning", "distill"]
     assert all(0.0 <= row["reasoning"] <= 1.0 for row in summary["rows"].values())
