@@ -6,6 +6,9 @@ tokens, finish requests, release slots). A background thread calls `step()` whil
 and `async generate()` hands requests to it; weight updates are applied at the start of a step,
 so in-flight requests carry on and their later tokens carry the new version.
 
+`score()` is prefill-only scoring (`rollout/scoring.py`) with the engine's own weights, run by the
+stepping thread between two steps in a cache of its own.
+
 With `rollout.mtp_drafting`, a decode step is speculative (`rollout/speculative.py`): the policy's
 MTP layer drafts tokens, one target forward verifies them, and each request may gain several
 tokens. With `rollout.fp8`, the linear weights are FP8 (`rollout/fp8.py`).
@@ -32,15 +35,16 @@ from .kv_cache import ForwardBatch, KVCache, SlotManager
 from .models import build_model
 from .models.mtp import NativeMTP
 from .sampler import sample
+from .scoring import NativeScorer
 from .speculative import SpeculativeDecoder
-from .types import FinishReason, GenerationResult, SamplingParams, resolve_sampling, validate_prompt
+from .types import FinishReason, GenerationResult, SamplingParams, ScoreResult, resolve_sampling, validate_prompt
 
 log = logging.getLogger(__name__)
 
 MAX_PREFILL_TOKENS = 8192
+"""Padded prompt tokens (rows x longest suffix) admitted into one prefill step; bounds its memory."""
 IDLE_EXIT_S = 0.25
 """Seconds without work after which the background stepping thread exits (the next request restarts it)."""
-"""Padded prompt tokens (rows x longest suffix) admitted into one prefill step; bounds its memory."""
 
 
 @dataclass(eq=False)
@@ -114,6 +118,7 @@ class EmbeddedEngine:
             )
         hf_config = model.config
         self.engine_id = engine_id
+        self.dtype = dtype
         self.device = torch.device(
             "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
         )
@@ -162,6 +167,8 @@ class EmbeddedEngine:
         self._pending_weights: tuple[dict, int] | None = None
         self._weights_applied = threading.Event()
         self._weights_error: Exception | None = None
+        self._jobs: deque[Callable[[], None]] = deque()  # scoring calls, run between two steps
+        self._scorer: NativeScorer | None = None  # built by the first scoring call
         self._thread: threading.Thread | None = None
         self._step_lock = threading.Lock()
         self._serving = False
@@ -227,6 +234,41 @@ class EmbeddedEngine:
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
+
+    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Prefill-only log-probs of every token given the ones before it (the `Scorer` verb)."""
+        return (await self.score_versioned(sequences, temperature)).logprobs
+
+    async def score_versioned(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
+        """`score`, with the version of the weights that scored. The stepping thread runs it between
+        two steps, so a weight swap never lands mid-forward, and no second thread runs torch (`_loop`
+        says why that matters). Bad input is a RequestError, raised here."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[ScoreResult] = loop.create_future()
+
+        def job() -> None:
+            try:
+                logprobs = self._native_scorer().score(sequences, temperature)
+                outcome: ScoreResult | Exception = ScoreResult(logprobs, self.version, self.engine_id)
+            except Exception as error:  # a RequestError, or a failure of this call only
+                outcome = error
+            try:
+                loop.call_soon_threadsafe(_settle, done, outcome)
+            except RuntimeError:  # the caller's event loop is closed: nobody is waiting
+                pass
+
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify()
+        self.start()
+        return await done
+
+    def _native_scorer(self) -> NativeScorer:
+        if self._scorer is None:
+            self._scorer = NativeScorer.over(
+                self.model, vocab_size=self.vocab_size, max_len=self.max_model_len, dtype=self.dtype, device=self.device
+            )
+        return self._scorer
 
     # --- weights and status --------------------------------------------------------------------
 
@@ -301,6 +343,10 @@ class EmbeddedEngine:
 
     def _step(self) -> list[GenerationResult]:
         self._apply_pending_weights()
+        with self._cv:
+            jobs, self._jobs = self._jobs, deque()
+        for job in jobs:
+            job()
         finished = self._drain_inbox()
         batch = self._schedule()
         if batch:
@@ -448,7 +494,7 @@ class EmbeddedEngine:
         self._thread = None
 
     def _has_work(self) -> bool:
-        return bool(self._inbox or self._waiting or self._running or self._aborts or self._pending_weights)
+        return bool(self._inbox or self._waiting or self._running or self._aborts or self._pending_weights or self._jobs)
 
     def _loop(self) -> None:
         while True:
@@ -466,3 +512,12 @@ class EmbeddedEngine:
                 if self._stopping:
                     return
             self.step()
+
+
+def _settle(future: asyncio.Future, outcome) -> None:
+    if future.done():  # the caller gave up
+        return
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

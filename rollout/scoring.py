@@ -7,6 +7,9 @@ the `Engine` protocol rather than a mode of `generate`: an engine samples, a sco
 `NativeScorer` runs the embedded engine's native forward (`rollout/models/`, the same code that
 samples rollouts and matches the transformers forward within 1e-4) over whole sequences at once,
 in a private KV cache, so scoring never competes with an engine's slots or retained prefixes.
+Built from a checkpoint it holds its own copy of the weights (a distillation teacher);
+`NativeScorer.over` wraps an engine's own native model instead, which is how `EmbeddedEngine.score`
+scores with the engine's current weights (the gateway's `POST /v1/tokens/score`).
 The log-probs are taken at a temperature, as the learner takes them: softmax(logits / T), with
 T = 0 (greedy) meaning 1, so a teacher and the student are compared on the same footing.
 """
@@ -21,7 +24,7 @@ import torch
 
 from .kv_cache import ForwardBatch, KVCache
 from .models import build_model
-from .types import RequestError
+from .types import MIN_TEMPERATURE, RequestError
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
 """Padded tokens (rows x longest row) in one scoring forward; bounds its memory."""
@@ -60,17 +63,44 @@ class NativeScorer:
 
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
         config = model.config
-        self.device = torch.device(device)
-        self.max_len = config.max_position_embeddings
-        self.vocab_size = config.vocab_size
+        max_len, device = config.max_position_embeddings, torch.device(device)
+        native = build_model(config, model.state_dict(), max_len=max_len, dtype=dtype, device=device)
+        self._attach(native, config.vocab_size, max_len, max_batch_tokens, max_rows, dtype, device)
+
+    @classmethod
+    def over(
+        cls,
+        native,
+        *,
+        vocab_size: int,
+        max_len: int,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> "NativeScorer":
+        """A scorer over an already-built native model (`build_model`'s), sharing its weights, so a
+        weight swap on that model (an engine's `update_weights`) is what the next call scores with.
+
+        Its cache holds only as many rows as `max_batch_tokens` allows at `max_len`: an engine's
+        scorer should not double the engine's memory for a verb it may never be asked."""
+        scorer = cls.__new__(cls)
+        max_rows = min(64, max(1, max_batch_tokens // max_len))
+        scorer._attach(native, vocab_size, max_len, max_batch_tokens, max_rows, dtype, torch.device(device))
+        return scorer
+
+    def _attach(self, native, vocab_size: int, max_len: int, max_batch_tokens: int, max_rows: int, dtype, device) -> None:
+        self.model, self.device = native, device
+        self.max_len = max_len
+        self.vocab_size = vocab_size
         self.max_batch_tokens = max(max_batch_tokens, self.max_len)  # the longest sequence always fits
         self.max_rows = max_rows
-        self.model = build_model(config, model.state_dict(), max_len=self.max_len, dtype=dtype, device=self.device)
-        self.cache = KVCache(self.model.cache_layout(), max_rows, self.max_len, dtype=dtype, device=self.device)
+        self.cache = KVCache(native.cache_layout(), max_rows, max_len, dtype=dtype, device=device)
 
     def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         if not 0.0 <= temperature <= 100.0:
             raise RequestError(f"temperature must be in [0, 100], got {temperature}")
+        if 0.0 < temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow: NaN log-probs
+            raise RequestError(f"temperature {temperature} is too small to score with; use 0 for raw log-probs")
         rows = [self._validate(i, sequence) for i, sequence in enumerate(sequences)]
         scores: list[list[float] | None] = [None] * len(rows)
         for chunk in self._chunks(rows):

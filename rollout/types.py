@@ -92,6 +92,16 @@ class GenerationResult:
     error: str | None = None
 
 
+@dataclass
+class ScoreResult:
+    """One prefill-only scoring call (`rollout/scoring.py`): per sequence, the log-prob of each token
+    given the ones before it (entry 0 is 0.0), and the policy version of the weights that scored."""
+
+    logprobs: list[list[float]]
+    version: int
+    engine_id: str = ""
+
+
 def resolve_sampling(sampling: SamplingParams | dict | None, defaults: dict) -> SamplingParams:
     """A request's sampling options: SamplingParams as given (validated), or a dict over `defaults`."""
     if isinstance(sampling, SamplingParams):

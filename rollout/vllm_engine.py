@@ -317,6 +317,14 @@ class VLLMEngine:
             self.abort(request_id)
             raise
 
+    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Not built (vLLM's `prompt_logprobs` would give it): only the embedded engine scores."""
+        raise NotImplementedError(
+            f"engine {self.engine_id} (vLLM) cannot score token sequences; serve the model with rollout.type=embedded"
+        )
+
+    score_versioned = score
+
     def _to_vllm(self, params: SamplingParams):
         from vllm.sampling_params import RequestOutputKind
 

@@ -3,7 +3,8 @@
 `rollout.type` picks the engine: the embedded torch engine, or vLLM (`rollout/vllm_engine.py`,
 imported only when chosen, since vLLM lives in its own environment).
 
-Methods are async so one actor serves many concurrent `generate` calls, which the engine batches.
+Methods are async so one actor serves many concurrent `generate` calls, which the engine batches;
+`score` is prefill-only scoring with the engine's current weights (the vLLM engine refuses it).
 Weights arrive as a state dict; pass an `ObjectRef` from `ray.put` so N workers share one copy in
 the object store.
 """
@@ -17,7 +18,7 @@ import ray
 from asyncrl.configs.schema import RolloutConfig
 
 from .engine import EmbeddedEngine
-from .types import GenerationResult, SamplingParams
+from .types import GenerationResult, SamplingParams, ScoreResult
 
 
 @ray.remote
@@ -35,6 +36,12 @@ class RolloutWorker:
         self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
     ) -> GenerationResult:
         return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
+
+    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        return await self.engine.score(sequences, temperature)
+
+    async def score_versioned(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
+        return await self.engine.score_versioned(sequences, temperature)
 
     async def update_weights(self, state_dict: dict, version: int) -> int:
         # Waiting for the swap blocks; a thread keeps this actor's event loop serving generate calls.
