@@ -105,6 +105,28 @@ class TokenGenerateResponse(_Closed):
     engine_id: str
 
 
+MAX_SCORE_SEQUENCES = 1024
+"""Sequences in one scoring request; each is also bounded by the engine's max_model_len."""
+
+
+class TokenScoreRequest(_Closed):
+    """Token sequences in, the log-prob of every token given the ones before it out: prefill only,
+    nothing sampled or recorded, so no rollout key. Empty sequences and ids outside the vocabulary
+    are refused by the engine (a 400 with its message)."""
+
+    sequences: list[list[int]] = Field(min_length=1, max_length=MAX_SCORE_SEQUENCES)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    """Log-probs under softmax(logits / temperature); 0 means 1, as for greedy sampled tokens."""
+
+
+class TokenScoreResponse(_Closed):
+    logprobs: list[list[float]]
+    """Per sequence, aligned with its tokens; entry 0 is 0.0 (nothing predicts the first token)."""
+    engine_id: str
+    version: int
+    """Policy version of the weights that scored."""
+
+
 class OpenRolloutRequest(_Closed):
     task: str = Field("", max_length=4096)
     group_id: str = Field("", max_length=4096)

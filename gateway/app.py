@@ -2,9 +2,9 @@
 
 Every refusal is an OpenAI-shaped error body (`{"error": {"message", "type", "code"}}`) with a 4xx
 status whose message says what is wrong: a request can be refused, never crash the gateway. 5xx
-statuses mean the gateway's side failed (no engine, store down, timeout), never the request. 4xx
-answers carry `x-should-retry: false`, which the `openai` client honours, so an agent does not
-re-send a request that cannot succeed (it would otherwise retry 409s).
+statuses mean the gateway's side failed (no engine, store down, timeout; 501: no engine here can
+score), never the request. 4xx answers carry `x-should-retry: false`, which the `openai` client
+honours, so an agent does not re-send a request that cannot succeed (it would otherwise retry 409s).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from asyncrl.rollout.types import RequestError
 
 from . import api
 from .conversation import ConversationError
-from .engines import connect
+from .engines import ScoringUnsupported, connect
 from .lean_route import LeanJSONRoute, rollout_key
 from .pool import Abandoned, EngineUnavailable, GenerationTimeout
 from .service import GatewayError, GatewayService
@@ -43,6 +43,7 @@ _ERRORS: list[tuple[type[BaseException], int, str]] = [
     (RequestError, 400, "invalid_request"),
     (MessageError, 400, "invalid_messages"),
     (ConversationError, 400, "too_many_branches"),
+    (ScoringUnsupported, 501, "scoring_unsupported"),  # a well-formed request no engine here can serve
     (EngineUnavailable, 503, "engine_unavailable"),
     (GenerationTimeout, 504, "timeout"),
 ]
@@ -148,6 +149,10 @@ def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
     @app.post("/v1/tokens/generate", tags=["tokens"])
     async def tokens_generate(request: api.TokenGenerateRequest, key: str | None = Depends(rollout_key)) -> api.TokenGenerateResponse:
         return await service.generate_tokens(key, request)
+
+    @app.post("/v1/tokens/score", tags=["tokens"])
+    async def tokens_score(request: api.TokenScoreRequest) -> api.TokenScoreResponse:
+        return await service.score_tokens(request)
 
     @app.post("/rollouts", tags=["lifecycle"])
     async def open_rollout(request: api.OpenRolloutRequest) -> api.OpenRolloutResponse:

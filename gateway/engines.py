@@ -1,14 +1,15 @@
 """Engines as the gateway sees them: one small handle interface over three ways to reach an engine.
 
 - `LocalEngine`: an engine object in the gateway's own process (`EmbeddedEngine`, or anything with
-  its `generate` / `health` verbs).
+  its `generate` / `health` verbs, and `score_versioned` to score).
 - `RayEngine`: a `RolloutWorker` actor (`rollout/worker.py`), by handle or by name.
-- `HttpEngine`: an engine in another process that serves `engine_app(engine)` (two routes:
-  `POST /generate`, `GET /health`). Remote engines announce themselves to the gateway with
+- `HttpEngine`: an engine in another process that serves `engine_app(engine)` (three routes:
+  `POST /generate`, `POST /score`, `GET /health`). Remote engines announce themselves to the gateway with
   `POST /engines/register` and keep themselves alive with `POST /engines/{id}/heartbeat`.
 
 Handles keep the engine's own error split: `RequestError` is the request's fault (the client gets a
 400), `EngineFailure` is the engine's (the gateway may retry the same prompt tokens elsewhere).
+`ScoringUnsupported` is an engine that has no `score` (vLLM): another engine may have one.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from asyncrl.rollout.types import GenerationResult, RequestError, SamplingParams
+from asyncrl.rollout.types import GenerationResult, RequestError, SamplingParams, ScoreResult
 
 
 class EngineFailure(RuntimeError):
     """The engine could not answer this request (died, unreachable, failed its batch); another may."""
+
+
+class ScoringUnsupported(EngineFailure):
+    """The engine cannot score token sequences (the vLLM engine); another engine may."""
 
 
 @runtime_checkable
@@ -30,6 +35,8 @@ class EngineHandle(Protocol):
     engine_id: str
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str) -> GenerationResult: ...
+
+    async def score(self, sequences: list[list[int]], temperature: float) -> ScoreResult: ...
 
     async def health(self) -> dict: ...
 
@@ -44,6 +51,15 @@ class LocalEngine:
     async def generate(self, prompt_token_ids, sampling, session_id):
         return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
 
+    async def score(self, sequences, temperature) -> ScoreResult:
+        score = getattr(self.engine, "score_versioned", None)
+        if score is None:
+            raise ScoringUnsupported(f"engine {self.engine_id} ({type(self.engine).__name__}) has no score verb")
+        try:
+            return await score(sequences, temperature)
+        except NotImplementedError as error:
+            raise ScoringUnsupported(str(error)) from None
+
     async def health(self) -> dict:
         return self.engine.health()
 
@@ -56,13 +72,21 @@ class RayEngine:
         self.actor, self.engine_id = actor, engine_id
 
     async def generate(self, prompt_token_ids, sampling, session_id):
+        return await self._call("generate", prompt_token_ids, dataclasses.asdict(sampling), session_id)
+
+    async def score(self, sequences, temperature) -> ScoreResult:
+        return await self._call("score_versioned", sequences, temperature)
+
+    async def _call(self, method: str, *args):
         import ray
 
         try:
-            return await self.actor.generate.remote(prompt_token_ids, dataclasses.asdict(sampling), session_id)
+            return await getattr(self.actor, method).remote(*args)
         except RequestError as error:
             # Ray's re-raised instance prints the actor's traceback; the client gets the refusal only.
             raise RequestError(str(getattr(error, "cause", error))) from None
+        except NotImplementedError as error:  # checked before RayError: Ray's instance is both
+            raise ScoringUnsupported(str(getattr(error, "cause", error))) from None
         except ray.exceptions.RayError as error:
             raise EngineFailure(f"Ray actor failed: {type(error).__name__}: {error}") from None
 
@@ -80,15 +104,23 @@ class HttpEngine:
 
     async def generate(self, prompt_token_ids, sampling, session_id):
         body = {"prompt_token_ids": list(prompt_token_ids), "sampling": dataclasses.asdict(sampling), "session_id": session_id}
+        return GenerationResult(**await self._post("/generate", body))
+
+    async def score(self, sequences, temperature) -> ScoreResult:
+        return ScoreResult(**await self._post("/score", {"sequences": sequences, "temperature": temperature}))
+
+    async def _post(self, path: str, body: dict) -> dict:
         try:
-            response = await self._client.post("/generate", json=body)
+            response = await self._client.post(path, json=body)
         except httpx.HTTPError as error:
             raise EngineFailure(f"{self.url} unreachable: {type(error).__name__}: {error}") from None
         if response.status_code == 400:
             raise RequestError(response.json().get("detail", response.text))
+        if response.status_code == 501:
+            raise ScoringUnsupported(response.json().get("detail", response.text))
         if response.status_code != 200:
             raise EngineFailure(f"{self.url} answered HTTP {response.status_code}: {response.text[:200]}")
-        return GenerationResult(**response.json())
+        return response.json()
 
     async def health(self) -> dict:
         response = await self._client.get("/health")
@@ -131,6 +163,16 @@ def engine_app(engine: Any):
             result = await engine.generate(prompt_token_ids, SamplingParams.from_dict(sampling), session_id=session_id)
         except RequestError as error:
             raise HTTPException(400, str(error)) from None
+        return dataclasses.asdict(result)
+
+    @app.post("/score")
+    async def score(sequences: list[list[int]] = Body(...), temperature: float = Body(1.0)) -> dict:
+        try:
+            result = await engine.score_versioned(sequences, temperature)
+        except RequestError as error:
+            raise HTTPException(400, str(error)) from None
+        except NotImplementedError as error:
+            raise HTTPException(501, str(error)) from None
         return dataclasses.asdict(result)
 
     @app.get("/health")

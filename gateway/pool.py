@@ -4,7 +4,8 @@ retries and deadlines, so that no request waits forever on an engine that died.
 A request waits for the first of four things: its result; its engine leaving the registry (missed
 heartbeats, or deregistered); the caller abandoning it (its rollout was finished or aborted); the
 deadline. When the engine fails or leaves, the same prompt tokens go to another engine, up to
-`engine_retries` times; with 0 retries the failure is reported at once.
+`engine_retries` times; with 0 retries the failure is reported at once. Scoring calls (prefill-only
+log-probs, no rollout) go to the least loaded engine and fail over the same way.
 
 Everything here runs on the gateway's event loop; the registry and router are not thread-safe.
 """
@@ -12,14 +13,15 @@ Everything here runs on the gateway's event loop; the registry and router are no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 from asyncrl.configs.schema import GatewayConfig
-from asyncrl.rollout.types import GenerationResult, RequestError, SamplingParams
+from asyncrl.rollout.types import GenerationResult, RequestError, SamplingParams, ScoreResult
 
-from .engines import EngineFailure, EngineHandle
+from .engines import EngineFailure, EngineHandle, ScoringUnsupported
 from .registry import EngineRegistry, RegistryEvent
 from .routing import NoEngineError, Router
 
@@ -110,30 +112,60 @@ class EnginePool:
         """(result, retries used). `key` routes (a rollout id: its turns share an engine's KV cache);
         `deadline` is on the event loop's clock; a future put in `abandon` and resolved with a reason
         gives the request up. Raises RequestError, EngineUnavailable, GenerationTimeout, Abandoned."""
+
+        async def call(handle: EngineHandle, engine_id: str) -> GenerationResult:
+            return _completed(await handle.generate(prompt_token_ids, sampling, key), engine_id)
+
+        route = lambda failed: self.router.route(key, self.registry.loads(), exclude=failed)  # noqa: E731
+        return await self._with_retries(route, call, "generating", deadline, abandon)
+
+    async def score(self, sequences: list[list[int]], temperature: float, *, deadline: float) -> tuple[ScoreResult, int]:
+        """(scores, retries used) from the least loaded engine: scoring keeps no KV cache worth
+        routing to. Raises RequestError, ScoringUnsupported (no engine can score), EngineUnavailable,
+        GenerationTimeout."""
+
+        async def call(handle: EngineHandle, engine_id: str) -> ScoreResult:
+            result = await handle.score(sequences, temperature)
+            return dataclasses.replace(result, engine_id=result.engine_id or engine_id)  # its own id, as generate reports
+
+        route = lambda failed: self.router.least_loaded(self.registry.loads(), exclude=failed)  # noqa: E731
+        return await self._with_retries(route, call, "scoring", deadline, None)
+
+    async def _with_retries(self, route, call, doing: str, deadline: float, abandon) -> tuple:
+        """`call(handle, engine_id)` on the engine `route(excluded ids)` picks, again on another engine
+        after an EngineFailure, up to `engine_retries` times. An engine that cannot do this at all
+        (ScoringUnsupported) is skipped without using a retry; when no other is left, that is the error."""
         failed: list[str] = []
+        unable: list[str] = []
         errors: list[str] = []
         while True:
             try:
-                engine_id = self.router.route(key, self.registry.loads(), exclude=failed)
+                engine_id = route(failed + unable)
             except NoEngineError as error:
+                if unable and not failed:
+                    raise ScoringUnsupported(f"no engine of this gateway can serve the request ({'; '.join(errors)})") from None
                 tried = f"; failed here: {'; '.join(errors)}" if errors else ""
                 raise EngineUnavailable(f"no engine can take the request ({error}){tried}") from None
             with self.registry.acquire(engine_id) as lease:
                 try:
-                    result = await self._attempt(lease.info.handle, engine_id, key, prompt_token_ids, sampling, deadline, abandon)
+                    result = await self._attempt(call(lease.info.handle, engine_id), engine_id, deadline, abandon)
                     return result, len(failed)
+                except ScoringUnsupported as error:
+                    unable.append(engine_id)
+                    errors.append(f"{engine_id}: {error}")
+                    continue
                 except EngineFailure as error:
                     failed.append(engine_id)
                     errors.append(f"{engine_id}: {error}")
             if len(failed) > self.config.engine_retries:
                 raise EngineUnavailable(
-                    f"engine failed while generating ({'; '.join(errors)}); "
+                    f"engine failed while {doing} ({'; '.join(errors)}); "
                     f"gave up after {len(failed) - 1} retries (gateway.engine_retries={self.config.engine_retries})"
                 )
 
-    async def _attempt(self, handle, engine_id, key, prompt, sampling, deadline, abandon) -> GenerationResult:
+    async def _attempt(self, call: Coroutine, engine_id: str, deadline: float, abandon):
         loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(handle.generate(prompt, sampling, key))
+        task = asyncio.ensure_future(call)
         wake = loop.create_future()
         watchers = self._waiting.setdefault(engine_id, set())
         watchers.add(wake)
@@ -148,7 +180,7 @@ class EnginePool:
             if not task.done():
                 task.cancel()  # an in-process engine aborts the request; a remote one stops waiting
         if task in done:
-            return _checked(task, engine_id)
+            return _checked(task)
         if wake in done:
             reason = wake.result()
             if reason.startswith("engine "):
@@ -157,13 +189,16 @@ class EnginePool:
         raise GenerationTimeout(f"no answer within gateway.request_timeout_s={self.config.request_timeout_s}")
 
 
-def _checked(task: asyncio.Future, engine_id: str) -> GenerationResult:
+def _checked(task: asyncio.Future):
     try:
-        result = task.result()
+        return task.result()
     except (RequestError, EngineFailure):
         raise
     except Exception as error:  # a handle that died in its own way: the engine, not the request, failed
         raise EngineFailure(f"{type(error).__name__}: {error}") from None
+
+
+def _completed(result: GenerationResult, engine_id: str) -> GenerationResult:
     if result.finish_reason in ("error", "abort"):
         raise EngineFailure(f"engine {engine_id} ended the request with {result.finish_reason}: {result.error or ''}")
     return result

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from hashlib import blake2b
 from typing import Any
 
@@ -136,12 +136,24 @@ class Router:
         `exclude` is for retries after an engine failed. Excluded engines may hold the spare room the
         bound guarantees; then the least loaded candidate (relative to capacity) is chosen instead.
         """
-        candidates = [e for e in self.ring.walk(key) if e not in exclude]
-        if not candidates:
-            raise NoEngineError("no engine is registered" if not len(self.ring) else "every engine is excluded")
+        candidates = self._candidates(self.ring.walk(key), exclude)
         bounds = self.bounds(loads)
         for engine in candidates:
             if loads.get(engine, 0) < bounds[engine]:
                 return engine
+        return self._least_loaded(candidates, loads)
+
+    def least_loaded(self, loads: Mapping[str, int], exclude: Collection[str] = ()) -> str:
+        """The engine with the fewest requests in flight relative to its capacity, for calls that have
+        no key to keep at home (scoring); ties go to the first engine id."""
+        return self._least_loaded(self._candidates(self.engines, exclude), loads)
+
+    def _candidates(self, engines: Iterable[str], exclude: Collection[str]) -> list[str]:
+        candidates = [e for e in engines if e not in exclude]
+        if not candidates:
+            raise NoEngineError("no engine is registered" if not len(self.ring) else "every engine is excluded")
+        return candidates
+
+    def _least_loaded(self, candidates: list[str], loads: Mapping[str, int]) -> str:
         weights = self.ring.nodes
         return min(candidates, key=lambda e: loads.get(e, 0) / weights[e])

@@ -8,6 +8,9 @@ a key without a lookup, and after a restart a key still finds its rollout in the
 turn then starts a fresh branch, which sample assembly handles as a fork). Store calls run on a
 small thread pool: SQLite and Redis clients block.
 
+Scoring (`score_tokens`, prefill-only log-probs of given token sequences) needs no key and records
+nothing: it is a read of the engines' current weights, not a turn of a rollout.
+
 Nothing here knows HTTP; `app.py` maps the exceptions raised here to status codes.
 """
 
@@ -223,6 +226,16 @@ class GatewayService:
             rollout_id=rollout.id, turn_index=index, token_ids=result.token_ids, logprobs=result.logprobs,
             versions=result.versions, finish_reason=result.finish_reason, engine_id=result.engine_id,
         )  # fmt: skip
+
+    async def score_tokens(self, request: api.TokenScoreRequest) -> api.TokenScoreResponse:
+        """Prefill-only log-probs from the least loaded engine; no rollout, nothing recorded."""
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        self.in_flight += 1
+        try:
+            result, _ = await self.pool.score(request.sequences, request.temperature, deadline=deadline)
+        finally:
+            self.in_flight -= 1
+        return api.TokenScoreResponse(logprobs=result.logprobs, engine_id=result.engine_id, version=result.version)
 
     def _sampling(self, request: Any, max_tokens: int | None) -> SamplingParams:
         if getattr(request, "stream", None):
