@@ -494,17 +494,25 @@ class LoopConfig(Section):
 
 
 class TeacherSpec(Section):
-    """One teacher of cross-stage distillation: an earlier stage's final checkpoint and its share of prompts."""
+    """One teacher of cross-stage distillation: an earlier stage's final checkpoint (or a gateway serving
+    it) and its share of prompts."""
 
     checkpoint: str | None = None
-    """The stage's final checkpoint (a Hugging Face directory); required."""
+    """The stage's final checkpoint (a Hugging Face directory), scored by a teacher actor of this run; or set url."""
+    url: str | None = None
+    """Base URL of a gateway serving the stage's final checkpoint (`asyncrl serve`), e.g. http://127.0.0.1:8000;
+    the teacher is scored through its POST /v1/tokens/score. Exactly one of checkpoint and url."""
     ratio: float = Field(1.0, gt=0.0, le=1e6)
     """Relative share of the student's prompts drawn from this stage's task (shares are ratio / sum of ratios)."""
 
     @model_validator(mode="after")
-    def _check_checkpoint(self) -> "TeacherSpec":
-        if not self.checkpoint:
-            raise ValueError("a teacher needs its stage's checkpoint (checkpoint: PATH)")
+    def _check_source(self) -> "TeacherSpec":
+        if self.checkpoint and self.url:
+            raise ValueError("a teacher is a checkpoint or a url, not both: set checkpoint: PATH or url: http://HOST:PORT")
+        if not self.checkpoint and not self.url:
+            raise ValueError("a teacher needs its stage's checkpoint (checkpoint: PATH) or a gateway serving it (url: http://HOST:PORT)")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"teacher url must start with http:// or https://, got {self.url!r}")
         return self
 
 

@@ -26,7 +26,8 @@ class NotADistillation(ValueError):
 def check_distill_config(config: RunConfig) -> None:
     if not config.distill.teachers:
         raise NotADistillation("distill.teachers is empty: name each earlier stage with its final checkpoint "
-                               "(distill.teachers.STAGE.checkpoint=PATH)")  # fmt: skip
+                               "(distill.teachers.STAGE.checkpoint=PATH) or a gateway serving it "
+                               "(distill.teachers.STAGE.url=http://HOST:PORT)")  # fmt: skip
     if config.policy.path is None:
         raise NotADistillation("policy.path is unset: the student is a checkpoint (usually the last stage's)")
     try:

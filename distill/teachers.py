@@ -1,7 +1,10 @@
-"""The teachers of cross-stage distillation: one scoring engine per earlier stage, as Ray actors.
+"""The teachers of cross-stage distillation: one scoring engine per earlier stage.
 
-Each teacher is a stage's final checkpoint behind a `NativeScorer` (rollout/scoring.py) in its own
-actor, like a rollout worker: it scores the student's token IDs prefill-only, never samples.
+A teacher given as a checkpoint is that stage's final checkpoint behind a `NativeScorer`
+(rollout/scoring.py) in its own Ray actor, like a rollout worker. A teacher given as a url is a
+gateway serving that checkpoint elsewhere (`asyncrl serve`), scored through its token-level
+endpoint `POST /v1/tokens/score`, with no actor here. Either way it scores the student's token IDs
+prefill-only and never samples.
 `Teachers.score` routes every finished sample to the teacher of its stage (the sample's task
 name), attaches the teacher's log-probs and measures the reverse KL per teacher. It is the one
 verb the loop calls between collecting samples and handing them to the learner.
@@ -14,15 +17,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import httpx
 import ray
 
 from asyncrl.configs.schema import RunConfig
+from asyncrl.gateway.api import MAX_SCORE_SEQUENCES
 from asyncrl.gateway.samples import Sample
 
 from .advantage import reverse_kl
 
 KL_PREFIX = "reverse_kl/"
 """Metric key of a teacher's reverse KL (`reverse_kl/<teacher>`), one value per learner step."""
+HTTP_CHUNK_TOKENS = 262_144
+"""Tokens in one request to a url teacher: well under the gateway's default 8 MiB body limit."""
 
 
 @dataclass
@@ -51,26 +58,74 @@ class TeacherWorker:
         return self.scorer.score(sequences, temperature)
 
 
+class TeacherError(RuntimeError):
+    """A url teacher did not answer with scores; the message names the teacher, its url and why."""
+
+
+class HttpTeacher:
+    """A teacher behind a gateway: the student's token IDs go to `{url}/v1/tokens/score`."""
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name, self.url = name, url.rstrip("/")
+
+    async def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        # A client per call: the loop that calls may differ between calls (one per asyncio.run).
+        # No read timeout: the gateway's request_timeout_s bounds every call and answers a 504.
+        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0)) as client:
+            parts = await asyncio.gather(*(self._post(client, chunk, temperature) for chunk in _chunks(sequences)))
+        return [logprobs for part in parts for logprobs in part]
+
+    async def _post(self, client: httpx.AsyncClient, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        where = f"teacher {self.name!r} at {self.url}"
+        try:
+            response = await client.post("/v1/tokens/score", json={"sequences": sequences, "temperature": temperature})
+        except httpx.HTTPError as error:
+            raise TeacherError(f"{where} is unreachable: {type(error).__name__}: {error}") from None
+        if response.status_code != 200:
+            raise TeacherError(f"{where} answered HTTP {response.status_code}: {response.text[:500]}")
+        logprobs = response.json().get("logprobs")
+        if not isinstance(logprobs, list) or len(logprobs) != len(sequences):
+            raise TeacherError(f"{where} answered {len(logprobs or [])} score rows for {len(sequences)} sequences")
+        return logprobs
+
+
+def _chunks(sequences: list[list[int]]) -> list[list[list[int]]]:
+    """Consecutive runs of at most MAX_SCORE_SEQUENCES sequences and about HTTP_CHUNK_TOKENS tokens."""
+    chunks: list[list[list[int]]] = []
+    tokens = 0
+    for sequence in sequences:
+        if not chunks or len(chunks[-1]) == MAX_SCORE_SEQUENCES or tokens + len(sequence) > HTTP_CHUNK_TOKENS:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(sequence)
+        tokens += len(sequence)
+    return chunks
+
+
 def check_checkpoints(config: RunConfig) -> None:
-    """FileNotFoundError naming the first teacher whose checkpoint is not a model directory."""
+    """FileNotFoundError naming the first teacher whose checkpoint is not a model directory (url teachers
+    are checked when first scored: their gateway may start after this run's config is written)."""
     for name, spec in config.distill.teachers.items():
-        if not (Path(spec.checkpoint) / "config.json").is_file():
+        if spec.checkpoint and not (Path(spec.checkpoint) / "config.json").is_file():
             raise FileNotFoundError(f"teacher {name!r}: {spec.checkpoint} is not a checkpoint directory (no config.json)")
 
 
 def start_teachers(config: RunConfig) -> dict:
-    """A TeacherWorker per configured teacher (call after `ray.init()`); refuses a missing checkpoint."""
+    """A TeacherWorker per teacher given as a checkpoint (call after `ray.init()`); refuses a missing
+    checkpoint. Teachers given as a url need no actor: `Teachers.from_config` reaches them."""
     check_checkpoints(config)
     distill = config.distill
     options = dict(num_cpus=distill.cpus_per_teacher, num_gpus=distill.gpus_per_teacher)
     return {
         name: TeacherWorker.options(**options).remote(spec.checkpoint, distill.torch_threads, distill.max_batch_tokens)
         for name, spec in distill.teachers.items()
+        if spec.checkpoint
     }
 
 
 class Teachers:
-    """Scores samples with the teacher of their stage; `handles` maps teacher name -> TeacherWorker."""
+    """Scores samples with the teacher of their stage; `handles` maps teacher name -> TeacherWorker
+    (a Ray actor handle) or HttpTeacher."""
 
     def __init__(self, handles: dict, temperature: float, skip_statuses: Sequence[str] = ("aborted", "env_crash", "error")) -> None:
         self.handles = handles
@@ -80,8 +135,10 @@ class Teachers:
 
     @classmethod
     def from_config(cls, config: RunConfig, handles: dict) -> "Teachers":
+        """`handles`: `start_teachers`'s actors; the url teachers are added here."""
         skipped = ("aborted", *config.learner.crash_statuses)
-        return cls(handles, config.rollout.sampling.temperature, skipped)
+        remote = {name: HttpTeacher(name, spec.url) for name, spec in config.distill.teachers.items() if spec.url}
+        return cls({**handles, **remote}, config.rollout.sampling.temperature, skipped)
 
     async def score(self, samples: Sequence[Sample]) -> tuple[list[Sample], dict[str, float]]:
         """The samples with teacher log-probs attached, and `reverse_kl/<teacher>` per teacher.
@@ -111,7 +168,10 @@ class Teachers:
         return out, metrics
 
     async def _score(self, name: str, sequences: list[list[int]]) -> list[list[float]]:
-        return await asyncio.wrap_future(self.handles[name].score.remote(sequences, self.temperature).future())
+        handle = self.handles[name]
+        if isinstance(handle, HttpTeacher):
+            return await handle.score(sequences, self.temperature)
+        return await asyncio.wrap_future(handle.score.remote(sequences, self.temperature).future())
 
 
 def _sample_fields(sample: Sample) -> dict:
