@@ -41,7 +41,6 @@ from .toolcalls import MessageError, parse_completion
 
 MAX_TOMBSTONES = 100_000
 """Ended rollouts remembered in memory (older ones are looked up in the store)."""
-"""Smallest non-zero temperature forwarded to an engine."""
 TEXT_HISTORY = 8
 """Text-completion turns per rollout whose exact tokens a later prompt may reuse."""
 

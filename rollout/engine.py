@@ -225,7 +225,10 @@ class EmbeddedEngine:
         done: asyncio.Future[GenerationResult] = loop.create_future()
 
         def deliver(result: GenerationResult) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+            except RuntimeError:  # the caller's event loop is closed: nobody is waiting, and the
+                pass  # stepping thread must not die of it
 
         request_id = self.add_request(prompt_token_ids, sampling, session_id=session_id, on_finish=deliver)
         self.start()

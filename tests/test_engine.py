@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -239,3 +240,31 @@ def test_idle_stepping_thread_leaves_and_the_next_request_restarts_it(model):
     again = asyncio.run(engine.generate(PROMPT, {"max_tokens": 3, "seed": 1}))
     engine.shutdown()
     assert again.token_ids == first.token_ids and again.versions == [2, 2, 2]
+
+
+def test_a_caller_whose_event_loop_closed_costs_nobody_else_their_result(model):
+    """Finished requests are handed back through their callers' event loops. When one caller's loop
+    is gone, the others finishing in the same step must still get their results."""
+    engine = new_engine(model)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+
+    def submit_and_leave() -> None:
+        gone = asyncio.new_event_loop()
+        gone.create_task(engine.generate(PROMPT, params))
+        gone.run_until_complete(asyncio.sleep(0.05))
+        gone.close()
+
+    async def scenario():
+        with engine._step_lock:  # hold the engine so both requests are admitted in one step
+            leaver = threading.Thread(target=submit_and_leave)
+            leaver.start()
+            leaver.join()
+            live = asyncio.ensure_future(engine.generate(PROMPT, params))  # same prompt: same last step
+            await asyncio.sleep(0.05)
+        return await asyncio.wait_for(live, 30)
+
+    try:
+        result = asyncio.run(scenario())
+        assert result.token_ids and result.finish_reason in ("stop", "length")
+    finally:
+        engine.shutdown()
