@@ -99,7 +99,8 @@ def format_validation_error(err: ValidationError) -> str:
         else:
             shown = problem.get("input")
             got = "" if isinstance(shown, dict) else f" (got {shown!r})"
-            lines.append(f"{key}: {problem['msg']}{got}")
+            message = problem["msg"].removeprefix("Value error, ")  # our validators' own sentences
+            lines.append(f"{key}: {message}{got}" if loc else f"{message}{got}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

@@ -137,7 +137,7 @@ def stage_config(pipeline: PipelineConfig, stage: str, directory: str, sections:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        message = format_validation_error(err).replace("<root>: ", "").replace("\n  ", f"\n  stages.{stage}: ")
+        message = format_validation_error(err).replace("\n  ", f"\n  stages.{stage}: ")
         raise ConfigError(message.replace("invalid config:", f"invalid config for stage {stage!r} (base + stages.{stage}.config):")) from None
 
 

@@ -32,7 +32,7 @@ def test_pipeline_presets_are_not_run_presets():
     ("override", "message"),
     [
         ("stages.reasoning.config.run.stepz=3", r"stages\.reasoning: run\.stepz: unknown key \(did you mean 'steps'\?\)"),
-        ("stages.distill.config.learner.group_size=8", r"(?s)stage 'distill'.*stages\.distill: Value error, distillation trains on single rollouts: set learner\.group_size to 1"),
+        ("stages.distill.config.learner.group_size=8", r"(?s)stage 'distill'.*stages\.distill: distillation trains on single rollouts: set learner\.group_size to 1"),
         ("base.learner.lr=-1", r"stages\.sft: learner\.lr: Input should be greater than 0"),
         ("stages.distill.teachers.sft=1", r"stages\.distill\.teachers\.sft: not an earlier rl stage"),
         ("stages.general.kind=judge", r"stages\.general\.kind: Input should be 'sft', 'rl' or 'distill'"),

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 TINY_BASE = {
     "policy": {"tiny": {"arch": "qwen3", "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}, "mtp": {"enabled": False}},
-    "tasks": {"arithmetic": {"max_digits": 1, "subtraction_fraction": 0.0}},
+    "tasks": {"arithmetic": {"subtraction_fraction": 0.0}},
     "rollout": {"cpus_per_worker": 0.5, "max_num_seqs": 16},
     "learner": {"num_cpus": 0.5, "group_size": 4, "batch_groups": 2, "lr": 1e-3, "checkpoint_every": 2},
     "run": {"max_inflight": 16, "eval_every": 100, "sft_first": False},
@@ -29,14 +29,16 @@ TINY_BASE = {
 }
 STAGES = {
     "sft": {"kind": "sft", "config": {"sft": {"max_steps": 12, "batch_size": 16, "eval_every": 6, "stop_at_accuracy": None}}},
-    "reasoning": {"kind": "rl", "tasks": {"reasoning": {"env": "reasoning"}}, "config": {"run": {"steps": 40}}},
+    # A tiny untrained policy never solves arithmetic; the parity task gives its groups a signal.
+    "reasoning": {"kind": "rl", "tasks": {"reasoning": {"env": "test_sched_loop:CoinEnv"}}, "config": {"run": {"steps": 40}}},
     "distill": {"kind": "distill", "config": {"learner": {"group_size": 1, "batch_groups": 4}, "run": {"steps": 2},
                                               "distill": {"cpus_per_teacher": 0.25}}},
 }  # fmt: skip
 
 
 def start(*args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    tests = str(Path(__file__).parent)  # the parity task lives beside this file
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen([sys.executable, "-m", "asyncrl", "pipeline", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)  # fmt: skip
 
@@ -49,13 +51,25 @@ def wait_for(predicate, process: subprocess.Popen, log: Path, timeout_s: float =
         time.sleep(0.05)
 
 
-def test_a_pipeline_killed_mid_stage_resumes_without_redoing_finished_stages(tmp_path):
+@pytest.fixture
+def started():
+    """Every pipeline process a test starts; a failed test leaves none running (nor their Ray)."""
+    processes: list[subprocess.Popen] = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_a_pipeline_killed_mid_stage_resumes_without_redoing_finished_stages(tmp_path, started):
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({"name": "tiny", "runs_dir": str(tmp_path), "base": TINY_BASE, "stages": STAGES}))
+    config.write_text(yaml.safe_dump({"name": "tiny", "runs_dir": str(tmp_path), "base": TINY_BASE, "stages": STAGES}, sort_keys=False))
     pipe = tmp_path / "tiny"
     rl_checkpoints = pipe / "reasoning" / "checkpoints"
 
     first = start(str(config), log=tmp_path / "first.log")
+    started.append(first)
     wait_for(lambda: any(rl_checkpoints.glob("step-*/loop_state.json")), first, tmp_path / "first.log")
     os.killpg(first.pid, signal.SIGKILL)  # the whole session: driver, Ray, actors
     first.wait()
@@ -69,6 +83,7 @@ def test_a_pipeline_killed_mid_stage_resumes_without_redoing_finished_stages(tmp
 
     # Resumed with an override for the stage it stopped in: the pipeline file is the source of truth.
     second = start("--resume", str(pipe), "stages.reasoning.config.run.steps=24", log=tmp_path / "second.log")
+    started.append(second)
     assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
     out = (tmp_path / "second.log").read_text()
 
