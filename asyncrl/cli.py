@@ -85,8 +85,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     config = _resolve(args)
     if config is None:
         return 0
-    from asyncrl.distill.run import NotADistillation, distill
     from asyncrl.envs.sandbox.base import SandboxError
+    from asyncrl.sched.distill import NotADistillation, distill
     from asyncrl.sched.run import RunExists
 
     try:
@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _resolve(args)
     if config is None:
         return 0
-    from asyncrl.gateway.serve import serve
+    from asyncrl.sched.serve import serve
 
     return serve(config)
 

@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncrl.configs.schema import RolloutConfig
-from asyncrl.rollout import EmbeddedEngine, GenerationResult, RequestError, SamplingParams
+from asyncrl.records import GenerationResult, RequestError, SamplingParams
+from asyncrl.rollout import EmbeddedEngine
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from .loader import ConfigError, read_yaml, apply_override, format_validation_error
+from .loader import ConfigError, apply_override, format_validation_error, read_yaml
 from .schema import RunConfig, Section, TaskSpec
 
 

@@ -1,7 +1,8 @@
 """On-policy cross-stage distillation: teachers score the student's own samples (docs/DISTILLATION.md).
 
-- `advantage.py`: the per-token advantage and the reverse-KL metric (the math);
-- `teachers.py`: teacher scoring engines (Ray actors) and the routing of samples to them;
-- `mix.py`: the student's prompt mix over the stages' tasks;
-- `run.py`: `asyncrl distill`, the scheduler's loop with teachers attached.
+A leaf component: `teachers.py` routes every finished sample to the teacher of its stage through the
+`TeacherScorer` protocol (a checkpoint's `ScoringWorker` actor, or a gateway's scoring endpoint over
+HTTP), attaches the teacher's log-probs and measures the reverse KL. The per-token advantage is
+beside the other objectives (`learner/objectives.py`); the prompt mix (`sched/tasks.py`) and
+`asyncrl distill` (`sched/distill.py`) are wiring.
 """

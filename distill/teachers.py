@@ -1,7 +1,7 @@
 """The teachers of cross-stage distillation: one scoring engine per earlier stage.
 
 A teacher given as a checkpoint is that stage's final checkpoint behind a `NativeScorer`
-(rollout/scoring.py) in its own Ray actor, like a rollout worker. A teacher given as a url is a
+(rollout/scoring.py) in its own Ray actor (`ScoringWorker`, started by `asyncrl run`). A teacher given as a url is a
 gateway serving that checkpoint elsewhere (`asyncrl serve`), scored through its token-level
 endpoint `POST /v1/tokens/score`, with no actor here. Either way it scores the student's token IDs
 prefill-only and never samples.
@@ -16,15 +16,12 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Protocol
 
 import httpx
-import ray
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.gateway.api import MAX_SCORE_SEQUENCES
-from asyncrl.gateway.samples import Sample
-
-from .advantage import reverse_kl
+from asyncrl.records import MAX_SCORE_SEQUENCES, Sample
 
 KL_PREFIX = "reverse_kl/"
 """Metric key of a teacher's reverse KL (`reverse_kl/<teacher>`), one value per learner step."""
@@ -41,21 +38,12 @@ class ScoredSample(Sample):
     """Aligned with token_ids; entry 0 is 0.0."""
 
 
-@ray.remote
-class TeacherWorker:
-    """One teacher's scoring engine. Calls run one at a time: each is one batched forward already."""
+class TeacherScorer(Protocol):
+    """What a teacher is to `Teachers`: the log-prob of every token of each sequence given the ones
+    before it (entry 0 is 0.0), at `temperature`. Checkpoint teachers are `ScoringWorker` actors
+    behind `RayScorer` (rollout/worker.py); url teachers are `HttpTeacher`s."""
 
-    def __init__(self, checkpoint: str, torch_threads: int, max_batch_tokens: int) -> None:
-        import torch
-
-        from asyncrl.rollout.scoring import NativeScorer
-
-        torch.set_num_threads(torch_threads)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.scorer = NativeScorer(checkpoint, max_batch_tokens=max_batch_tokens, device=device)
-
-    def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
-        return self.scorer.score(sequences, temperature)
+    async def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]: ...
 
 
 class TeacherError(RuntimeError):
@@ -110,22 +98,9 @@ def check_checkpoints(config: RunConfig) -> None:
             raise FileNotFoundError(f"teacher {name!r}: {spec.checkpoint} is not a checkpoint directory (no config.json)")
 
 
-def start_teachers(config: RunConfig) -> dict:
-    """A TeacherWorker per teacher given as a checkpoint (call after `ray.init()`); refuses a missing
-    checkpoint. Teachers given as a url need no actor: `Teachers.from_config` reaches them."""
-    check_checkpoints(config)
-    distill = config.distill
-    options = dict(num_cpus=distill.cpus_per_teacher, num_gpus=distill.gpus_per_teacher)
-    return {
-        name: TeacherWorker.options(**options).remote(spec.checkpoint, distill.torch_threads, distill.max_batch_tokens)
-        for name, spec in distill.teachers.items()
-        if spec.checkpoint
-    }
-
-
 class Teachers:
-    """Scores samples with the teacher of their stage; `handles` maps teacher name -> TeacherWorker
-    (a Ray actor handle) or HttpTeacher."""
+    """Scores samples with the teacher of their stage; `handles` maps teacher name -> its
+    `TeacherScorer`."""
 
     def __init__(self, handles: dict, temperature: float, skip_statuses: Sequence[str] = ("aborted", "env_crash", "error")) -> None:
         self.handles = handles
@@ -135,7 +110,8 @@ class Teachers:
 
     @classmethod
     def from_config(cls, config: RunConfig, handles: dict) -> "Teachers":
-        """`handles`: `start_teachers`'s actors; the url teachers are added here."""
+        """`handles`: the checkpoint teachers' scorers (`asyncrl run` starts them); the url teachers are
+        added here."""
         skipped = ("aborted", *config.learner.crash_statuses)
         remote = {name: HttpTeacher(name, spec.url) for name, spec in config.distill.teachers.items() if spec.url}
         return cls({**handles, **remote}, config.rollout.sampling.temperature, skipped)
@@ -168,11 +144,22 @@ class Teachers:
         return out, metrics
 
     async def _score(self, name: str, sequences: list[list[int]]) -> list[list[float]]:
-        handle = self.handles[name]
-        if isinstance(handle, HttpTeacher):
-            return await handle.score(sequences, self.temperature)
-        return await asyncio.wrap_future(handle.score.remote(sequences, self.temperature).future())
+        return await self.handles[name].score(sequences, self.temperature)
 
 
 def _sample_fields(sample: Sample) -> dict:
     return {f.name: getattr(sample, f.name) for f in fields(Sample)}
+
+
+def reverse_kl(student_logprobs: list[float], teacher_logprobs: list[float], loss_mask: list[int]) -> tuple[float, int]:
+    """(sum over sampled tokens of log pi_student - log pi_teacher, number of sampled tokens).
+
+    The sum's mean is the Monte-Carlo estimate of KL(pi_student || pi_teacher) per token on the
+    student's own samples: the quantity distillation drives down.
+    """
+    total, count = 0.0, 0
+    for student, teacher, sampled in zip(student_logprobs, teacher_logprobs, loss_mask, strict=True):
+        if sampled:
+            total += student - teacher
+            count += 1
+    return total, count

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from asyncrl.configs.schema import Section
 
-from .base import EpisodeResult, Environment, Split, needs_sandbox
+from .base import Environment, EpisodeResult, Split, needs_sandbox
 
 
 class LatencyConfig(Section):

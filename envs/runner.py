@@ -17,7 +17,7 @@ import openai
 
 from asyncrl.gateway.client import AsyncGatewayClient, GatewayRefused
 
-from .base import EpisodeResult, Environment, needs_sandbox
+from .base import Environment, EpisodeResult, needs_sandbox
 
 log = logging.getLogger(__name__)
 

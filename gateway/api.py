@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .records import FINISH_STATUSES
+from asyncrl.records import FINISH_STATUSES, MAX_SCORE_SEQUENCES
 
 _INT64 = dict(ge=0, le=2**63 - 1)
 
@@ -103,10 +103,6 @@ class TokenGenerateResponse(_Closed):
     versions: list[int]
     finish_reason: str
     engine_id: str
-
-
-MAX_SCORE_SEQUENCES = 1024
-"""Sequences in one scoring request; each is also bounded by the engine's max_model_len."""
 
 
 class TokenScoreRequest(_Closed):

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from asyncrl.rollout.types import RequestError
+from asyncrl.records import RequestError
 
 from . import api
 from .conversation import ConversationError

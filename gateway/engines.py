@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from asyncrl.rollout.types import GenerationResult, RequestError, SamplingParams, ScoreResult
+from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult
 
 
 class EngineFailure(RuntimeError):

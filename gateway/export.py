@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from .records import Trajectory
+from asyncrl.records import Trajectory
+
 from .store.base import TrajectoryStore
 
 Format = Literal["jsonl", "parquet"]

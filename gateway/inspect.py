@@ -16,8 +16,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .records import Trajectory
-from .samples import trajectory_to_samples
+from asyncrl.records import Trajectory
+from asyncrl.samples import trajectory_to_samples
+
 from .store import StoreError, TrajectoryStore, open_store
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Coroutine
 
 from asyncrl.configs.schema import GatewayConfig
-from asyncrl.rollout.types import GenerationResult, RequestError, SamplingParams, ScoreResult
+from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult
 
 from .engines import EngineFailure, EngineHandle, ScoringUnsupported
 from .registry import EngineRegistry, RegistryEvent

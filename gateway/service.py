@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.configs.schema import GatewayConfig, SamplingConfig
-from asyncrl.rollout.types import GenerationResult, SamplingParams
+from asyncrl.records import GenerationResult, SamplingParams, Turn
 
 from . import api
 from .conversation import Conversation, ConversationError
 from .pool import EnginePool
-from .records import Turn
 from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryStore, UnknownRollout
 from .template import chat_template
 from .toolcalls import MessageError, parse_completion

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.gateway.samples import Sample
+from asyncrl.records import Sample
 
 from .rl import RLLearner
 

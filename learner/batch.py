@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.gateway.samples import Sample
+from asyncrl.records import Sample
 
-from .selection import oldest_version
 from .sft_data import collate, length_buckets
 
 
@@ -106,7 +105,7 @@ def staleness_histogram(samples: Sequence[Sample], current_version: int) -> dict
     """Rollouts per version lag (current version - oldest sampled-token version), before any drop."""
     lags: dict[str, int] = {}
     for sample in samples:
-        oldest = oldest_version(sample)
+        oldest = sample.oldest_version
         if oldest is not None:
             lag = current_version - oldest
             lags[sample.rollout_id] = max(lag, lags.get(sample.rollout_id, lag))

@@ -52,7 +52,7 @@ def engine_greedy_generate(engine) -> GenerateFn:
     """
     import asyncio
 
-    from asyncrl.rollout.types import SamplingParams
+    from asyncrl.records import SamplingParams
 
     async def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -42,15 +42,13 @@ from pathlib import Path
 import torch
 
 from asyncrl.configs.schema import LearnerConfig, RunConfig
-from asyncrl.gateway.samples import Sample
 from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
 from asyncrl.policy.mtp import MTPLayer, mtp_loss, policy_hidden_and_logits
-
-from asyncrl.distill.advantage import distill_advantages
+from asyncrl.records import Account, Sample
 
 from .batch import MicroBatch, Row, micro_batches, staleness_histogram, to_rows
-from .objectives import ObjectiveOutput, double_sided_is_loss, group_advantages, icepop_grpo_loss
-from .selection import Account, Selection, select
+from .objectives import ObjectiveOutput, distill_advantages, double_sided_is_loss, group_advantages, icepop_grpo_loss
+from .selection import Selection, select
 
 STATE_FILE = "learner_state.pt"
 """Optimizer state and policy version, saved beside the HF checkpoint."""

@@ -18,16 +18,9 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Protocol, Sequence
 
-
-class Account(str, Enum):
-    TRAINED = "trained"
-    DROPPED_STALE = "dropped_stale"
-    DROPPED_CRASH = "dropped_crash"
-    DROPPED_GROUP = "dropped_group"
-    ABORTED = "aborted"
+from asyncrl.records import Account, oldest_version
 
 
 class Candidate(Protocol):
@@ -38,12 +31,6 @@ class Candidate(Protocol):
     status: str
     versions: Sequence[int]
     loss_mask: Sequence[int]
-
-
-def oldest_version(sample: Candidate) -> int | None:
-    """Oldest policy version among the sample's sampled (loss-mask 1) tokens; None if it has none."""
-    sampled = [v for v, m in zip(sample.versions, sample.loss_mask) if m]
-    return min(sampled) if sampled else None
 
 
 @dataclass
@@ -112,7 +99,7 @@ def _individual_account(
         return Account.ABORTED
     if status in crash_statuses:
         return Account.DROPPED_CRASH
-    versions = [v for v in (oldest_version(s) for s in samples) if v is not None]
+    versions = [v for v in (oldest_version(s.versions, s.loss_mask) for s in samples) if v is not None]
     if versions and current_version - min(versions) > max_staleness:
         return Account.DROPPED_STALE
     return None

@@ -20,9 +20,8 @@ from asyncrl.configs.loader import dump_config
 from asyncrl.configs.schema import RunConfig
 from asyncrl.policy.checkpoint import build_policy, save_policy
 from asyncrl.policy.mtp import mtp_loss, policy_hidden_and_logits
-from asyncrl.runlog import MetricsLog, Panel, plot_panels
-
 from asyncrl.rollout import EmbeddedEngine
+from asyncrl.runlog import MetricsLog, Panel, plot_panels
 
 from .evaluate import engine_greedy_generate, evaluate_arithmetic
 from .sft_data import Demo, DemoStream, collate, length_buckets

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.configs.schema import RolloutConfig
+from asyncrl.records import FinishReason, GenerationResult, SamplingParams, ScoreResult
 
 from .kv_cache import ForwardBatch, KVCache, SlotManager
 from .models import build_model
@@ -37,7 +38,7 @@ from .models.mtp import NativeMTP
 from .sampler import sample
 from .scoring import NativeScorer
 from .speculative import SpeculativeDecoder
-from .types import FinishReason, GenerationResult, SamplingParams, ScoreResult, resolve_sampling, validate_prompt
+from .types import resolve_sampling, validate_prompt
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .types import SamplingParams
+from asyncrl.records import SamplingParams
 
 
 class SamplingRows:

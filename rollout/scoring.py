@@ -22,9 +22,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from asyncrl.records import MIN_TEMPERATURE, RequestError
+
 from .kv_cache import ForwardBatch, KVCache
 from .models import build_model
-from .types import MIN_TEMPERATURE, RequestError
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
 """Padded tokens (rows x longest row) in one scoring forward; bounds its memory."""

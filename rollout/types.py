@@ -1,105 +1,16 @@
-"""What goes into and comes out of a rollout engine; shared by every engine implementation.
+"""The engine contract: the `Engine` protocol every rollout engine implements, and request intake.
 
-Token IDs in, token IDs out: an engine never sees text. Each sampled token carries the log-prob it
-was sampled with and the policy version of the weights that produced it, because the learner's
-importance ratios and staleness rules are computed from exactly these numbers.
+Token IDs in, token IDs out: an engine never sees text. The request and result records
+(`SamplingParams`, `GenerationResult`, `ScoreResult`) are floor 0 (`asyncrl/records.py`), shared
+with the gateway and the learner; this module holds what only engines need.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-FinishReason = Literal["stop", "length", "abort", "error"]
-MIN_TEMPERATURE = 1e-4
-"""Smallest positive temperature; below it, ask for greedy (0) instead."""
-
-
-class RequestError(ValueError):
-    """A request the engine refuses (bad token ids, empty prompt, too long, bad sampling options).
-
-    Raised for that request only; the engine and every other request carry on.
-    """
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request.
-
-    Log-prob semantics: the returned log-prob of a token is its log-probability under the
-    distribution it was actually drawn from: logits / temperature, then top-k, then top-p, then
-    renormalised. With temperature 0 (greedy) the token is the argmax and its log-prob is that of
-    the raw model distribution (temperature 1, no truncation).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 32
-    stop_token_ids: tuple[int, ...] = ()
-    """Tokens that end the request (the EOS token always does); the stop token is returned."""
-    seed: int | None = None
-    """Seeds this request's own random stream: same seed, same prompt, same tokens, whatever else is batched."""
-
-    def validate(self) -> None:
-        if not (0.0 <= self.temperature <= 100.0):
-            raise RequestError(f"temperature must be in [0, 100], got {self.temperature}")
-        if 0.0 < self.temperature < MIN_TEMPERATURE:
-            # logits / 1e-300 overflow to inf and would turn the whole batch's logits into NaN.
-            raise RequestError(f"temperature {self.temperature} is too small to sample with; use 0 for greedy")
-        if not (0.0 < self.top_p <= 1.0):
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_tokens <= 0:
-            raise RequestError(f"max_tokens must be > 0, got {self.max_tokens}")
-
-    @classmethod
-    def from_dict(cls, options: dict) -> "SamplingParams":
-        """Build from a plain mapping (JSON, Ray); unknown options are a RequestError naming them."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise RequestError(f"unknown sampling option(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        values = dict(options)
-        if "stop_token_ids" in values:
-            values["stop_token_ids"] = tuple(values["stop_token_ids"] or ())
-        params = cls(**values)
-        params.validate()
-        return params
-
-
-@dataclass
-class GenerationResult:
-    """One finished request: the sampled tokens with their log-probs and policy versions."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: FinishReason
-    engine_id: str = ""
-    cached_prompt_tokens: int = 0
-    """Prompt tokens whose KV cache was reused from an earlier request of the same session."""
-    mtp_verify_steps: int = 0
-    """Decode steps that verified MTP drafts for this request (0 without drafting)."""
-    mtp_accept_len: float | None = None
-    """Mean tokens emitted per such step (accepted drafts + 1); None when nothing was drafted."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """Seconds: queued (submit to first scheduling), prefill, total."""
-    error: str | None = None
-
-
-@dataclass
-class ScoreResult:
-    """One prefill-only scoring call (`rollout/scoring.py`): per sequence, the log-prob of each token
-    given the ones before it (entry 0 is 0.0), and the policy version of the weights that scored."""
-
-    logprobs: list[list[float]]
-    version: int
-    engine_id: str = ""
+from asyncrl.records import GenerationResult, RequestError, SamplingParams
 
 
 def resolve_sampling(sampling: SamplingParams | dict | None, defaults: dict) -> SamplingParams:

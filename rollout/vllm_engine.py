@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 
 from asyncrl.configs.schema import RolloutConfig
+from asyncrl.records import FinishReason, GenerationResult, RequestError, SamplingParams
 
-from .types import FinishReason, GenerationResult, RequestError, SamplingParams, resolve_sampling, validate_prompt
+from .types import resolve_sampling, validate_prompt
 from .vllm_compat import VLLMUnavailableError, check_vllm_api, checkpoint_names, import_vllm, read_checkpoint_shapes
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import asyncio
 import ray
 
 from asyncrl.configs.schema import RolloutConfig
+from asyncrl.records import GenerationResult, SamplingParams, ScoreResult
 
 from .engine import EmbeddedEngine
-from .types import GenerationResult, SamplingParams, ScoreResult
 
 
 @ray.remote
@@ -71,3 +71,32 @@ def create_workers(model, config: RolloutConfig, *, name_prefix: str = "rollout"
         RolloutWorker.options(**options).remote(shared, config.model_dump(), f"{name_prefix}-{i}", mtp=mtp_state)
         for i in range(config.num_workers)
     ]
+
+
+@ray.remote
+class ScoringWorker:
+    """A checkpoint that only scores: prefill-only log-probs (`rollout/scoring.py`) in its own actor,
+    with no generation cache (a distillation teacher). Calls run one at a time: each is one batched
+    forward already."""
+
+    def __init__(self, checkpoint: str, torch_threads: int, max_batch_tokens: int) -> None:
+        import torch
+
+        from .scoring import NativeScorer
+
+        torch.set_num_threads(torch_threads)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.scorer = NativeScorer(checkpoint, max_batch_tokens=max_batch_tokens, device=device)
+
+    def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        return self.scorer.score(sequences, temperature)
+
+
+class RayScorer:
+    """A `ScoringWorker` actor as an awaitable scorer (`distill.teachers.TeacherScorer`)."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    async def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        return await asyncio.wrap_future(self.actor.score.remote(sequences, temperature).future())

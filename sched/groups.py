@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from asyncrl.gateway.records import Trajectory
-from asyncrl.gateway.samples import Sample, trajectory_to_samples
+from asyncrl.records import Sample, Trajectory
+from asyncrl.samples import trajectory_to_samples
 
 
 @dataclass

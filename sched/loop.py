@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from asyncrl.configs.schema import RunConfig
 from asyncrl.envs.evaluation import AsyncGenerateFn, evaluate_env
 from asyncrl.envs.runner import run_recorded_episode
-from asyncrl.gateway.records import TERMINAL_STATUSES
 from asyncrl.gateway.store import RolloutClosed
 from asyncrl.learner.publish import push_weights
+from asyncrl.records import TERMINAL_STATUSES
 
 from .groups import Group, GroupBuffer, group_samples
 from .rundir import LoopState

@@ -47,7 +47,7 @@ def evaluate_checkpoint(checkpoint: str | Path, columns: list[Column], torch_thr
 
 async def _evaluate(engine, tokenizer, columns: list[Column]) -> dict[str, float]:
     from asyncrl.envs.evaluation import evaluate_env
-    from asyncrl.rollout.types import SamplingParams
+    from asyncrl.records import SamplingParams
     from asyncrl.sched.tasks import TaskMix
 
     async def generate(prompt: list[int], max_tokens: int) -> list[int]:

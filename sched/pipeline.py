@@ -154,7 +154,7 @@ class Pipeline:
         return self._run(self.stage_config(name, sections), distilling=True)
 
     def _run(self, config: RunConfig, *, distilling: bool) -> tuple[Path, dict]:
-        from asyncrl.distill.run import distill
+        from asyncrl.sched.distill import distill
         from asyncrl.sched.run import run
 
         rundir = RunDir.for_config(config)

@@ -31,19 +31,18 @@ from pathlib import Path
 import ray
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.distill.mix import distill_task_mix
-from asyncrl.distill.teachers import Teachers, start_teachers
+from asyncrl.distill.teachers import Teachers, check_checkpoints
 from asyncrl.envs.base import Environment
 from asyncrl.gateway.app import run_loop, settle_heap
 from asyncrl.gateway.engines import RayEngine
-from asyncrl.gateway.records import TERMINAL_STATUSES
+from asyncrl.gateway.serving import InProcessGateway, episode_http_client
 from asyncrl.gateway.store import open_store
+from asyncrl.records import TERMINAL_STATUSES
 
 from .display import Display
-from .serving import InProcessGateway, episode_http_client
 from .loop import Loop, Parts
 from .rundir import LoopState, RunDir
-from .tasks import TaskMix
+from .tasks import TaskMix, distill_task_mix
 
 
 class RunExists(RuntimeError):
@@ -104,8 +103,8 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         actors += [*workers, learner]
         teachers = None
         if distilling:
-            handles = start_teachers(config)
-            actors += list(handles.values())
+            handles = _start_teachers(config)
+            actors += [handle.actor for handle in handles.values()]
             teachers = Teachers.from_config(config, handles)
         engines = [RayEngine(worker, f"{config.name}-rollout-{i}") for i, worker in enumerate(workers)]
         gateway = await stack.enter_async_context(InProcessGateway(config, store, engines, tokenizer))
@@ -196,3 +195,18 @@ def _start_learner(config: RunConfig, checkpoint: Path | None):
     from asyncrl.learner.actor import create_learner
 
     return create_learner(config, resume_from=str(checkpoint) if checkpoint else None)
+
+
+def _start_teachers(config: RunConfig) -> dict:
+    """A ScoringWorker actor per teacher given as a checkpoint (refusing a missing one), behind its
+    RayScorer. Teachers given as a url need no actor: `Teachers.from_config` reaches them."""
+    from asyncrl.rollout.worker import RayScorer, ScoringWorker
+
+    check_checkpoints(config)
+    distill = config.distill
+    options = dict(num_cpus=distill.cpus_per_teacher, num_gpus=distill.gpus_per_teacher)
+    return {
+        name: RayScorer(ScoringWorker.options(**options).remote(spec.checkpoint, distill.torch_threads, distill.max_batch_tokens))
+        for name, spec in distill.teachers.items()
+        if spec.checkpoint
+    }

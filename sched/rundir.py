@@ -25,7 +25,7 @@ import yaml
 from asyncrl.configs.loader import apply_override, dump_config, validate
 from asyncrl.configs.schema import RunConfig
 from asyncrl.gateway.store import SQLITE_FILENAME
-from asyncrl.learner.selection import Account
+from asyncrl.records import Account
 from asyncrl.runlog import MetricsLog, Panel, plot_panels
 
 CONFIG_FILE, SUMMARY_FILE, LOOP_STATE_FILE = "config.yaml", "summary.json", "loop_state.json"

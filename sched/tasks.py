@@ -104,3 +104,21 @@ class TaskMix:
         """(task, held-out episodes) for every task that is evaluated."""
         pairs = [(task, default_problems if task.eval_problems is None else task.eval_problems) for task in self.tasks]
         return [(task, n) for task, n in pairs if n > 0]
+
+
+def distill_tasks(config: RunConfig) -> dict[str, TaskSpec]:
+    """The student's prompt mix (cross-stage distillation): task name -> spec for every teacher, carrying
+    the teacher's prompt ratio. A teacher's name is its stage's task: the task of that name in
+    `tasks.mix`, or else the built-in environment of that name."""
+    return {
+        name: config.tasks.mix.get(name, TaskSpec(env=name)).model_copy(update={"ratio": teacher.ratio})
+        for name, teacher in config.distill.teachers.items()
+    }
+
+
+def distill_task_mix(config: RunConfig) -> TaskMix:
+    """The task mix of a distillation run (config.distill.teachers must not be empty)."""
+    if not config.distill.teachers:
+        raise ValueError("distillation needs at least one teacher (distill.teachers)")
+    tasks = config.tasks.model_copy(update={"mix": distill_tasks(config)})
+    return TaskMix.from_config(config.model_copy(update={"tasks": tasks}))

@@ -26,8 +26,15 @@ from asyncrl.gateway.pool import EnginePool
 from asyncrl.gateway.service import GatewayService
 from asyncrl.policy.tiny import build_tiny_model
 from asyncrl.policy.tokenizer import (
-    ARG_KEY_CLOSE, ARG_KEY_OPEN, ARG_VALUE_CLOSE, ARG_VALUE_OPEN, ASSISTANT, EOS, TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN, build_tokenizer,
+    ARG_KEY_CLOSE,
+    ARG_KEY_OPEN,
+    ARG_VALUE_CLOSE,
+    ARG_VALUE_OPEN,
+    ASSISTANT,
+    EOS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    build_tokenizer,
 )  # fmt: skip
 
 SHAPE = dict(arch="qwen3", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=1024)

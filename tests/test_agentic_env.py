@@ -19,7 +19,14 @@ from asyncrl.envs.sandbox import open_backend
 from asyncrl.envs.tool_demos import PYTHON_TOOL, ToolProblem
 from asyncrl.learner.sft_data import render_demo
 from asyncrl.policy.tokenizer import (
-    ARG_KEY_CLOSE, ARG_KEY_OPEN, ARG_VALUE_CLOSE, ARG_VALUE_OPEN, EOS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, build_tokenizer,
+    ARG_KEY_CLOSE,
+    ARG_KEY_OPEN,
+    ARG_VALUE_CLOSE,
+    ARG_VALUE_OPEN,
+    EOS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    build_tokenizer,
 )  # fmt: skip
 
 TOKENIZER = build_tokenizer()

@@ -7,7 +7,6 @@ Teacher scoring against the teacher's full forward is in test_distill_scoring.py
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections import Counter
 
 import pytest
@@ -17,13 +16,11 @@ from test_learner_rl import _one_thread, make_learner, model_logprobs, sample  #
 
 from asyncrl.configs import ConfigError, load_config
 from asyncrl.configs.schema import RunConfig
-from asyncrl.distill.advantage import distill_advantages, reverse_kl
-from asyncrl.distill.mix import distill_task_mix
-from asyncrl.distill.run import NotADistillation, check_distill_config, reverse_kl_over_time
-from asyncrl.distill.teachers import ScoredSample, Teachers
-from asyncrl.learner.objectives import icepop_grpo_loss
+from asyncrl.distill.teachers import ScoredSample, Teachers, reverse_kl
+from asyncrl.learner.objectives import distill_advantages, icepop_grpo_loss
 from asyncrl.rollout.scoring import NativeScorer
-
+from asyncrl.sched.distill import NotADistillation, check_distill_config, reverse_kl_over_time
+from asyncrl.sched.tasks import distill_task_mix
 
 # -- the advantage -----------------------------------------------------------------------------
 
@@ -135,17 +132,14 @@ def test_a_distillation_sample_whose_teacher_logprobs_do_not_line_up_is_refused(
 
 
 class LoopbackTeacher:
-    """A TeacherWorker handle without Ray: `.score.remote(...).future()` runs a NativeScorer here."""
+    """A TeacherScorer without Ray: a NativeScorer here, recording its calls."""
 
     def __init__(self, model) -> None:
         self.scorer, self.calls = NativeScorer(model), []
-        self.score = self
 
-    def remote(self, sequences, temperature):
+    async def score(self, sequences, temperature):
         self.calls.append((sequences, temperature))
-        future = concurrent.futures.Future()
-        future.set_result(self.scorer.score(sequences, temperature))
-        return type("Ref", (), {"future": lambda _self: future})()
+        return self.scorer.score(sequences, temperature)
 
 
 def test_samples_are_scored_by_their_stages_teacher_at_the_sampling_temperature():

@@ -10,8 +10,8 @@ import pytest
 from test_sched_loop import TINY, check_ledger, ray_session  # noqa: F401 (module-scoped Ray fixture)
 
 from asyncrl.configs.loader import load_config
-from asyncrl.distill.run import distill
 from asyncrl.policy.checkpoint import build_policy, save_policy
+from asyncrl.sched.distill import distill
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # Ray plus a worker, a learner and two teacher processes

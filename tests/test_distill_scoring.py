@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from test_learner_rl import _one_thread  # noqa: F401 (autouse fixture: one torch thread)
 
+from asyncrl.records import RequestError
 from asyncrl.rollout.scoring import NativeScorer, Scorer
-from asyncrl.rollout.types import RequestError
 
 TOLERANCE = 1e-4
 """Max abs difference of per-token log-probs, native scorer vs transformers, both fp32."""

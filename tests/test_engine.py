@@ -11,7 +11,8 @@ import torch
 from conftest import make_tiny_model, run_to_completion
 
 from asyncrl.configs.schema import RolloutConfig
-from asyncrl.rollout import EmbeddedEngine, RequestError, SamplingParams
+from asyncrl.records import RequestError, SamplingParams
+from asyncrl.rollout import EmbeddedEngine
 
 PROMPT = [5, 17, 33, 9, 64, 2, 71]
 

@@ -7,7 +7,8 @@ import torch
 from conftest import make_tiny_model, run_to_completion
 
 from asyncrl.configs.schema import RolloutConfig
-from asyncrl.rollout import EmbeddedEngine, SamplingParams
+from asyncrl.records import SamplingParams
+from asyncrl.rollout import EmbeddedEngine
 
 TOLERANCE = 1e-4
 """Max abs difference of per-token log-probs, engine vs transformers, both fp32 (seen: ~5e-6)."""

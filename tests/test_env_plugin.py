@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_sched_loop import TINY  # the tiny policy and loop sizes of the loop's own tests
 
 from asyncrl.gateway.store import open_store
-from test_sched_loop import TINY  # the tiny policy and loop sizes of the loop's own tests
 
 pytestmark = pytest.mark.slow  # pip builds the package (~5-15 s); the run starts Ray and two actors
 PACKAGE = Path(__file__).parent / "data" / "asyncrl_plugin_demo"
@@ -32,8 +32,8 @@ def site(tmp_path_factory) -> Path:
 
 
 def test_the_installed_plugin_is_found_by_name_and_meets_the_contract(site, monkeypatch):
-    from asyncrl.envs.contract import check_environment
     from asyncrl.envs.registry import load_environment, registered
+    from asyncrl.sched.contract import check_environment
 
     monkeypatch.syspath_prepend(str(site))
     assert registered()["echo-digit"] == "asyncrl_plugin_demo.env:EchoDigitEnv"

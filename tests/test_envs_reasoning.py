@@ -10,7 +10,7 @@ from gateway_helpers import LiveGateway, make_engine, make_service, scripted_mod
 
 from asyncrl.configs.schema import ArithmeticTaskConfig
 from asyncrl.envs.arithmetic import Problem
-from asyncrl.envs.base import EpisodeResult, Environment
+from asyncrl.envs.base import Environment, EpisodeResult
 from asyncrl.envs.reasoning import ReasoningEnv
 from asyncrl.envs.runner import run_recorded_episode
 from asyncrl.gateway.client import AsyncGatewayClient

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from asyncrl.gateway.export import export_trajectories, read_trajectories
-from asyncrl.gateway.records import Turn
 from asyncrl.gateway.store import open_store
+from asyncrl.records import Turn
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from test_engine_numerics import hf_logprobs
 
 from asyncrl.configs.schema import RolloutConfig, TinyModelConfig
 from asyncrl.policy.tiny import build_tiny_model
-from asyncrl.rollout import EmbeddedEngine, SamplingParams
+from asyncrl.records import SamplingParams
+from asyncrl.rollout import EmbeddedEngine
 from asyncrl.rollout.fp8 import Fp8Error, Fp8Weight, linear, quantize, weight_bytes
 
 E4M3_RELATIVE_STEP = 2.0**-4

@@ -10,8 +10,8 @@ import uuid
 import pytest
 from gateway_helpers import TOKENIZER, TOOLS, LiveGateway, make_engine, make_service
 
-from asyncrl.gateway.samples import trajectory_to_samples
 from asyncrl.gateway.store import open_store
+from asyncrl.samples import trajectory_to_samples
 
 REDIS_URL = os.environ.get("ASYNCRL_REDIS_URL", "redis://127.0.0.1:6379/0")
 

@@ -67,7 +67,7 @@ def test_serve_records_what_an_agent_does_and_trajectories_shows_it(tmp_path, ca
 def test_show_marks_sampled_tokens(tmp_path) -> None:
     from rich.console import Console
 
-    from asyncrl.gateway.records import Turn
+    from asyncrl.records import Turn
 
     store = open_store(tmp_path)
     rollout_id = store.open("t")

@@ -4,9 +4,9 @@ and a schemathesis run over the gateway's own OpenAPI schema finds no 5xx."""
 from __future__ import annotations
 
 import pytest
+from gateway_helpers import LiveGateway, make_engine, make_service
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-from gateway_helpers import LiveGateway, make_engine, make_service
 
 from asyncrl.gateway.store import open_store
 

@@ -11,12 +11,12 @@ import pytest
 from asyncrl.configs import load_config
 from asyncrl.configs.schema import ArithmeticTaskConfig, GeneralTaskConfig, RunConfig, SFTConfig
 from asyncrl.envs.arithmetic import is_heldout
-from asyncrl.envs.contract import check_environment
 from asyncrl.envs.evaluation import evaluate_env
 from asyncrl.envs.general import GeneralEnv, GeneralTask, Instruction
 from asyncrl.envs.registry import load_environment
 from asyncrl.learner.sft_data import DemoStream
 from asyncrl.policy.tokenizer import ASSISTANT, EOS, USER, build_tokenizer
+from asyncrl.sched.contract import check_environment
 
 FULL = Instruction(("cat", "sun"), "upper", count=3, banned="dog", ending="!")
 TOKENIZER = build_tokenizer()

@@ -8,9 +8,8 @@ import torch
 from conftest import SMALL_SHAPE
 
 from asyncrl.configs.schema import LearnerConfig, MTPConfig, PolicyConfig, RolloutConfig, RunConfig, TinyModelConfig
-from asyncrl.gateway.samples import UNSAMPLED_VERSION, Sample
 from asyncrl.policy.checkpoint import build_policy
-from asyncrl.rollout import SamplingParams
+from asyncrl.records import UNSAMPLED_VERSION, Sample, SamplingParams
 
 ray = pytest.importorskip("ray")
 

@@ -13,10 +13,10 @@ import torch
 from conftest import make_tiny_model
 
 from asyncrl.configs.schema import LearnerConfig
-from asyncrl.gateway.samples import UNSAMPLED_VERSION, Sample
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
 from asyncrl.policy.mtp import build_mtp
 from asyncrl.policy.tokenizer import build_tokenizer
+from asyncrl.records import UNSAMPLED_VERSION, Sample
 
 PROMPT = [3, 4, 5]
 

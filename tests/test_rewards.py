@@ -14,16 +14,15 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
+from gateway_helpers import LiveGateway, make_engine, make_service, scripted_model
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.envs.contract import check_environment
 from asyncrl.envs.general import GeneralEnv, Instruction
 from asyncrl.envs.registry import load_environment
 from asyncrl.envs.rewards import RewardError, RewardNotFound, RewardResult, load_reward, rule
 from asyncrl.envs.rewards.judge import UnparseableVerdict, parse_verdict
 from asyncrl.policy.tokenizer import ASSISTANT, EOS
-
-from gateway_helpers import LiveGateway, make_engine, make_service, scripted_model
+from asyncrl.sched.contract import check_environment
 
 TASK = Instruction(("cat", "sun"), "upper", count=3, banned="dog", ending="!")
 MESSAGES = TASK.messages()

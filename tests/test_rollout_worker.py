@@ -6,7 +6,7 @@ import pytest
 from conftest import make_tiny_model
 
 from asyncrl.configs.schema import RolloutConfig
-from asyncrl.rollout import RequestError, SamplingParams
+from asyncrl.records import RequestError, SamplingParams
 
 ray = pytest.importorskip("ray")
 

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from asyncrl.records import SamplingParams
 from asyncrl.rollout.sampler import sample
-from asyncrl.rollout.types import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.gateway.records import Trajectory, Turn
-from asyncrl.gateway.samples import UNSAMPLED_VERSION, Sample, trajectory_to_samples
 from asyncrl.gateway.store import open_store
+from asyncrl.records import UNSAMPLED_VERSION, Sample, Trajectory, Turn
+from asyncrl.samples import trajectory_to_samples
 
 EOS = 1
 TOOL = [40, 41, 42]  # a tool result the environment inserted: never trained on

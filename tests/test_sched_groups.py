@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.gateway.records import Trajectory, Turn
 from asyncrl.learner.selection import select
+from asyncrl.records import Trajectory, Turn
 from asyncrl.sched.groups import GroupBuffer, group_samples
 
 

@@ -19,7 +19,8 @@ from test_engine_numerics import assert_matches_hf
 
 from asyncrl.configs.schema import RolloutConfig
 from asyncrl.policy.mtp import build_mtp, mtp_logits, policy_hidden_and_logits
-from asyncrl.rollout import EmbeddedEngine, SamplingParams
+from asyncrl.records import SamplingParams
+from asyncrl.rollout import EmbeddedEngine
 from asyncrl.rollout.sampler import distributions
 from asyncrl.rollout.speculative import draw, verify
 
@@ -229,8 +230,8 @@ def test_serve_gives_drafting_engines_the_policys_mtp_layer(tmp_path):
     """`asyncrl serve` with rollout.mtp_drafting: engines draft with the checkpoint's MTP layer, and a
     checkpoint without one is refused at start-up (no fresh, untrained drafter in its place)."""
     from asyncrl.configs.schema import RunConfig
-    from asyncrl.gateway.serve import _engines, _policy
     from asyncrl.policy.checkpoint import build_tokenizer, save_policy
+    from asyncrl.sched.serve import _engines, _policy
 
     model = make_tiny_model("qwen3")
     mtp = build_mtp(model, seed=1).eval()

@@ -12,7 +12,6 @@ import uuid
 
 import pytest
 
-from asyncrl.gateway.records import Turn
 from asyncrl.gateway.store import (
     COUNT_KEYS,
     RolloutClosed,
@@ -22,6 +21,7 @@ from asyncrl.gateway.store import (
     UnknownRollout,
     open_store,
 )
+from asyncrl.records import Turn
 
 REDIS_URL = os.environ.get("ASYNCRL_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -269,7 +269,7 @@ def test_concurrent_writers_keep_every_turn_in_order(make_store) -> None:
 
 _WRITER = """
 import sys
-from asyncrl.gateway.records import Turn
+from asyncrl.records import Turn
 from asyncrl.gateway.store import open_store
 store = open_store(sys.argv[1])
 for i in range(40):

@@ -13,7 +13,6 @@ import socket
 from types import SimpleNamespace
 
 import httpx
-
 import pytest
 from conftest import make_tiny_model
 from gateway_helpers import LiveGateway, make_engine, make_service
@@ -25,11 +24,10 @@ from test_learner_rl import _one_thread  # noqa: F401 (autouse fixture: one torc
 from asyncrl.configs.schema import RolloutConfig, RunConfig, TeacherSpec
 from asyncrl.distill.teachers import HttpTeacher, TeacherError, Teachers, check_checkpoints
 from asyncrl.gateway.engines import HttpEngine, LocalEngine, RayEngine, ScoringUnsupported, engine_app
-from asyncrl.gateway.samples import Sample
 from asyncrl.gateway.store import open_store
+from asyncrl.records import RequestError, Sample
 from asyncrl.rollout import EmbeddedEngine
 from asyncrl.rollout.scoring import NativeScorer
-from asyncrl.rollout.types import RequestError
 from asyncrl.rollout.worker import RolloutWorker
 
 TOLERANCE = 1e-5

@@ -18,15 +18,14 @@ import time
 
 import pytest
 import torch
+from conftest import make_tiny_model
 
 from asyncrl.configs.schema import RolloutConfig
 from asyncrl.policy.checkpoint import save_policy
 from asyncrl.policy.tokenizer import build_tokenizer
+from asyncrl.records import RequestError, SamplingParams
 from asyncrl.rollout.sampler import distributions
-from asyncrl.rollout.types import RequestError, SamplingParams
 from asyncrl.rollout.vllm_compat import VLLMUnavailableError, checkpoint_names
-
-from conftest import make_tiny_model
 
 pytestmark = pytest.mark.vllm
 

@@ -175,9 +175,9 @@ async def _episodes(config: RunConfig, options: AgenticBenchOptions, store_path:
     from asyncrl.envs.agentic import AgenticEnv
     from asyncrl.envs.runner import run_recorded_episode
     from asyncrl.gateway.app import settle_heap
-    from asyncrl.gateway.records import TERMINAL_STATUSES
+    from asyncrl.gateway.serving import episode_http_client
     from asyncrl.gateway.store import open_store
-    from asyncrl.sched.serving import episode_http_client
+    from asyncrl.records import TERMINAL_STATUSES
 
     env = AgenticEnv.from_config(config)
     sandboxes = SleepingSandboxes(options.latency)
@@ -248,8 +248,8 @@ async def _sandbox_starts(config: RunConfig, options: AgenticBenchOptions) -> di
 
 def _stub_gateway(config: RunConfig, store, engine_latency_s: float):
     """`asyncrl run`'s in-process gateway (uvicorn on this event loop), over stub engines instead of Ray workers."""
+    from asyncrl.gateway.serving import InProcessGateway
     from asyncrl.policy.tokenizer import build_tokenizer
-    from asyncrl.sched.serving import InProcessGateway
 
     tokenizer = build_tokenizer()
     engines = [ToolUsingEngine(f"stub-{i}", tokenizer, engine_latency_s) for i in range(ENGINES)]

@@ -40,7 +40,8 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.policy.tiny import tiny_model_config
-    from asyncrl.rollout import EmbeddedEngine, SamplingParams
+    from asyncrl.records import SamplingParams
+    from asyncrl.rollout import EmbeddedEngine
 
     threads = config.torch_threads
     torch.set_num_threads(threads)

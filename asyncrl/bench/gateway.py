@@ -54,7 +54,7 @@ class StubEngine:
         self.active = self.max_active = 0
 
     async def generate(self, prompt_token_ids, sampling, session_id):
-        from asyncrl.rollout.types import GenerationResult
+        from asyncrl.records import GenerationResult
 
         self.active += 1
         self.max_active = max(self.max_active, self.active)
@@ -122,7 +122,7 @@ def _serve_direct(latency_s: float, ports) -> None:
     from asyncrl.gateway import api
     from asyncrl.gateway.toolcalls import parse_completion
     from asyncrl.policy.tokenizer import build_tokenizer
-    from asyncrl.rollout.types import GenerationResult
+    from asyncrl.records import GenerationResult
 
     ids = _completion_ids()
     parsed = parse_completion(ids, build_tokenizer(), TOOLS, lambda: f"call_{0:024x}")
@@ -216,7 +216,7 @@ async def _through_gateway(url: str, sessions: int, turns: int, think_s: float) 
 
 
 async def _in_process(sessions: int, turns: int, think_s: float, latency_s: float) -> list[float]:
-    from asyncrl.rollout.types import SamplingParams
+    from asyncrl.records import SamplingParams
 
     stub, walls = StubEngine("direct", _completion_ids(), latency_s), []
     sampling = SamplingParams(max_tokens=64)
@@ -251,8 +251,8 @@ def _server_overhead(store_path: str) -> list[float]:
 def _store_appends_per_s(address: str, namespace: str, n: int = 2000) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.gateway.records import Turn
     from asyncrl.gateway.store import open_store
+    from asyncrl.records import Turn
 
     store = open_store(address, namespace=namespace)
     ids = [store.open("bench") for _ in range(64)]

@@ -16,7 +16,7 @@ import math
 import time
 from typing import Iterable, Protocol, runtime_checkable
 
-from ..records import FINISH_STATUSES, Trajectory, Turn
+from asyncrl.records import FINISH_STATUSES, Trajectory, Turn
 
 COUNT_KEYS = ("running", *FINISH_STATUSES, "aborted", "pending", "claimed", "acked")
 """Keys of `counts()`: rollouts per status, then the hand-off of terminal ones: `pending` (not yet

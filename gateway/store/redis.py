@@ -18,7 +18,8 @@ from typing import Iterable
 
 import redis
 
-from ..records import TERMINAL_STATUSES, Trajectory, Turn
+from asyncrl.records import TERMINAL_STATUSES, Trajectory, Turn
+
 from .base import (
     COUNT_KEYS,
     DEFAULT_VISIBILITY_TIMEOUT_S,

@@ -18,7 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..records import Trajectory, Turn
+from asyncrl.records import Trajectory, Turn
+
 from .base import (
     COUNT_KEYS,
     DEFAULT_VISIBILITY_TIMEOUT_S,

@@ -22,7 +22,7 @@ def run_directory(config: RunConfig) -> Path:
 
 def open_run_store(config: RunConfig):
     """The run's trajectory store: config.store, SQLite under the run directory by default."""
-    from .store import SQLITE_FILENAME, open_store
+    from asyncrl.gateway.store import SQLITE_FILENAME, open_store
 
     store = config.store
     # The file, not the directory: open_store reads a path that does not exist yet as a file name.
@@ -42,7 +42,7 @@ def _secret(run_dir: Path) -> bytes:
 
 
 def _engines(config: RunConfig, model, mtp=None) -> list:
-    from .engines import LocalEngine, RayEngine
+    from asyncrl.gateway.engines import LocalEngine, RayEngine
 
     rollout = config.rollout
     if config.gateway.engines == "ray":
@@ -81,8 +81,8 @@ def _policy(config: RunConfig):
 
 def build_service(config: RunConfig):
     """(service, engine handles) for `config`; the policy is policy.path or the tiny policy."""
-    from .pool import EnginePool
-    from .service import GatewayService
+    from asyncrl.gateway.pool import EnginePool
+    from asyncrl.gateway.service import GatewayService
 
     model, tokenizer, mtp = _policy(config)
     handles = _engines(config, model, mtp)
@@ -100,7 +100,7 @@ def build_service(config: RunConfig):
 def serve(config: RunConfig) -> int:
     import uvicorn
 
-    from .app import create_app, run_loop, settle_heap
+    from asyncrl.gateway.app import create_app, run_loop, settle_heap
 
     service, handles = build_service(config)
     server = uvicorn.Server(

@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 
 from asyncrl.configs.schema import RunConfig
+from asyncrl.distill.teachers import KL_PREFIX, check_checkpoints
 from asyncrl.runlog import Panel, plot_panels
-from asyncrl.sched.rundir import RunDir
 from asyncrl.sched.run import run
-
-from .teachers import KL_PREFIX, check_checkpoints
+from asyncrl.sched.rundir import RunDir
 
 
 class NotADistillation(ValueError):

@@ -25,9 +25,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import EpisodeResult, Environment, needs_sandbox
-from .evaluation import TaskEval, evaluate_env
-from .runner import run_recorded_episode
+from asyncrl.envs.base import Environment, EpisodeResult, needs_sandbox
+from asyncrl.envs.evaluation import TaskEval, evaluate_env
+from asyncrl.envs.runner import run_recorded_episode
 
 TINY_POLICY = dict(arch="qwen3", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=1024)
 """The default policy: random and small enough to start in a second on a laptop."""
@@ -113,7 +113,7 @@ def _check_tasks(env: Environment, seed: int) -> list[str]:
 
 
 def _check_episode(env: Environment, index: int, result: EpisodeResult, trajectory: Any, allowed: tuple[str, ...]) -> list[str]:
-    from asyncrl.gateway.samples import trajectory_to_samples
+    from asyncrl.samples import trajectory_to_samples
 
     where = f"episode {index}"
     problems = []

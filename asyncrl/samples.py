@@ -11,40 +11,7 @@ agent that alternates between two contexts yields two samples, not one per turn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from .records import Trajectory
-
-UNSAMPLED_VERSION = -1
-"""Version recorded for tokens the policy did not sample (prompt, tool and environment tokens)."""
-
-
-@dataclass
-class Sample:
-    """One token sequence for the learner, every list aligned with `token_ids`."""
-
-    token_ids: list[int]
-    loss_mask: list[int]
-    """1 exactly on tokens the policy sampled; 0 on prompt, tool and environment tokens."""
-    logprobs: list[float]
-    """Rollout log-prob of each sampled token; 0.0 where the mask is 0."""
-    versions: list[int]
-    """Policy version of each sampled token; UNSAMPLED_VERSION where the mask is 0."""
-    reward: float
-    group_id: str
-    rollout_id: str
-    status: str
-    task: str = ""
-    branch: int = 0
-    """Which fork of its trajectory this is (0 for the first); forks share the reward."""
-    turn_indices: list[int] = field(default_factory=list)
-    """The trajectory's turns merged into this sample, in order."""
-
-    @property
-    def oldest_version(self) -> int | None:
-        """The staleness rule's input: the oldest policy version among sampled tokens (None if none)."""
-        sampled = [v for v, m in zip(self.versions, self.loss_mask) if m]
-        return min(sampled) if sampled else None
+from asyncrl.records import UNSAMPLED_VERSION, Sample, Trajectory
 
 
 def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:

@@ -1,0 +1,260 @@
+"""Floor 0: the records every component shares (docs/ARCHITECTURE.md, "Three floors").
+
+What an engine is asked and answers (`SamplingParams`, `GenerationResult`, `ScoreResult`), what the
+gateway records (one `Turn` per generation call, one `Trajectory` per rollout), what the learner
+trains on (`Sample`) and the account every rollout ends in (`Account`). They import nothing of the
+project, so any component can use them without importing another.
+
+These are the ground truth the learner trains from, so they keep the engine's numbers exactly:
+token ids as sampled, log-probs as floats that survive a JSON round trip bit for bit (Python writes
+the shortest repr that reads back to the same double), and the policy version of every token.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, Literal, get_args
+
+# --- engine requests and results ---------------------------------------------------------
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+MIN_TEMPERATURE = 1e-4
+"""Smallest positive temperature; below it, ask for greedy (0) instead."""
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad token ids, empty prompt, too long, bad sampling options).
+
+    Raised for that request only; the engine and every other request carry on.
+    """
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.
+
+    Log-prob semantics: the returned log-prob of a token is its log-probability under the
+    distribution it was actually drawn from: logits / temperature, then top-k, then top-p, then
+    renormalised. With temperature 0 (greedy) the token is the argmax and its log-prob is that of
+    the raw model distribution (temperature 1, no truncation).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the request (the EOS token always does); the stop token is returned."""
+    seed: int | None = None
+    """Seeds this request's own random stream: same seed, same prompt, same tokens, whatever else is batched."""
+
+    def validate(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            # logits / 1e-300 overflow to inf and would turn the whole batch's logits into NaN.
+            raise RequestError(f"temperature {self.temperature} is too small to sample with; use 0 for greedy")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be > 0, got {self.max_tokens}")
+
+    @classmethod
+    def from_dict(cls, options: dict) -> "SamplingParams":
+        """Build from a plain mapping (JSON, Ray); unknown options are a RequestError naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise RequestError(f"unknown sampling option(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        values = dict(options)
+        if "stop_token_ids" in values:
+            values["stop_token_ids"] = tuple(values["stop_token_ids"] or ())
+        params = cls(**values)
+        params.validate()
+        return params
+
+
+@dataclass
+class GenerationResult:
+    """One finished request: the sampled tokens with their log-probs and policy versions."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    engine_id: str = ""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV cache was reused from an earlier request of the same session."""
+    mtp_verify_steps: int = 0
+    """Decode steps that verified MTP drafts for this request (0 without drafting)."""
+    mtp_accept_len: float | None = None
+    """Mean tokens emitted per such step (accepted drafts + 1); None when nothing was drafted."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds: queued (submit to first scheduling), prefill, total."""
+    error: str | None = None
+
+
+@dataclass
+class ScoreResult:
+    """One prefill-only scoring call (`rollout/scoring.py`): per sequence, the log-prob of each token
+    given the ones before it (entry 0 is 0.0), and the policy version of the weights that scored."""
+
+    logprobs: list[list[float]]
+    version: int
+    engine_id: str = ""
+
+
+MAX_SCORE_SEQUENCES = 1024
+"""Sequences in one scoring request (the gateway's limit; url teachers split their batches by it);
+each is also bounded by the engine's max_model_len."""
+
+
+# --- what the gateway records -----------------------------------------------------------
+
+FinishStatus = Literal["ok", "env_crash", "timeout", "error"]
+"""How an episode ended when the environment finished it."""
+TrajectoryStatus = Literal["running", "ok", "env_crash", "timeout", "error", "aborted"]
+"""`running` until finished or aborted; every other value is terminal."""
+
+FINISH_STATUSES: tuple[str, ...] = get_args(FinishStatus)
+TERMINAL_STATUSES: tuple[str, ...] = FINISH_STATUSES + ("aborted",)
+
+
+@dataclass
+class Turn:
+    """One generation call of a rollout: the exact prompt the engine saw and what it sampled."""
+
+    rollout_id: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    """Log-prob of each completion token under the distribution it was sampled from."""
+    versions: list[int]
+    """Policy version of the weights that sampled each completion token."""
+    finish_reason: str = "stop"
+    index: int = -1
+    """Position in the rollout, assigned by the store on append (-1 until then)."""
+    branch: int = 0
+    """The gateway's fork label, for display and replay. Sample assembly decides forks from the tokens
+    themselves, so a mislabelled turn cannot corrupt a loss mask."""
+    engine_id: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds, as the engine and gateway report them (queued, prefill, total, ...)."""
+    created_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        # A misaligned turn would silently shift every importance ratio after it; refuse it here.
+        n = len(self.completion_token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"turn of rollout {self.rollout_id!r}: {n} completion tokens but {len(self.logprobs)} "
+                f"log-probs and {len(self.versions)} versions; they must be aligned one to one"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON. Not `dataclasses.asdict`: its deep copy of every token id made it the
+        most expensive step of recording a turn."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("prompt_token_ids", "completion_token_ids", "logprobs", "versions", "timings"):
+            data[name] = data[name].copy()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Turn":
+        return cls(**data)
+
+
+@dataclass
+class Trajectory:
+    """A whole rollout: its turns in recording order, and how it ended."""
+
+    rollout_id: str
+    task: str = ""
+    group_id: str = ""
+    """Rollouts of the same prompt that the learner compares (a GRPO group)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    turns: list[Turn] = field(default_factory=list)
+    status: TrajectoryStatus = "running"
+    reward: float | None = None
+    """Set when finished; None while running and for aborted rollouts."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """Environment metrics reported at finish (JSON values)."""
+    reason: str = ""
+    """Why it ended badly, when it did (abort reason, error message)."""
+    created_at: float = 0.0
+    finished_at: float | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data.update(
+            turns=[turn.to_dict() for turn in self.turns],
+            metadata=copy.deepcopy(self.metadata),
+            metrics=copy.deepcopy(self.metrics),
+        )
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Trajectory":
+        values = dict(data)
+        values["turns"] = [Turn.from_dict(t) for t in values.get("turns", [])]
+        return cls(**values)
+
+
+# --- what the learner trains on ----------------------------------------------------------
+
+UNSAMPLED_VERSION = -1
+"""Version recorded for tokens the policy did not sample (prompt, tool and environment tokens)."""
+
+
+@dataclass
+class Sample:
+    """One token sequence for the learner, every list aligned with `token_ids`."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    """1 exactly on tokens the policy sampled; 0 on prompt, tool and environment tokens."""
+    logprobs: list[float]
+    """Rollout log-prob of each sampled token; 0.0 where the mask is 0."""
+    versions: list[int]
+    """Policy version of each sampled token; UNSAMPLED_VERSION where the mask is 0."""
+    reward: float
+    group_id: str
+    rollout_id: str
+    status: str
+    task: str = ""
+    branch: int = 0
+    """Which fork of its trajectory this is (0 for the first); forks share the reward."""
+    turn_indices: list[int] = field(default_factory=list)
+    """The trajectory's turns merged into this sample, in order."""
+
+    @property
+    def oldest_version(self) -> int | None:
+        return oldest_version(self.versions, self.loss_mask)
+
+
+class Account(str, Enum):
+    """The one account every rollout ends in; the run's ledger counts them."""
+
+    TRAINED = "trained"
+    DROPPED_STALE = "dropped_stale"
+    DROPPED_CRASH = "dropped_crash"
+    DROPPED_GROUP = "dropped_group"
+    ABORTED = "aborted"
+
+
+def oldest_version(versions: Sequence[int], loss_mask: Sequence[int]) -> int | None:
+    """The staleness rule's input: the oldest policy version among sampled (loss-mask 1) tokens; None
+    if none was sampled."""
+    sampled = [v for v, m in zip(versions, loss_mask) if m]
+    return min(sampled) if sampled else None
