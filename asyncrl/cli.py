@@ -43,7 +43,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     config = _resolve(args)
     if config is None:
         return 0
-    from asyncrl.learner.sft import run_sft
+    from asyncrl.sched.sft import run_sft
 
     result = run_sft(config)
     print(f"checkpoint: {result.checkpoint}")

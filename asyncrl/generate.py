@@ -14,7 +14,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from asyncrl.configs.schema import RolloutConfig
+from asyncrl.configs.schema import EmbeddedRolloutConfig
 from asyncrl.records import GenerationResult, RequestError, SamplingParams
 from asyncrl.rollout import EmbeddedEngine
 
@@ -51,7 +51,7 @@ async def _sample(engine: EmbeddedEngine, prompt: list[int], args: argparse.Name
 
 def _token_table(result: GenerationResult, tokenizer) -> Table:
     table = Table("#", "id", "text", "log-prob", "version")
-    for i, (token, logprob, version) in enumerate(zip(result.token_ids, result.logprobs, result.versions)):
+    for i, (token, logprob, version) in enumerate(zip(result.token_ids, result.logprobs, result.versions, strict=True)):
         table.add_row(str(i), str(token), repr(tokenizer.decode([token])), f"{logprob:.4f}", str(version))
     return table
 
@@ -63,7 +63,7 @@ def generate_from_checkpoint(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()
     console = Console()
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    engine = EmbeddedEngine.from_pretrained(args.checkpoint, RolloutConfig(max_num_seqs=max(1, args.num_samples)))
+    engine = EmbeddedEngine.from_pretrained(args.checkpoint, EmbeddedRolloutConfig(max_num_seqs=max(1, args.num_samples)))
     try:
         prompt = _prompt_ids(args, tokenizer)
         results = asyncio.run(_sample(engine, prompt, args))

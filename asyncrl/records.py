@@ -7,7 +7,8 @@ project, so any component can use them without importing another.
 
 These are the ground truth the learner trains from, so they keep the engine's numbers exactly:
 token ids as sampled, log-probs as floats that survive a JSON round trip bit for bit (Python writes
-the shortest repr that reads back to the same double), and the policy version of every token.
+the shortest repr that reads back to the same double), the policy version of every token, and the
+sampling options of every turn, so the learner takes each log-prob at the temperature it was drawn at.
 """
 
 from __future__ import annotations
@@ -148,6 +149,11 @@ class Turn:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds, as the engine and gateway report them (queued, prefill, total, ...)."""
     created_at: float = 0.0
+    temperature: float | None = None
+    """The sampling options the engine drew this turn with (temperature 0: greedy). None: not on
+    record (turns stored before turns carried them); the learner then assumes the run's."""
+    top_p: float | None = None
+    top_k: int | None = None
 
     def __post_init__(self) -> None:
         # A misaligned turn would silently shift every importance ratio after it; refuse it here.
@@ -237,10 +243,30 @@ class Sample:
     """Which fork of its trajectory this is (0 for the first); forks share the reward."""
     turn_indices: list[int] = field(default_factory=list)
     """The trajectory's turns merged into this sample, in order."""
+    temperatures: list[float | None] | None = None
+    """Sampling temperature of each sampled token, from its turn (0: greedy), aligned with token_ids;
+    None where the mask is 0 or the turn recorded none. None for the whole sample when no turn
+    recorded one (hand-built samples, old stores). Per token, because the turns of one sample may
+    have been sampled at different temperatures."""
 
     @property
     def oldest_version(self) -> int | None:
         return oldest_version(self.versions, self.loss_mask)
+
+    def scoring_temperatures(self, default: float) -> list[float]:
+        """The temperature at which the learner (and a teacher) takes the log-prob of each token, so that
+        it compares with the engine's: its sampling temperature, 1 for greedy tokens (the engines report
+        raw log-probs for them), `default` (the run's) where none is on record."""
+        fallback = scoring_temperature(default)
+        if self.temperatures is None:
+            return [fallback] * len(self.token_ids)
+        return [fallback if t is None else scoring_temperature(t) for t in self.temperatures]
+
+
+def scoring_temperature(temperature: float) -> float:
+    """The temperature of the log-prob an engine reports for a token sampled at `temperature`: itself,
+    or 1 for greedy (0), whose log-prob is that of the raw model distribution."""
+    return temperature if temperature > 0 else 1.0
 
 
 class Account(str, Enum):

@@ -1,6 +1,6 @@
 """What every training job writes down: `metrics.jsonl`, an optional wandb run, PNG curves.
 
-Shared by the SFT warm start (`learner/sft.py`) and the RL loop (`sched/`). wandb is optional: it
+Shared by the SFT warm start (`sched/sft.py`) and the RL loop (`sched/`). wandb is optional: it
 runs offline unless the config says online, and a missing install only costs the wandb copy.
 """
 
@@ -67,12 +67,12 @@ def plot_panels(records: list[dict], panels: list[Panel], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    for ax, panel in zip(axes[0], panels, strict=True):
         drawn = 0
         for key, label in panel.series:
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:
-                ax.plot(*zip(*points), label=label, marker=panel.marker)
+                ax.plot(*zip(*points, strict=True), label=label, marker=panel.marker)
                 drawn += 1
         ax.set(xlabel="step", ylabel=panel.ylabel, yscale=panel.yscale, title=panel.title)
         if panel.ylim is not None:

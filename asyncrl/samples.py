@@ -7,6 +7,9 @@ When a prompt does not extend any earlier sequence, the agent rewrote its contex
 messages, retried a turn): the trajectory forks, the turn starts a new sample, and every sample
 shares the trajectory's reward. A later turn continues whichever earlier sequence it extends, so an
 agent that alternates between two contexts yields two samples, not one per turn.
+
+Every sampled token carries its turn's temperature, so a sample whose turns were drawn at different
+temperatures is still scored exactly, token by token.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
     if trajectory.status == "running" or trajectory.reward is None:
         raise ValueError(f"rollout {trajectory.rollout_id!r} is not finished (status {trajectory.status}); no samples yet")
     samples: list[Sample] = []
+    # Stores written before turns carried their temperature give samples without one (the learner's default).
+    recorded = any(turn.temperature is not None for turn in trajectory.turns)
     for turn in trajectory.turns:
         prompt = turn.prompt_token_ids
         sample = _longest_extended(samples, prompt)
@@ -31,14 +36,17 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
             sample = Sample(
                 token_ids=[], loss_mask=[], logprobs=[], versions=[],
                 reward=trajectory.reward, group_id=trajectory.group_id, rollout_id=trajectory.rollout_id,
-                status=trajectory.status, task=trajectory.task, branch=len(samples),
+                status=trajectory.status, task=trajectory.task, branch=len(samples), temperatures=[] if recorded else None,
             )  # fmt: skip
             samples.append(sample)
         unsampled = len(prompt) - len(sample.token_ids)
+        sampled = len(turn.completion_token_ids)
         sample.token_ids += prompt[len(sample.token_ids) :] + turn.completion_token_ids
-        sample.loss_mask += [0] * unsampled + [1] * len(turn.completion_token_ids)
+        sample.loss_mask += [0] * unsampled + [1] * sampled
         sample.logprobs += [0.0] * unsampled + turn.logprobs
         sample.versions += [UNSAMPLED_VERSION] * unsampled + turn.versions
+        if sample.temperatures is not None:
+            sample.temperatures += [None] * unsampled + [turn.temperature] * sampled
         sample.turn_indices.append(turn.index)
     return samples
 

@@ -1,7 +1,8 @@
 """Load a config: a preset name or YAML path, then dotted `key=value` overrides, then validation.
 
-Errors are `ConfigError`s whose message names every offending key, e.g.
-`rollout.temperature: Input should be greater than or equal to 0 (got -1)`.
+Errors are `ConfigError`s whose message names every offending key as users write it, e.g.
+`rollout.sampling.temperature: Input should be greater than or equal to 0 (got -1)`, or
+`sandbox.docker_host: unknown key (a key of sandbox.backend=docker only)`.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import difflib
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Discriminator, Tag, ValidationError
+from pydantic.fields import FieldInfo
 
 from .schema import RunConfig
 
@@ -76,28 +79,83 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
-def _suggest(loc: tuple[Any, ...]) -> str:
-    """'did you mean' for an unknown key, from the field names of the section it sits in."""
-    model: type[BaseModel] | None = RunConfig
-    for part in loc[:-1]:
-        field = model.model_fields.get(part) if model else None
-        annotation = field.annotation if field else None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    if model is None:
-        return ""
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+def _choices(annotation: Any) -> dict[str, type[BaseModel]]:
+    """Tag -> model of a section with choices (a union of `Annotated[Model, Tag(...)]`); empty for any other type."""
+    found: dict[str, type[BaseModel]] = {}
+    if get_origin(annotation) in (Union, UnionType):
+        for member in get_args(annotation):
+            if get_origin(member) is Annotated:
+                model, *metadata = get_args(member)
+                found.update({m.tag: model for m in metadata if isinstance(m, Tag)})
+    return found
+
+
+def _choice_key(field: FieldInfo) -> str:
+    """The key that picks among a section's choices (`type`, `backend`), from its discriminator."""
+    discriminator = next(m for m in field.metadata if isinstance(m, Discriminator))
+    return str((discriminator.custom_error_context or {})["key"])
+
+
+def _place(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, type[BaseModel] | None, dict[str, type[BaseModel]], str]:
+    """For an error's location: the dotted key as users write it (without the tag pydantic inserts
+    after a section with choices: `rollout.embedded.sampling` is `rollout.sampling`), the section its
+    last part is a key of (None if it is not a section's key), and when that section is one choice of
+    several, the other choices by value and the key that picks them (`sandbox.backend`)."""
+    shown: list[str] = []
+    annotation: Any = root
+    section: type[BaseModel] | None = None
+    others: dict[str, type[BaseModel]] = {}
+    picker = ""
+    section_others: dict[str, type[BaseModel]] = {}
+    section_picker = ""
+    i = 0
+    while i < len(loc):
+        part = str(loc[i])
+        i += 1
+        shown.append(part)
+        section = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        section_others, section_picker, others, picker = others, picker, {}, ""
+        field = section.model_fields.get(part) if section else None
+        if field is not None:
+            annotation = field.annotation
+            choices = _choices(annotation)
+            if choices and i < len(loc) and loc[i] in choices:
+                tag = loc[i]
+                i += 1
+                annotation, others = choices[tag], {t: m for t, m in choices.items() if t != tag}
+                picker = f"{'.'.join(shown)}.{_choice_key(field)}"
+        elif get_origin(annotation) is dict:
+            annotation = get_args(annotation)[1]
+        else:
+            annotation = None
+    return ".".join(shown), section, section_others, section_picker
+
+
+def _suggest(name: str, section: type[BaseModel] | None, others: dict[str, type[BaseModel]], picker: str) -> str:
+    """The hint after 'unknown key': the choice it belongs to, else the closest key of its section."""
+    owners = [tag for tag, model in others.items() if name in model.model_fields]
+    if owners:
+        return f" (a key of {picker}={owners[0]} only)"
+    close = difflib.get_close_matches(name, list(section.model_fields), n=1) if section else []
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, root: type[BaseModel] = RunConfig) -> str:
+    """One line per problem, each naming its dotted key; `root` is the model that was validated."""
     lines = []
     for problem in err.errors():
         loc = tuple(problem["loc"])
-        key = ".".join(str(p) for p in loc) or "<root>"
+        key, section, others, picker = _place(root, loc)
+        shown = problem.get("input")
         if problem["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key{_suggest(loc)}")
+            lines.append(f"{key}: unknown key{_suggest(str(loc[-1]), section, others, picker)}")
+        elif problem["type"] == "choice":  # a section with choices (schema._choice), with no choice's value
+            choice = problem["ctx"]["key"]
+            if isinstance(shown, dict):
+                lines.append(f"{key}.{choice}: {problem['msg']} (got {shown.get(choice)!r})")
+            else:
+                lines.append(f"{key}: Input should be a mapping (got {shown!r})")
         else:
-            shown = problem.get("input")
             got = "" if isinstance(shown, dict) else f" (got {shown!r})"
             message = problem["msg"].removeprefix("Value error, ")  # our validators' own sentences
             lines.append(f"{key}: {message}{got}" if loc else f"{message}{got}")

@@ -26,16 +26,16 @@ class StageSpec(Section):
     kind: Literal["sft", "rl", "distill"]
     """sft: supervised warm start from demonstrations; rl: RL on `tasks`; distill: on-policy cross-stage
     distillation from the earlier RL stages' final checkpoints (`teachers`)."""
-    tasks: dict[str, TaskSpec] = {}
+    tasks: dict[str, TaskSpec] = Field(default_factory=dict)
     """rl: the stage's task mix (task name -> environment, ratio); each task's held-out eval is a column
     of the evaluation matrix and the stage's own eval."""
     teachers: dict[str, float] | None = None
     """distill: earlier RL stage name -> share of the student's prompts; unset: every earlier RL stage at 1."""
-    config: dict[str, Any] = {}
+    config: dict[str, Any] = Field(default_factory=dict)
     """RunConfig sections for this stage, laid over `base` (e.g. run.wall_budget_s, learner.lr)."""
 
     @model_validator(mode="after")
-    def _check_kind(self) -> "StageSpec":
+    def _check_kind(self) -> StageSpec:
         if self.kind == "rl" and not self.tasks:
             raise ValueError("an rl stage needs tasks (tasks.NAME.env: ENVIRONMENT)")
         if self.kind != "rl" and self.tasks:
@@ -60,7 +60,7 @@ class PipelineConfig(Section):
     """Pipeline name; its directory is <runs_dir>/<name>, each stage's run directory inside it."""
     runs_dir: str = "runs"
     """Folder that holds pipeline directories."""
-    base: dict[str, Any] = {}
+    base: dict[str, Any] = Field(default_factory=dict)
     """RunConfig sections shared by every stage (policy shape, rollout, learner, task options)."""
     stages: dict[str, StageSpec]
     """Stage name -> stage, run in the order written; a stage set to null is left out (`stages.agentic=null`)."""
@@ -73,7 +73,7 @@ class PipelineConfig(Section):
         return data
 
     @model_validator(mode="after")
-    def _check_stages(self) -> "PipelineConfig":
+    def _check_stages(self) -> PipelineConfig:
         if not self.stages:
             raise ValueError("stages is empty")
         if "mix" in self.base.get("tasks", {}) or "teachers" in self.base.get("distill", {}):
@@ -138,7 +138,9 @@ def stage_config(pipeline: PipelineConfig, stage: str, directory: str, sections:
         return RunConfig.model_validate(data)
     except ValidationError as err:
         message = format_validation_error(err).replace("\n  ", f"\n  stages.{stage}: ")
-        raise ConfigError(message.replace("invalid config:", f"invalid config for stage {stage!r} (base + stages.{stage}.config):")) from None
+        raise ConfigError(
+            message.replace("invalid config:", f"invalid config for stage {stage!r} (base + stages.{stage}.config):")
+        ) from None
 
 
 def load_pipeline(source: str, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
@@ -155,7 +157,7 @@ def validate_pipeline(data: dict[str, Any], overrides: list[str] | tuple[str, ..
     try:
         pipeline = PipelineConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err).replace("invalid config", "invalid pipeline config")) from None
+        raise ConfigError(format_validation_error(err, PipelineConfig).replace("invalid config", "invalid pipeline config")) from None
     for stage in pipeline.stages:
         stage_config(pipeline, stage, pipeline.runs_dir, _placeholder_sections(pipeline, stage))
     return pipeline

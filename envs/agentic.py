@@ -10,6 +10,10 @@ in a fresh sandbox per episode.
 Reward: 1 for the verified product; a wrong answer after a python call that ran cleanly gets the
 small `format_reward`, so early on the group advantage still favours using the tool. The held-out
 split is fixed by a hash of `A*B`, as for arithmetic.
+
+Its SFT demonstrations (`demonstration`) are drawn from the whole problem space, held-out products
+included, as the warm start has always drawn them: the product comes from the tool's output, so what
+they teach is the call format, not the answers.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import json
 import random
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.configs.schema import AgenticTaskConfig, RunConfig
+from asyncrl.configs.context import EnvContext
+from asyncrl.configs.schema import AgenticTaskConfig
 
 from .arithmetic import is_heldout, verify
-from .base import EpisodeResult, Split
+from .base import Demonstration, EpisodeResult, Split
 from .tool_demos import PYTHON_TOOL, ToolProblem, sample_tool_problem
 
 if TYPE_CHECKING:
@@ -37,11 +42,10 @@ class AgenticEnv:
         self.temperature = temperature
 
     @classmethod
-    def from_config(cls, config: RunConfig | None, **options) -> "AgenticEnv":
+    def from_config(cls, context: EnvContext, **options) -> "AgenticEnv":
         """`tasks.agentic` with `options` overriding its fields, sampling at the learner's temperature."""
-        config = config or RunConfig()
-        task = AgenticTaskConfig(**{**config.tasks.agentic.model_dump(), **options})
-        return cls(task, temperature=config.rollout.sampling.temperature)
+        task = AgenticTaskConfig(**{**context.tasks.agentic.model_dump(), **options})
+        return cls(task, temperature=context.sampling.temperature)
 
     def sample_task(self, rng: random.Random, split: Split = "train") -> ToolProblem:
         c = self.config
@@ -50,6 +54,11 @@ class AgenticEnv:
             if is_heldout(f"{problem.a}*{problem.b}", c.heldout_fraction) == (split == "eval"):
                 return problem
         raise RuntimeError("the problem space is too small for this held-out fraction")
+
+    def demonstration(self, rng: random.Random) -> Demonstration:
+        """A python call, its printed product, and the bare answer (envs/tool_demos.py)."""
+        problem = sample_tool_problem(rng, self.config.min_digits, self.config.max_digits)
+        return Demonstration(problem.demonstration(), tools=[PYTHON_TOOL])
 
     async def run_episode(self, task: ToolProblem, client: Any, sandbox: Sandbox) -> EpisodeResult:
         messages: list[dict] = task.messages()

@@ -8,6 +8,11 @@ An environment that runs tools says so with `needs_sandbox = True`: the runner t
 sandbox for each episode, passes it as the third argument and closes it afterwards, whatever
 happens. Environments without tools may leave both the attribute and the parameter out; they are
 called as `run_episode(task, client)`.
+
+An environment may also offer demonstrations for the SFT warm start: `demonstration(rng)` returns one
+`Demonstration` (chat messages, with the tools they use) drawn from its training split. The SFT entry
+point (sched/sft.py) mixes the streams of the environments it is configured with; the learner only
+renders them.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ class EpisodeResult:
     """Why the status is not ok, for people reading the trajectory."""
 
 
+@dataclass
+class Demonstration:
+    """One conversation to imitate: OpenAI-style messages whose assistant turns are the targets."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
 @runtime_checkable
 class Environment(Protocol):
     name: str
@@ -46,6 +59,13 @@ class Environment(Protocol):
     async def run_episode(self, task: Any, client: Any, sandbox: Any = None) -> EpisodeResult:
         """Play one episode of `task`; `client` is an `openai.AsyncOpenAI` bound to this rollout,
         `sandbox` an open `asyncrl.envs.sandbox.Sandbox` when `needs_sandbox` is true."""
+        ...
+
+
+@runtime_checkable
+class OffersDemonstrations(Protocol):
+    def demonstration(self, rng: random.Random) -> Demonstration:
+        """One demonstration, drawn with `rng` (and nothing else, so a seed fixes the stream)."""
         ...
 
 

@@ -1,10 +1,11 @@
 """Held-out evaluation of any environment: its own episodes, played greedily, recorded nowhere.
 
 An environment is scored by its own `run_episode` on held-out tasks, so evaluation uses exactly the
-reward logic, prompts, tools and sandboxes of training. The episodes talk to `GreedyClient`, which
-answers the subset of the OpenAI chat API that environments use the way the gateway does (same chat
-template, same tool-call parsing) but decodes greedily whatever temperature the episode asks for,
-and records nothing: evaluation rollouts never reach the store, the learner or the ledger.
+reward logic, prompts, tools and sandboxes of training, and exactly its path to the policy: each
+episode runs through the gateway (`run_recorded_episode`, the real OpenAI client) in a rollout opened
+for evaluation, which the gateway samples greedily whatever temperature the episode asks for and
+records nowhere: evaluation rollouts never reach the store, the learner or the ledger. The chat
+template and the tool-call parser are the gateway's own; nothing is rendered or parsed here.
 """
 
 from __future__ import annotations
@@ -12,17 +13,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.gateway.toolcalls import parse_completion, to_template_messages, to_template_tools
+from asyncrl.lifecycle import RolloutLifecycle
 
 from .base import Environment, score
-from .runner import play_episode
+from .runner import run_recorded_episode
 
-AsyncGenerateFn = Callable[[list[int], int], Awaitable[list[int]]]
-"""generate(prompt token IDs, max_tokens) -> completion token IDs, greedy, ending at EOS or max_tokens."""
 CONCURRENCY = 64
 """Episodes evaluated at once: enough to fill the engines' batches, few enough sandboxes at a time."""
 
@@ -45,16 +43,24 @@ def heldout_tasks(env: Environment, num_problems: int, seed: int) -> list[Any]:
 
 
 async def evaluate_env(
-    env: Environment, generate: AsyncGenerateFn, tokenizer, *, num_problems: int, seed: int,
-    sandboxes: Any = None, default_max_tokens: int = 32, timeout_s: float = 300.0,
+    env: Environment, gateway: RolloutLifecycle, *, num_problems: int, seed: int, sandboxes: Any = None,
+    timeout_s: float = 300.0, http_client: Any = None, task_name: str | None = None,
 ) -> TaskEval:  # fmt: skip
+    """`num_problems` held-out episodes of `env` through `gateway`'s evaluation rollouts.
+
+    `http_client`: shared by the episodes' OpenAI clients (as for training episodes); `task_name`:
+    the rollouts' task (default: the environment's name).
+    """
     began = time.monotonic()
-    client = GreedyClient(generate, tokenizer, default_max_tokens)
     gate = asyncio.Semaphore(CONCURRENCY)
 
     async def one(task: Any):
         async with gate:
-            return await play_episode(env, task, client, sandboxes, timeout_s)
+            _, result = await run_recorded_episode(
+                env, task, gateway, group_id="eval", timeout_s=timeout_s, http_client=http_client,
+                sandboxes=sandboxes, task_name=task_name, evaluation=True,
+            )  # fmt: skip
+            return result
 
     results = await asyncio.gather(*(one(task) for task in heldout_tasks(env, num_problems, seed)))
     statuses: dict[str, int] = {}
@@ -62,39 +68,3 @@ async def evaluate_env(
         statuses[result.status] = statuses.get(result.status, 0) + 1
     scores = [score(r) if r.status == "ok" else 0.0 for r in results]
     return TaskEval(sum(scores) / max(len(scores), 1), len(scores), statuses, time.monotonic() - began)
-
-
-class GreedyClient:
-    """`client.chat.completions.create(...)` over a generate function; returns real `openai` types."""
-
-    def __init__(self, generate: AsyncGenerateFn, tokenizer, default_max_tokens: int) -> None:
-        self.chat = _Chat(_Completions(generate, tokenizer, default_max_tokens))
-
-
-@dataclass
-class _Chat:
-    completions: "_Completions"
-
-
-class _Completions:
-    def __init__(self, generate: AsyncGenerateFn, tokenizer, default_max_tokens: int) -> None:
-        self.generate, self.tokenizer, self.default_max_tokens = generate, tokenizer, default_max_tokens
-
-    async def create(self, *, messages: list, tools: list | None = None, max_tokens: int | None = None,
-                     max_completion_tokens: int | None = None, **_sampling: Any):  # fmt: skip
-        from openai.types.chat import ChatCompletion
-
-        # Plain dicts and openai message objects alike, as the gateway receives them over HTTP.
-        messages = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
-        text = self.tokenizer.apply_chat_template(
-            to_template_messages(messages), tools=to_template_tools(tools), tokenize=False, add_generation_prompt=True
-        )
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
-        completion = await self.generate(prompt, max_completion_tokens or max_tokens or self.default_max_tokens)
-        parsed = parse_completion(completion, self.tokenizer, tools)
-        finished = "stop" if completion and completion[-1] == self.tokenizer.eos_token_id else "length"
-        return ChatCompletion.model_validate({
-            "id": "eval", "object": "chat.completion", "created": int(time.time()), "model": "policy",
-            "choices": [{"index": 0, "message": parsed.message(), "finish_reason": parsed.finish_reason(finished)}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion), "total_tokens": len(prompt) + len(completion)},
-        })  # fmt: skip

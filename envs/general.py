@@ -27,10 +27,11 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncrl.configs.schema import GeneralTaskConfig, RunConfig
+from asyncrl.configs.context import EnvContext
+from asyncrl.configs.schema import GeneralTaskConfig
 
 from .arithmetic import is_heldout
-from .base import EpisodeResult, Split
+from .base import Demonstration, EpisodeResult, Split
 from .rewards import Reward, RewardError, load_reward
 
 VOCAB = (
@@ -165,18 +166,21 @@ class GeneralEnv:
         self.temperature = temperature
 
     @classmethod
-    def from_config(cls, config: RunConfig | None, **options: Any) -> "GeneralEnv":
+    def from_config(cls, context: EnvContext, **options: Any) -> "GeneralEnv":
         """`tasks.general` with `options` overriding its fields; its reward built with the run's `rewards` section."""
-        config = config or RunConfig()
-        task = GeneralTaskConfig(**{**config.tasks.general.model_dump(), **options})
-        reward = load_reward(task.reward, task.reward_options, config)
-        return cls(task, reward, temperature=config.rollout.sampling.temperature)
+        task = GeneralTaskConfig(**{**context.tasks.general.model_dump(), **options})
+        reward = load_reward(task.reward, task.reward_options, context)
+        return cls(task, reward, temperature=context.sampling.temperature)
 
     def sample_task(self, rng: random.Random, split: Split = "train") -> Instruction:
         return self.task.sample(rng, heldout=split == "eval")
 
     def heldout_tasks(self, num_problems: int, seed: int) -> list[Instruction]:
         return self.task.heldout_set(num_problems, seed)
+
+    def demonstration(self, rng: random.Random) -> Demonstration:
+        """A training-split instruction and an answer that meets its constraints."""
+        return Demonstration(self.task.sample(rng).demonstration())
 
     async def run_episode(self, task: Instruction, client: Any) -> EpisodeResult:
         messages = task.messages()

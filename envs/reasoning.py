@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import random
 
-from asyncrl.configs.schema import ArithmeticTaskConfig, RunConfig
+from asyncrl.configs.context import EnvContext
+from asyncrl.configs.schema import ArithmeticTaskConfig
 
 from .arithmetic import ArithmeticTask, Problem, verify
-from .base import EpisodeResult, Split
+from .base import Demonstration, EpisodeResult, Split
 
 
 class ReasoningEnv:
@@ -23,12 +24,11 @@ class ReasoningEnv:
         self.temperature = temperature
 
     @classmethod
-    def from_config(cls, config: RunConfig | None, **options) -> "ReasoningEnv":
+    def from_config(cls, context: EnvContext, **options) -> "ReasoningEnv":
         """`tasks.arithmetic` with `options` overriding its fields; the run's answer budget and temperature."""
-        config = config or RunConfig()
-        task = ArithmeticTaskConfig(**{**config.tasks.arithmetic.model_dump(), **options})
+        task = ArithmeticTaskConfig(**{**context.tasks.arithmetic.model_dump(), **options})
         # The learner scores tokens at rollout.sampling.temperature; episodes must sample at the same one.
-        return cls(task, max_tokens=config.run.episode_max_tokens, temperature=config.rollout.sampling.temperature)
+        return cls(task, max_tokens=context.episode_max_tokens, temperature=context.sampling.temperature)
 
     def sample_task(self, rng: random.Random, split: Split = "train") -> Problem:
         return self.task.sample(rng, heldout=split == "eval")
@@ -36,6 +36,10 @@ class ReasoningEnv:
     def heldout_tasks(self, num_problems: int, seed: int) -> list[Problem]:
         """Distinct held-out problems (drawn with replacement, the few one-digit sums would repeat)."""
         return self.task.heldout_set(num_problems, seed)
+
+    def demonstration(self, rng: random.Random) -> Demonstration:
+        """A training-split problem and its bare answer."""
+        return Demonstration(self.task.sample(rng).demonstration())
 
     async def run_episode(self, task: Problem, client) -> EpisodeResult:
         reply = await client.chat.completions.create(

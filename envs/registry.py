@@ -6,8 +6,9 @@ A reference is one of
   "package.module:Class"`), found without importing anything but the one chosen;
 - an import path `package.module:Class` (a class or any factory function).
 
-`load_environment(ref, options, config)` builds the environment: `Class.from_config(config,
-**options)` when the class defines that hook (to read the run's settings), else `Class(**options)`.
+`load_environment(ref, options, context)` builds the environment: `Class.from_config(context,
+**options)` when the class defines that hook (to read the run's settings, an `EnvContext` from
+configs/context.py), else `Class(**options)`.
 Errors say what went wrong in the user's terms: an unknown name lists the known ones.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 from typing import Any
+
+from asyncrl.configs.context import EnvContext
 
 from .base import Environment
 
@@ -79,15 +82,12 @@ def import_target(ref: str, path: str, kind: str, error: type[LookupError]) -> A
     return target
 
 
-def load_environment(ref: str, options: dict | None = None, config: Any = None) -> Environment:
-    """Build the environment `ref` names with `options`; `config` (the RunConfig) goes to a `from_config` hook."""
+def load_environment(ref: str, options: dict | None = None, context: EnvContext | None = None) -> Environment:
+    """Build the environment `ref` names with `options`; `context` (None: a default run's) goes to a `from_config` hook."""
     factory = resolve(ref)
     options = dict(options or {})
     try:
-        if hasattr(factory, "from_config"):
-            env = factory.from_config(config, **options)
-        else:
-            env = factory(**options)
+        env = factory.from_config(context or EnvContext(), **options) if hasattr(factory, "from_config") else factory(**options)
     except TypeError as error:
         raise TypeError(f"environment {ref!r} could not be built with options {sorted(options)}: {error}") from error
     missing = [m for m in ("name", "sample_task", "run_episode") if not hasattr(env, m)]

@@ -5,6 +5,10 @@ sandbox -> finish with the reward and status. Once the rollout is open, whatever
 its sandbox does (raise, hang, return garbage, fail to start) the rollout ends in exactly one
 recorded status and the runner does not raise, so one broken episode cannot take a run down. Only a
 gateway that cannot open a rollout at all is an error for the caller.
+
+The gateway is reached through the `asyncrl.lifecycle.RolloutLifecycle` Protocol (its HTTP client or
+its in-process lifecycle), and the policy through the real OpenAI client. Held-out evaluation plays
+its episodes this same way, in rollouts opened for evaluation (envs/evaluation.py).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import openai
 
-from asyncrl.gateway.client import AsyncGatewayClient, GatewayRefused
+from asyncrl.lifecycle import LifecycleRefused, RolloutLifecycle
 
 from .base import Environment, EpisodeResult, needs_sandbox
 
@@ -25,7 +29,7 @@ log = logging.getLogger(__name__)
 async def run_recorded_episode(
     env: Environment,
     task: Any,
-    gateway: AsyncGatewayClient,
+    gateway: RolloutLifecycle,
     *,
     group_id: str = "",
     metadata: dict | None = None,
@@ -33,6 +37,7 @@ async def run_recorded_episode(
     http_client: Any = None,
     sandboxes: Any = None,
     task_name: str | None = None,
+    evaluation: bool = False,
 ) -> tuple[str, EpisodeResult]:
     """(rollout id, result) of one episode; the rollout is finished (or aborted) before returning.
 
@@ -40,8 +45,9 @@ async def run_recorded_episode(
     episode builds its own (with its own SSL context: ~10 ms of CPU, most of a short episode's cost).
     `sandboxes`: the `SandboxBackend` that opens a sandbox per episode for environments that need one.
     `task_name`: recorded as the rollout's task (default: the environment's name).
+    `evaluation`: play it in an evaluation rollout (greedy, recorded nowhere) instead.
     """
-    rollout = await gateway.open_rollout(task=task_name or env.name, group_id=group_id, metadata=metadata)
+    rollout = await _open(gateway, task=task_name or env.name, group_id=group_id, metadata=metadata, evaluation=evaluation)
     shared = {"http_client": http_client} if http_client is not None else {}
     client = rollout.async_openai(max_retries=0, timeout=timeout_s, **shared)
     try:
@@ -54,7 +60,7 @@ async def run_recorded_episode(
             await client.close()  # a shared client belongs to the caller
     try:
         await gateway.finish(rollout.rollout_id, result.reward, result.status, result.metrics, result.reason)
-    except GatewayRefused as refusal:  # e.g. aborted meanwhile by the scheduler: already accounted for
+    except LifecycleRefused as refusal:  # e.g. aborted meanwhile by the scheduler: already accounted for
         log.warning("rollout %s not finished: %s", rollout.rollout_id, refusal)
     return rollout.rollout_id, result
 
@@ -104,7 +110,23 @@ async def _close(sandbox: Any, env_name: str) -> None:
         log.warning("closing the sandbox of a %s episode failed: %s", env_name, error)
 
 
-async def _abort(gateway: AsyncGatewayClient, rollout_id: str, reason: str) -> None:
+async def _open(gateway: RolloutLifecycle, **request: Any) -> Any:
+    """Open the rollout, shielded: a cancellation that lands while the gateway is opening it (the store
+    write runs in a thread and completes anyway) still aborts the rollout, instead of leaving it running
+    with no episode to end it."""
+    opening = asyncio.ensure_future(gateway.open_rollout(**request))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        try:
+            rollout = await opening
+        except Exception:  # never opened: nothing to abort
+            raise asyncio.CancelledError from None
+        await _abort(gateway, rollout.rollout_id, "cancelled")
+        raise
+
+
+async def _abort(gateway: RolloutLifecycle, rollout_id: str, reason: str) -> None:
     try:
         await gateway.abort(rollout_id, reason)
     except Exception:  # the gateway may be gone too; the store still holds the rollout as running

@@ -1,4 +1,5 @@
-"""Demonstrations of the agentic tool-call format, for the SFT warm start of the agentic task.
+"""Demonstrations of the agentic tool-call format, for the SFT warm start of the agentic task
+(`AgenticEnv.demonstration`).
 
 The problems (products of two 3-5 digit numbers) are beyond what the tiny model can compute in its
 head, so the only way to a right answer is the one shown: call the `python` tool, read its output,

@@ -49,7 +49,8 @@ class ChatMessage(_Open):
 
 class SamplingFields(_Open):
     """Sampling options shared by chat and text completions (OpenAI names, plus vLLM's top_k and
-    stop_token_ids). Unset options take `rollout.sampling`'s defaults."""
+    stop_token_ids). Unset options take `rollout.sampling`'s defaults; with gateway.sampling_overrides
+    refuse (the default), a temperature, top_p or top_k other than those is a 400. The turn records them."""
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=100.0)
@@ -128,6 +129,10 @@ class OpenRolloutRequest(_Closed):
     group_id: str = Field("", max_length=4096)
     """Rollouts of the same prompt that the learner compares (a GRPO group)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
+    evaluation: bool = False
+    """An evaluation rollout (held-out evaluation): every call is sampled greedily (temperature 0,
+    whatever the request asks) and nothing is recorded; its state lives in the gateway's memory
+    until it is finished or aborted, and it never reaches the learner or the ledger."""
 
 
 class OpenRolloutResponse(_Closed):
@@ -191,9 +196,11 @@ class ErrorResponse(_Closed):
     error: ErrorBody
 
 
-def _envelope(kind, model, choice, result, prompt_tokens, reused, rollout_id, index, branch) -> dict:
-    """The fields every completion shares, plus an `asyncrl` field saying where the turn was recorded."""
+def _envelope(kind, model, choice, result, prompt_tokens, reused, rollout_id, index, branch, evaluation) -> dict:
+    """The fields every completion shares, plus an `asyncrl` field saying where the turn was recorded
+    (`evaluation: true`: an evaluation rollout's turn, sampled greedily and recorded nowhere)."""
     completion_tokens = len(result.token_ids)
+    where = {"rollout_id": rollout_id, "turn_index": index, "branch": branch, "engine_id": result.engine_id}
     return {
         "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{rollout_id}-{index}",
         "object": kind,
@@ -206,21 +213,23 @@ def _envelope(kind, model, choice, result, prompt_tokens, reused, rollout_id, in
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": reused},
         },
-        "asyncrl": {"rollout_id": rollout_id, "turn_index": index, "branch": branch, "engine_id": result.engine_id},
+        "asyncrl": {**where, "evaluation": True} if evaluation else where,
     }
 
 
-def chat_response(model, rollout_id, index, branch, message, finish_reason, result, prompt_tokens, reused, logprobs) -> dict:
+def chat_response(
+    model, rollout_id, index, branch, message, finish_reason, result, prompt_tokens, reused, logprobs, evaluation=False
+) -> dict:
     """An OpenAI `chat.completion`."""
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
     if logprobs is not None:
         choice["logprobs"] = {
             "content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in logprobs]
         }
-    return _envelope("chat.completion", model, choice, result, prompt_tokens, reused, rollout_id, index, branch)
+    return _envelope("chat.completion", model, choice, result, prompt_tokens, reused, rollout_id, index, branch, evaluation)
 
 
-def completion_response(model, rollout_id, index, text, result, prompt_tokens, reused, logprobs) -> dict:
+def completion_response(model, rollout_id, index, text, result, prompt_tokens, reused, logprobs, evaluation=False) -> dict:
     """An OpenAI `text_completion`; a stop token other than EOS stays in `text` (it was sampled)."""
     choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}
     if logprobs is not None:
@@ -234,4 +243,4 @@ def completion_response(model, rollout_id, index, text, result, prompt_tokens, r
             "top_logprobs": None,
             "text_offset": offsets,
         }
-    return _envelope("text_completion", model, choice, result, prompt_tokens, reused, rollout_id, index, 0)
+    return _envelope("text_completion", model, choice, result, prompt_tokens, reused, rollout_id, index, 0, evaluation)

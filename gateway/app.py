@@ -35,7 +35,7 @@ from .toolcalls import MessageError
 log = logging.getLogger(__name__)
 
 # exception type -> (status, code); the first match in this order wins.
-_ERRORS: list[tuple[type[BaseException], int, str]] = [
+_ERRORS: list[tuple[type[Exception], int, str]] = [
     (UnknownRollout, 404, "rollout_not_found"),
     (RolloutClosed, 409, "rollout_closed"),
     (Abandoned, 409, "rollout_closed"),

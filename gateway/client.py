@@ -6,39 +6,23 @@
         ...
         gateway.finish(rollout_id, reward=1.0)
 
-`AsyncGatewayClient` has the same verbs for asyncio code. Refusals raise `GatewayRefused` with the
-gateway's status and message.
+`AsyncGatewayClient` has the same verbs for asyncio code (it implements `asyncrl.lifecycle.RolloutLifecycle`).
+Refusals raise `GatewayRefused` (the lifecycle's `LifecycleRefused`) with the gateway's status and message.
+`open_rollout(..., evaluation=True)` opens an evaluation rollout: sampled greedily, recorded nowhere.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import httpx
 
+from asyncrl.lifecycle import LifecycleRefused, Rollout
 
-class GatewayRefused(RuntimeError):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"gateway refused ({status}): {message}")
-        self.status, self.message = status, message
+GatewayRefused = LifecycleRefused
+"""The gateway's name for a refused lifecycle call."""
 
-
-class Rollout(NamedTuple):
-    rollout_id: str
-    api_key: str
-    base_url: str
-    """The OpenAI base URL (`.../v1`) to hand to the agent with `api_key`."""
-
-    def openai(self, **kwargs: Any):
-        """An `openai.OpenAI` client bound to this rollout."""
-        import openai
-
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
-
-    def async_openai(self, **kwargs: Any):
-        import openai
-
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+__all__ = ["AsyncGatewayClient", "GatewayClient", "GatewayRefused", "Rollout"]
 
 
 def _body(response: httpx.Response) -> dict:
@@ -51,8 +35,8 @@ def _body(response: httpx.Response) -> dict:
     raise GatewayRefused(response.status_code, message)
 
 
-def _open_body(task: str, group_id: str, metadata: dict | None) -> dict:
-    return {"task": task, "group_id": group_id, "metadata": metadata or {}}
+def _open_body(task: str, group_id: str, metadata: dict | None, evaluation: bool) -> dict:
+    return {"task": task, "group_id": group_id, "metadata": metadata or {}, "evaluation": evaluation}
 
 
 def _finish_body(reward: float, status: str, metrics: dict | None, reason: str) -> dict:
@@ -64,8 +48,8 @@ class GatewayClient:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout)
 
-    def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None) -> Rollout:
-        data = _body(self._http.post("/rollouts", json=_open_body(task, group_id, metadata)))
+    def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
+        data = _body(self._http.post("/rollouts", json=_open_body(task, group_id, metadata, evaluation)))
         return Rollout(data["rollout_id"], data["api_key"], self.url + "/v1")
 
     def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> dict:
@@ -92,8 +76,8 @@ class AsyncGatewayClient:
         self.url = url.rstrip("/")
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, **httpx_options)
 
-    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None) -> Rollout:
-        data = _body(await self._http.post("/rollouts", json=_open_body(task, group_id, metadata)))
+    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
+        data = _body(await self._http.post("/rollouts", json=_open_body(task, group_id, metadata, evaluation)))
         return Rollout(data["rollout_id"], data["api_key"], self.url + "/v1")
 
     async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> dict:

@@ -154,7 +154,7 @@ class Conversation:
         (what the agent will echo back). Returns the branch id the turn landed on.
         """
         (assistant,) = to_template_messages([assistant_message])
-        messages = list(prepared._messages) + [message_key(assistant)]
+        messages = [*prepared._messages, message_key(assistant)]
         tokens = list(prepared.prompt_token_ids) + list(completion_token_ids)
         source = self._branches.get(prepared._source) if prepared._source is not None else None
         # Every commit adds a message, so an unchanged length means nobody extended the branch meanwhile.
@@ -191,7 +191,7 @@ class Conversation:
             if branch.tools_key != tools_key:
                 continue
             common = 0
-            for recorded, wanted in zip(branch.messages, keys):
+            for recorded, wanted in zip(branch.messages, keys, strict=False):  # the common prefix
                 if recorded != wanted:
                     break
                 common += 1

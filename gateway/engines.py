@@ -1,7 +1,7 @@
 """Engines as the gateway sees them: one small handle interface over three ways to reach an engine.
 
 - `LocalEngine`: an engine object in the gateway's own process (`EmbeddedEngine`, or anything with
-  its `generate` / `health` verbs, and `score_versioned` to score).
+  its `generate` / `health` verbs, and `score` to score).
 - `RayEngine`: a `RolloutWorker` actor (`rollout/worker.py`), by handle or by name.
 - `HttpEngine`: an engine in another process that serves `engine_app(engine)` (three routes:
   `POST /generate`, `POST /score`, `GET /health`). Remote engines announce themselves to the gateway with
@@ -52,7 +52,7 @@ class LocalEngine:
         return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
 
     async def score(self, sequences, temperature) -> ScoreResult:
-        score = getattr(self.engine, "score_versioned", None)
+        score = getattr(self.engine, "score", None)
         if score is None:
             raise ScoringUnsupported(f"engine {self.engine_id} ({type(self.engine).__name__}) has no score verb")
         try:
@@ -75,7 +75,7 @@ class RayEngine:
         return await self._call("generate", prompt_token_ids, dataclasses.asdict(sampling), session_id)
 
     async def score(self, sequences, temperature) -> ScoreResult:
-        return await self._call("score_versioned", sequences, temperature)
+        return await self._call("score", sequences, temperature)
 
     async def _call(self, method: str, *args):
         import ray
@@ -168,7 +168,7 @@ def engine_app(engine: Any):
     @app.post("/score")
     async def score(sequences: list[list[int]] = Body(...), temperature: float = Body(1.0)) -> dict:
         try:
-            result = await engine.score_versioned(sequences, temperature)
+            result = await engine.score(sequences, temperature)
         except RequestError as error:
             raise HTTPException(400, str(error)) from None
         except NotImplementedError as error:

@@ -2,7 +2,8 @@
 
 JSONL (one trajectory a line, always available) or Parquet (one row a trajectory, turns as a nested
 list; needs pyarrow). The file is written beside its final name and renamed at the end, so an
-interrupted export never leaves a file that looks complete.
+interrupted export never leaves a file that looks complete. Files written before turns carried their
+sampling options read back with those options unset (None: the learner assumes the run's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Iterator, Literal
 
 from asyncrl.records import Trajectory
 
-from .store.base import TrajectoryStore
+from .store.base import TrajectoryReader
 
 Format = Literal["jsonl", "parquet"]
 _PAGE = 256
@@ -23,7 +24,7 @@ _JSON_FIELDS = ("metadata", "metrics")
 
 
 def export_trajectories(
-    store: TrajectoryStore, path: str | Path, *, format: Format | None = None, status: str | None = None
+    store: TrajectoryReader, path: str | Path, *, format: Format | None = None, status: str | None = None
 ) -> int:
     """Write every trajectory in `store` (or those with `status`) to `path`; returns how many.
 
@@ -58,7 +59,7 @@ def _format_of(path: Path) -> Format:
     raise ValueError(f"cannot tell the export format of {str(path)!r}: name it .jsonl or .parquet, or pass format=")
 
 
-def _pages(store: TrajectoryStore, status: str | None) -> Iterator[list[Trajectory]]:
+def _pages(store: TrajectoryReader, status: str | None) -> Iterator[list[Trajectory]]:
     offset = 0
     while page := store.list(status=status, limit=_PAGE, offset=offset):
         yield page
@@ -112,6 +113,9 @@ def _parquet_schema(pa: Any) -> Any:
         ("engine_id", pa.string()),
         ("timings", pa.map_(pa.string(), pa.float64())),
         ("created_at", pa.float64()),
+        ("temperature", pa.float64()),
+        ("top_p", pa.float64()),
+        ("top_k", pa.int64()),
     ])  # fmt: skip
     return pa.schema([
         ("rollout_id", pa.string()),

@@ -19,7 +19,7 @@ from rich.text import Text
 from asyncrl.records import Trajectory
 from asyncrl.samples import trajectory_to_samples
 
-from .store import StoreError, TrajectoryStore, open_store
+from .store import StoreError, TrajectoryReader, TrajectoryStore, open_store
 
 
 def open_run(run: str, namespace: str | None = None) -> TrajectoryStore:
@@ -34,7 +34,7 @@ def open_run(run: str, namespace: str | None = None) -> TrajectoryStore:
     return open_store(path)
 
 
-def list_trajectories(store: TrajectoryStore, console: Console, *, status: str | None = None, limit: int = 100) -> int:
+def list_trajectories(store: TrajectoryReader, console: Console, *, status: str | None = None, limit: int = 100) -> int:
     trajectories = store.list(status=status, limit=limit)
     table = Table(title=f"{len(trajectories)} trajectories" + (f" ({status})" if status else ""), header_style="bold")
     table.add_column("rollout id", no_wrap=True, min_width=32)  # ids are what `show` takes: never cut them
@@ -52,7 +52,7 @@ def list_trajectories(store: TrajectoryStore, console: Console, *, status: str |
     return len(trajectories)
 
 
-def show_trajectory(store: TrajectoryStore, rollout_id: str, console: Console, tokenizer=None) -> None:
+def show_trajectory(store: TrajectoryReader, rollout_id: str, console: Console, tokenizer=None) -> None:
     t = store.get(rollout_id)
     reward = "none" if t.reward is None else f"{t.reward:g}"
     console.print(f"[bold]{t.rollout_id}[/]  task={t.task!r} group={t.group_id!r} status={_status(t.status)} reward={reward}")
@@ -82,7 +82,8 @@ def _token_table(sample, tokenizer) -> Table:
     table = Table(title=title, header_style="bold", show_edge=False, pad_edge=False)
     for column in ("pos", "text", "token id", "log-prob", "version", "mask"):
         table.add_column(column, justify="left" if column == "text" else "right")
-    for pos, (token, mask, logprob, version) in enumerate(zip(sample.token_ids, sample.loss_mask, sample.logprobs, sample.versions)):
+    columns = zip(sample.token_ids, sample.loss_mask, sample.logprobs, sample.versions, strict=True)
+    for pos, (token, mask, logprob, version) in enumerate(columns):
         text = Text(repr(tokenizer.decode([token], skip_special_tokens=False))[1:-1], style="bold green" if mask else "dim")
         shown = (f"{logprob:.4f}", str(version)) if mask else ("", "")
         table.add_row(str(pos), text, str(token), *shown, str(mask), style=None if mask else "dim")

@@ -4,23 +4,24 @@ The episode runner opens and finishes rollouts through a lifecycle client; `asyn
 gateway in its own process, so those calls need no HTTP. The policy calls still go over loopback
 HTTP through the OpenAI API, as any agent's would. This skips two of the three HTTP requests of a
 one-turn episode, which on 2 cores were most of the driver's CPU (httpx's connection pool checks
-every pooled socket on each request). Same verbs and refusals as `AsyncGatewayClient`.
+every pooled socket on each request). Same verbs and refusals as `AsyncGatewayClient`: both implement
+`asyncrl.lifecycle.RolloutLifecycle`.
 """
 
 from __future__ import annotations
 
 from asyncrl.gateway import api
-from asyncrl.gateway.client import GatewayRefused, Rollout
 from asyncrl.gateway.service import GatewayError, GatewayService
 from asyncrl.gateway.store import RolloutClosed, StoreError, UnknownRollout
+from asyncrl.lifecycle import LifecycleRefused, Rollout
 
 
 class InProcessLifecycle:
     def __init__(self, service: GatewayService, url: str) -> None:
         self.service, self.url = service, url.rstrip("/")
 
-    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None) -> Rollout:
-        request = api.OpenRolloutRequest(task=task, group_id=group_id, metadata=metadata or {})
+    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
+        request = api.OpenRolloutRequest(task=task, group_id=group_id, metadata=metadata or {}, evaluation=evaluation)
         opened = await _refusing(self.service.open_rollout(request))
         return Rollout(opened.rollout_id, opened.api_key, self.url + "/v1")
 
@@ -33,14 +34,14 @@ class InProcessLifecycle:
 
 
 async def _refusing(call):
-    """The HTTP client's error contract: a refusal is a GatewayRefused with the status it would get."""
+    """The HTTP client's error contract: a refusal is a LifecycleRefused with the status it would get."""
     try:
         return await call
     except UnknownRollout as error:
-        raise GatewayRefused(404, str(error)) from None
+        raise LifecycleRefused(404, str(error)) from None
     except RolloutClosed as error:
-        raise GatewayRefused(409, str(error)) from None
+        raise LifecycleRefused(409, str(error)) from None
     except StoreError as error:
-        raise GatewayRefused(400, str(error)) from None
+        raise LifecycleRefused(400, str(error)) from None
     except GatewayError as error:
-        raise GatewayRefused(error.status, str(error)) from None
+        raise LifecycleRefused(error.status, str(error)) from None

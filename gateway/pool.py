@@ -85,7 +85,7 @@ class EnginePool:
             *(asyncio.wait_for(handle.health(), self.config.heartbeat_interval_s) for _, (handle, _) in polled),
             return_exceptions=True,
         )
-        for (engine_id, (handle, capacity)), health in zip(polled, reports):
+        for (engine_id, (handle, capacity)), health in zip(polled, reports, strict=True):
             if isinstance(health, BaseException) or not health.get("alive", True):
                 continue  # no heartbeat: after heartbeat_timeout_s the registry drops the engine
             if not self.registry.heartbeat(engine_id, health):

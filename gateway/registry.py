@@ -58,7 +58,7 @@ class Lease:
             self.released = True
             self.info.in_flight -= 1
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,8 +8,16 @@ a key without a lookup, and after a restart a key still finds its rollout in the
 turn then starts a fresh branch, which sample assembly handles as a fork). Store calls run on a
 small thread pool: SQLite and Redis clients block.
 
+Every turn records the sampling options it was drawn with (temperature, top-p, top-k), and the
+learner scores its tokens at them. With `gateway.sampling_overrides: refuse` (the default) a request
+may not ask for other options than the run's `rollout.sampling`: it gets a 400 naming the option.
+
 Scoring (`score_tokens`, prefill-only log-probs of given token sequences) needs no key and records
 nothing: it is a read of the engines' current weights, not a turn of a rollout.
+
+An evaluation rollout (opened with `evaluation: true`, for held-out evaluation) takes the same path
+but is sampled greedily whatever the request asks, and touches no store: it lives in `_live` until
+it is finished or aborted, then only its ended status is remembered. It never reaches the learner.
 
 Nothing here knows HTTP; `app.py` maps the exceptions raised here to status codes.
 """
@@ -17,6 +25,7 @@ Nothing here knows HTTP; `app.py` maps the exceptions raised here to status code
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -34,7 +43,7 @@ from asyncrl.records import GenerationResult, SamplingParams, Turn
 from . import api
 from .conversation import Conversation, ConversationError
 from .pool import EnginePool
-from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryStore, UnknownRollout
+from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryRecorder, UnknownRollout
 from .template import chat_template
 from .toolcalls import MessageError, parse_completion
 
@@ -65,12 +74,16 @@ class Rollout:
     abandon: set[asyncio.Future] = field(default_factory=set)
     """Wake-ups of this rollout's requests in flight; resolved when the rollout ends."""
     broken: str | None = None
+    evaluation: api.OpenRolloutRequest | None = None
+    """An evaluation rollout's opening request (its task, group and metadata); None for a recorded rollout."""
+    turns: int = 0
+    """Turns an evaluation rollout has taken (the store counts a recorded rollout's)."""
 
 
 class GatewayService:
     def __init__(
         self,
-        store: TrajectoryStore,
+        store: TrajectoryRecorder,
         tokenizer: Any,
         pool: EnginePool,
         config: GatewayConfig,
@@ -110,21 +123,44 @@ class GatewayService:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def open_rollout(self, request: api.OpenRolloutRequest) -> api.OpenRolloutResponse:
-        rollout_id = await self._io(self.store.open, request.task, request.group_id, request.metadata)
-        self._live[rollout_id] = self._new_rollout(rollout_id)
+        if request.evaluation:
+            rollout_id = f"eval-{secrets.token_hex(12)}"
+            self._live[rollout_id] = self._new_rollout(rollout_id)
+            self._live[rollout_id].evaluation = request
+        else:
+            rollout_id = await self._io(self.store.open, request.task, request.group_id, request.metadata)
+            self._live[rollout_id] = self._new_rollout(rollout_id)
         return api.OpenRolloutResponse(rollout_id=rollout_id, api_key=self._key(rollout_id))
 
     async def finish_rollout(self, rollout_id: str, request: api.FinishRolloutRequest) -> api.RolloutInfo:
+        evaluation = self._evaluation(rollout_id)
+        if evaluation is not None:
+            info = _evaluation_info(evaluation, request.status, request.reward, request.metrics, request.reason)
+            self._end(rollout_id, request.status)
+            return info
         await self._io(self.store.finish, rollout_id, request.reward, request.status, request.metrics, request.reason)
         self._end(rollout_id, request.status)
         return await self.rollout_info(rollout_id)
 
     async def abort_rollout(self, rollout_id: str, request: api.AbortRolloutRequest) -> api.RolloutInfo:
+        evaluation = self._evaluation(rollout_id)
+        if evaluation is not None:
+            info = _evaluation_info(evaluation, "aborted", None, {}, request.reason)
+            self._end(rollout_id, "aborted")
+            return info
         await self._io(self.store.abort, rollout_id, request.reason)
         self._end(rollout_id, "aborted")
         return await self.rollout_info(rollout_id)
 
+    def _evaluation(self, rollout_id: str) -> Rollout | None:
+        """The running evaluation rollout of this id (None: a recorded rollout, or one that ended)."""
+        rollout = self._live.get(rollout_id)
+        return rollout if rollout is not None and rollout.evaluation is not None else None
+
     async def rollout_info(self, rollout_id: str) -> api.RolloutInfo:
+        evaluation = self._evaluation(rollout_id)
+        if evaluation is not None:
+            return _evaluation_info(evaluation, "running", None, {}, "")
         t = await self._io(self.store.get, rollout_id)
         live = self._live.get(rollout_id)
         return api.RolloutInfo(
@@ -191,11 +227,11 @@ class GatewayService:
         parsed = parse_completion(result.token_ids, self.tokenizer, request.tools, self._call_id)
         message = parsed.message()
         branch = rollout.conversation.commit(prepared, result.token_ids, message)
-        index = await self._record(rollout, prepared.prompt_token_ids, result, branch, timings, started)
+        index = await self._record(rollout, prepared.prompt_token_ids, result, sampling, branch, timings, started)
         logprobs = self._token_logprobs(result) if request.logprobs else None
         return api.chat_response(
             self.model_name, rollout.id, index, branch, message, parsed.finish_reason(result.finish_reason),
-            result, len(prepared.prompt_token_ids), prepared.reused_tokens, logprobs,
+            result, len(prepared.prompt_token_ids), prepared.reused_tokens, logprobs, rollout.evaluation is not None,
         )  # fmt: skip
 
     async def complete(self, key: str | None, request: api.CompletionRequest) -> dict:
@@ -210,16 +246,19 @@ class GatewayService:
         completion_text = self.tokenizer.decode(completion, skip_special_tokens=False)
         if text is not None:
             rollout.texts = (rollout.texts + [(text + completion_text, prompt + completion)])[-TEXT_HISTORY:]
-        index = await self._record(rollout, prompt, result, 0, timings, started)
+        index = await self._record(rollout, prompt, result, sampling, 0, timings, started)
         logprobs = self._token_logprobs(result) if request.logprobs is not None else None
-        return api.completion_response(self.model_name, rollout.id, index, completion_text, result, len(prompt), reused, logprobs)
+        evaluation = rollout.evaluation is not None
+        return api.completion_response(
+            self.model_name, rollout.id, index, completion_text, result, len(prompt), reused, logprobs, evaluation
+        )
 
     async def generate_tokens(self, key: str | None, request: api.TokenGenerateRequest) -> api.TokenGenerateResponse:
         started = time.perf_counter()
         rollout = await self.rollout_for_key(key)
         sampling = self._sampling(request, request.max_tokens)
         result, timings = await self._generate(rollout, request.prompt_token_ids, sampling)
-        index = await self._record(rollout, request.prompt_token_ids, result, 0, timings, started)
+        index = await self._record(rollout, request.prompt_token_ids, result, sampling, 0, timings, started)
         return api.TokenGenerateResponse(
             rollout_id=rollout.id, turn_index=index, token_ids=result.token_ids, logprobs=result.logprobs,
             versions=result.versions, finish_reason=result.finish_reason, engine_id=result.engine_id,
@@ -256,6 +295,9 @@ class GatewayService:
             stop_token_ids=tuple(request.stop_token_ids or ()) + tuple(self._stop_token(s) for s in stops),
         )  # fmt: skip
         params.validate()  # a RequestError, answered as a 400
+        refuse = self.config.sampling_overrides == "refuse"
+        if refuse and (params.temperature, params.top_p, params.top_k) != (defaults.temperature, defaults.top_p, defaults.top_k):
+            raise _override_refused(params, defaults)
         return params
 
     def _stop_token(self, text: str) -> int:
@@ -281,6 +323,8 @@ class GatewayService:
     async def _generate(self, rollout: Rollout, prompt: list[int], sampling: SamplingParams) -> tuple[GenerationResult, dict]:
         if len(prompt) > self.config.max_prompt_tokens:
             raise bad_request(f"prompt is {len(prompt)} tokens; gateway.max_prompt_tokens is {self.config.max_prompt_tokens}")
+        if rollout.evaluation is not None:
+            sampling = dataclasses.replace(sampling, temperature=0.0)  # held-out evaluation decodes greedily
         loop = asyncio.get_running_loop()
         began = time.perf_counter()
         self.in_flight += 1
@@ -292,11 +336,17 @@ class GatewayService:
             self.in_flight -= 1
         return result, {**result.timings, "engine_call_s": time.perf_counter() - began, "retries": float(retries)}
 
-    async def _record(self, rollout: Rollout, prompt, result: GenerationResult, branch: int, timings: dict, started: float) -> int:
+    async def _record(
+        self, rollout: Rollout, prompt, result: GenerationResult, sampling: SamplingParams, branch: int, timings: dict, started: float
+    ) -> int:
+        if rollout.evaluation is not None:  # recorded nowhere, only counted
+            rollout.turns += 1
+            return rollout.turns - 1
         timings["gateway_s"] = time.perf_counter() - started
         turn = Turn(
             rollout.id, list(prompt), result.token_ids, result.logprobs, result.versions, result.finish_reason,
             branch=branch, engine_id=result.engine_id, timings=timings, created_at=time.time(),
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
         )  # fmt: skip
         try:
             return await self._io(self.store.append, turn)
@@ -329,6 +379,28 @@ def _render(prepare, messages: list[dict], tools: list | None):
         raise
     except Exception as error:  # e.g. a template error on content the template cannot render
         raise bad_request(f"the messages cannot be rendered with the chat template: {type(error).__name__}: {error}") from None
+
+
+def _evaluation_info(rollout: Rollout, status: str, reward: float | None, metrics: dict, reason: str) -> api.RolloutInfo:
+    opened = rollout.evaluation
+    assert opened is not None
+    return api.RolloutInfo(
+        rollout_id=rollout.id, task=opened.task, group_id=opened.group_id, metadata=opened.metadata, status=status,
+        reward=reward, metrics=metrics, reason=reason, turns=rollout.turns, in_flight=len(rollout.abandon),
+    )  # fmt: skip
+
+
+def _override_refused(params: SamplingParams, run: SamplingConfig) -> GatewayError:
+    """gateway.sampling_overrides=refuse: every call samples at the run's options, so every token is drawn
+    from the distribution the run trains (the learner reproduces no top-k/top-p truncation)."""
+    name = next(n for n in ("temperature", "top_p", "top_k") if getattr(params, n) != getattr(run, n))
+    asked, value = getattr(params, name), getattr(run, name)
+    return GatewayError(
+        400, "sampling_override_refused",
+        f"{name}={asked} differs from this run's rollout.sampling.{name}={value}, and gateway.sampling_overrides is "
+        f"'refuse'; leave {name} out (or send {value}), or set gateway.sampling_overrides=allow to sample as each "
+        "request asks (every turn records the options it was sampled with, and the learner scores it at them)",
+    )  # fmt: skip
 
 
 def _strip_eos(token_ids: list[int], tokenizer: Any) -> list[int]:

@@ -2,12 +2,16 @@
 HTTP client every episode's OpenAI client shares.
 
 `asyncrl run` (over its Ray rollout workers) and `asyncrl bench agentic` (over stub engines) both
-serve the gateway this way, so the bench measures the same serving path as a run.
+serve the gateway this way, so the bench measures the same serving path as a run. `evaluation_gateway`
+serves it the same way for held-out evaluation alone (the SFT warm start, the pipeline's matrix).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator
 
 from asyncrl.configs.schema import RunConfig
 
@@ -49,6 +53,22 @@ class InProcessGateway:
         self.server.should_exit = True
         await asyncio.gather(self.task, return_exceptions=True)
         self.service.close()
+
+
+@contextlib.asynccontextmanager
+async def evaluation_gateway(config: RunConfig, engines: list, tokenizer) -> AsyncIterator[InProcessLifecycle]:
+    """An `InProcessGateway` on a free port for evaluation rollouts, which write no store: its store is
+    a scratch one, deleted afterwards."""
+    from asyncrl.gateway.store import open_store
+
+    served = config.model_copy(update={"gateway": config.gateway.model_copy(update={"port": 0})})
+    with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as directory:
+        store = open_store(directory)
+        try:
+            async with InProcessGateway(served, store, engines, tokenizer) as lifecycle:
+                yield lifecycle
+        finally:
+            store.close()
 
 
 def episode_http_client(config: RunConfig):

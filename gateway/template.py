@@ -19,8 +19,10 @@ from typing import Any
 try:  # transformers' cached compiler, exactly what apply_chat_template renders with
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
     from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    _COMPILED = True
 except ImportError:  # another transformers layout: the tokenizer's own calls are always right
-    TokenizersBackend = _compile_jinja_template = None
+    _COMPILED = False
 
 
 class TokenizerTemplate:
@@ -70,7 +72,7 @@ def chat_template(tokenizer: Any) -> TokenizerTemplate:
     """The fastest exact renderer for `tokenizer`: `CompiledTemplate` for a plain fast tokenizer
     (not a subclass that changes how it encodes), else the tokenizer's own calls."""
     plain = (
-        _compile_jinja_template is not None
+        _COMPILED
         and isinstance(tokenizer, TokenizersBackend)
         and type(tokenizer)._encode_plus is TokenizersBackend._encode_plus
         and type(tokenizer).encode is TokenizersBackend.encode

@@ -93,7 +93,7 @@ def parse_completion(
         return parse_completion_text(tokenizer.decode(ids, skip_special_tokens=False), tools, new_id)
     pieces: list[tuple[str | None, str]] = []
     run: list[int] = []
-    for token_id in ids + [None]:
+    for token_id in [*ids, None]:
         if token_id is not None and token_id not in marker_ids:
             run.append(token_id)
             continue

@@ -7,7 +7,8 @@ The scheduler drives it with a handful of verbs; weights leave it as an ObjectRe
         push_weights(workers, learner.state.remote(), metrics["version"])
 
 `state.remote()` returns the state dict's ObjectRef, which `push_weights` hands to every worker as
-it is: the weights are serialized once, by the learner, and never pass through the driver.
+it is: the weights are serialized once, by the learner, and never pass through the driver. The
+scheduler's loop makes these calls through its learner client (`sched/clients.py` RayLearner).
 """
 
 from __future__ import annotations

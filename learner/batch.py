@@ -4,6 +4,10 @@ Samples are bucketed by length the way SFT buckets demonstrations (`sft_data.len
 each bucket is cut so that no micro-batch holds more than `max_tokens` padded tokens (rows x
 longest row), which bounds activation memory whatever the mix of short and long rollouts.
 
+Every row carries the temperature at which each of its tokens is scored (`Sample.scoring_temperatures`:
+the temperature its turn sampled at, 1 for greedy tokens, the run's where none is on record), so the
+learner's log-probs compare with the engine's token by token.
+
 A sample may carry `teacher_logprobs` (aligned with its tokens, as `distill.ScoredSample` does):
 it is a distillation sample, whose advantage is per token and is computed in the learner's step
 from those log-probs (`distill/advantage.py`) instead of from its reward.
@@ -30,6 +34,8 @@ class Row:
     loss_mask: list[int]
     logprobs: list[float]
     advantage: float
+    temperatures: list[float]
+    """The temperature each token's log-prob is taken at (> 0; see `Sample.scoring_temperatures`)."""
     teacher_logprobs: list[float] | None = None
     """A distillation row: the teacher's log-prob of every token (its advantage is then per token)."""
 
@@ -50,25 +56,31 @@ class MicroBatch:
     """[B, T] teacher log-prob of each token of a distillation row; 0 elsewhere."""
     distill: torch.Tensor
     """[B] bool: the row is a distillation row (per-token advantages from `teacher_logprobs`)."""
+    temperatures: torch.Tensor
+    """[B, T] temperature the log-prob of each token is taken at; 1 on padding."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         return MicroBatch(*(t.to(device) for t in vars(self).values()))
 
 
-def to_rows(samples: Sequence[Sample], advantages: Sequence[float]) -> list[Row]:
-    """Pair samples with advantages, refusing samples the learner cannot score."""
+def to_rows(samples: Sequence[Sample], advantages: Sequence[float], temperature: float = 1.0) -> list[Row]:
+    """Pair samples with advantages, refusing samples the learner cannot score. `temperature`: the run's
+    sampling temperature, for tokens with none on record."""
     rows = []
     for sample, advantage in zip(samples, advantages, strict=True):
         n = len(sample.token_ids)
         if not (len(sample.loss_mask) == len(sample.logprobs) == len(sample.versions) == n):
             raise ValueError(f"rollout {sample.rollout_id!r}: token_ids, loss_mask, logprobs, versions lengths differ")
+        if sample.temperatures is not None and len(sample.temperatures) != n:
+            raise ValueError(f"rollout {sample.rollout_id!r}: temperatures and token_ids lengths differ")
         if n and sample.loss_mask[0]:
             # Position 0 has no context to predict it from; it can only be a prompt token.
             raise ValueError(f"rollout {sample.rollout_id!r}: its first token is marked as sampled")
         teacher = getattr(sample, "teacher_logprobs", None)
         if teacher is not None and len(teacher) != n:
             raise ValueError(f"rollout {sample.rollout_id!r}: teacher_logprobs and token_ids lengths differ")
-        rows.append(Row(sample.token_ids, sample.loss_mask, sample.logprobs, float(advantage), teacher))
+        temperatures = sample.scoring_temperatures(temperature)
+        rows.append(Row(sample.token_ids, sample.loss_mask, sample.logprobs, float(advantage), temperatures, teacher))
     return rows
 
 
@@ -90,14 +102,17 @@ def _collate(rows: list[Row], pad_token_id: int) -> MicroBatch:
     tensors = collate(rows, pad_token_id)
     logprobs = torch.zeros_like(tensors["loss_mask"])
     teacher = torch.zeros_like(tensors["loss_mask"])
+    temperatures = torch.ones_like(tensors["loss_mask"])  # not 0 on padding: logits / 0 would be NaN there
     for i, row in enumerate(rows):
         logprobs[i, : len(row.logprobs)] = torch.tensor(row.logprobs, dtype=torch.float32)
+        temperatures[i, : len(row.temperatures)] = torch.tensor(row.temperatures, dtype=torch.float32)
         if row.teacher_logprobs is not None:
             teacher[i, : len(row.teacher_logprobs)] = torch.tensor(row.teacher_logprobs, dtype=torch.float32)
     return MicroBatch(
         input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], loss_mask=tensors["loss_mask"],
         rollout_logprobs=logprobs, advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         teacher_logprobs=teacher, distill=torch.tensor([r.teacher_logprobs is not None for r in rows]),
+        temperatures=temperatures,
     )  # fmt: skip
 
 

@@ -13,11 +13,13 @@ on the tiny policy, MEASUREMENTS.md). The loss is divided by the trainable token
 selected sample, skipped ones included, so skipping changes the cost of a step and nothing else.
 
 Sampling temperature: engines report the log-prob of the distribution they actually sampled from,
-i.e. softmax(logits / T). The learner divides its logits by the same T (`sampling_temperature`;
-`from_config` takes `rollout.sampling.temperature`), otherwise every ratio would be off by the
-temperature and the masks would drop good tokens. Greedy rollouts (T = 0) report raw log-probs, so
-T = 0 means 1 here. top-k / top-p renormalise over a truncated distribution the learner does not
-reproduce; such runs get a warning and ratios below 1 on every truncated step.
+i.e. softmax(logits / T). The learner divides the logits of every token by the T its turn was sampled
+at (recorded on the turn, carried per token by the sample, `batch.Row.temperatures`), otherwise every
+ratio would be off by the temperature and the masks would drop good tokens. Greedy tokens (T = 0)
+are reported as raw log-probs, so T = 0 means 1 here; tokens with no temperature on record (old
+stores, hand-built samples) take the run's (`sampling_temperature`; `from_config` takes
+`rollout.sampling.temperature`). top-k / top-p renormalise over a truncated distribution the learner
+does not reproduce; such runs get a warning and ratios below 1 on every truncated step.
 
 Distillation samples (cross-stage distillation, `distill/`) go through the same step: selection
 (group size 1), the same objective, masks and staleness rule. They carry the teacher's log-prob of
@@ -63,8 +65,11 @@ def make_objective(config: LearnerConfig) -> Objective:
     return partial(double_sided_is_loss, eps_low=config.eps_low, eps_high=config.eps_high)
 
 
-def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, T-1]: log-prob of token j+1 given tokens 0..j, at the sampling temperature (float32)."""
+def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """[B, T-1]: log-prob of token j+1 given tokens 0..j, at the sampling temperature (float32): one
+    for every token, or a [B, T-1] tensor giving the temperature of each token j+1."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature[..., None]  # one per position, broadcast over the vocabulary
     scaled = logits[:, :-1].float() / temperature
     chosen = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return chosen - torch.logsumexp(scaled, dim=-1)
@@ -151,6 +156,7 @@ class RLLearner:
         self.tokenizer = tokenizer
         self.mtp = mtp.eval() if mtp is not None else None
         self.temperature = sampling_temperature if sampling_temperature > 0 else 1.0
+        """The run's sampling temperature, for tokens with none on record."""
         self.mtp_depth = mtp_depth
         self.version = version
         """Policy version of the current weights: +1 per optimizer step."""
@@ -200,7 +206,7 @@ class RLLearner:
             group_size=self.config.group_size, crash_statuses=self.config.crash_statuses,
         )  # fmt: skip
         advantages = advantages_for(selection, self.config.normalize_adv_std)
-        rows = to_rows(selection.batch, advantages)
+        rows = to_rows(selection.batch, advantages, self.temperature)
         computed = [row for row in rows if row.advantage != 0.0 or row.teacher_logprobs is not None]
         trainable = sum(sum(row.loss_mask[1:]) for row in rows)
         stats = self._accumulate(computed, trainable)
@@ -229,7 +235,7 @@ class RLLearner:
         for batch in micro_batches(rows, pad, self.config.micro_batch_tokens):
             batch = batch.to(self.device)
             hidden, logits = policy_hidden_and_logits(self.model, batch.input_ids, batch.attention_mask)
-            logp = sampled_logprobs(logits, batch.input_ids, self.temperature)
+            logp = sampled_logprobs(logits, batch.input_ids, batch.temperatures[:, 1:])
             mask = batch.loss_mask[:, 1:]
             out = self.objective(logp, batch.rollout_logprobs[:, 1:], _advantages(batch, logp, mask), mask)
             # The objective divides by this micro-batch's trainable tokens; rescale to the step's.

@@ -1,4 +1,7 @@
-"""Synthetic SFT demonstrations: token IDs plus a loss mask that is 1 exactly on assistant tokens.
+"""SFT demonstrations rendered for training: token IDs plus a loss mask that is 1 exactly on assistant tokens.
+
+The demonstrations themselves come from the environments (their optional `demonstration(rng)`, see
+envs/base.py); `DemoStream` mixes their streams and renders each with the chat template.
 
 "Assistant tokens" means what the model itself writes after the generation prompt: the answer, any
 tool-call markup, and the EOS that ends the turn. The role header `<|assistant|>` is not one of
@@ -9,14 +12,11 @@ tokens. This is the same rule as the RL sample's loss mask, so SFT and RL train 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-
-from asyncrl.configs.schema import ArithmeticTaskConfig, GeneralTaskConfig
-from asyncrl.envs.arithmetic import ArithmeticTask
-from asyncrl.envs.general import GeneralTask
-from asyncrl.envs.tool_demos import PYTHON_TOOL, sample_tool_problem
 
 
 @dataclass
@@ -62,28 +62,35 @@ def render_demo(tokenizer, messages: list[dict], tools: list[dict] | None = None
     return Demo(token_ids, loss_mask)
 
 
-class DemoStream:
-    """An endless, seeded mix of arithmetic, tool-call and general-instruction demonstrations."""
+class DemoSource(Protocol):
+    """Anything with an environment's `demonstration(rng)`: an object with `messages` and `tools`."""
 
-    def __init__(
-        self, tokenizer, task_config: ArithmeticTaskConfig, tool_demo_fraction: float, seed: int,
-        general_demo_fraction: float = 0.0, general_config: GeneralTaskConfig | None = None,
-    ) -> None:  # fmt: skip
-        self.tokenizer = tokenizer
-        self.task = ArithmeticTask(task_config)
-        self.tool_demo_fraction = tool_demo_fraction
-        self.general_demo_fraction = general_demo_fraction
-        self.general = GeneralTask(general_config) if general_demo_fraction else None
+    def demonstration(self, rng: random.Random) -> Any: ...
+
+
+class DemoStream:
+    """An endless, seeded mix of demonstration sources.
+
+    `shares`: (share, source) pairs; each demonstration draws one uniform number and takes the first
+    source whose cumulative share exceeds it, `rest` when none does. The sources draw from the same
+    seeded generator, so a seed fixes the whole stream.
+    """
+
+    def __init__(self, tokenizer, shares: Sequence[tuple[float, DemoSource]], rest: DemoSource, seed: int) -> None:
+        if sum(share for share, _ in shares) > 1.0 + 1e-9:
+            raise ValueError("the demonstration shares must not exceed 1")
+        self.tokenizer, self.shares, self.rest = tokenizer, list(shares), rest
         self.rng = random.Random(seed)
 
     def next(self) -> Demo:
-        draw = self.rng.random()
-        if draw < self.tool_demo_fraction:
-            problem = sample_tool_problem(self.rng)
-            return render_demo(self.tokenizer, problem.demonstration(), tools=[PYTHON_TOOL])
-        if self.general is not None and draw < self.tool_demo_fraction + self.general_demo_fraction:
-            return render_demo(self.tokenizer, self.general.sample(self.rng).demonstration())  # training split only
-        return render_demo(self.tokenizer, self.task.sample(self.rng).demonstration())
+        draw, bound, source = self.rng.random(), 0.0, self.rest
+        for share, candidate in self.shares:
+            bound += share
+            if draw < bound:
+                source = candidate
+                break
+        demonstration = source.demonstration(self.rng)
+        return render_demo(self.tokenizer, demonstration.messages, tools=demonstration.tools)
 
     def batch(self, size: int) -> list[Demo]:
         return [self.next() for _ in range(size)]

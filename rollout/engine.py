@@ -1,10 +1,11 @@
 """The embedded rollout engine: continuous batching over a native forward pass and a slot KV cache.
 
-`step()` is the whole engine, synchronous and readable: schedule (admit waiting requests into free
-slots, or decode everything running), execute (one forward, one sampling call), update (append
-tokens, finish requests, release slots). A background thread calls `step()` while there is work,
-and `async generate()` hands requests to it; weight updates are applied at the start of a step,
-so in-flight requests carry on and their later tokens carry the new version.
+`advance()` is the whole engine core, synchronous and readable: schedule (admit waiting requests
+into free slots, or decode everything running), execute (one forward, one sampling call), update
+(append tokens, finish requests, release slots). The engine front (`rollout/front.py`) does the
+rest: it takes requests from any thread, steps the core on a background thread while there is
+work, and applies weight updates at the start of a step, so in-flight requests carry on and their
+later tokens carry the new version. `step()` is one such step by hand (an engine not serving).
 
 `score()` is prefill-only scoring (`rollout/scoring.py`) with the engine's own weights, run by the
 stepping thread between two steps in a cache of its own.
@@ -16,11 +17,9 @@ tokens. With `rollout.fp8`, the linear weights are FP8 (`rollout/fp8.py`).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import random
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.configs.schema import RolloutConfig
+from asyncrl.configs.schema import EmbeddedRolloutConfig
 from asyncrl.records import FinishReason, GenerationResult, SamplingParams, ScoreResult
 
+from .front import EngineFront
 from .kv_cache import ForwardBatch, KVCache, SlotManager
 from .models import build_model
 from .models.mtp import NativeMTP
@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 
 MAX_PREFILL_TOKENS = 8192
 """Padded prompt tokens (rows x longest suffix) admitted into one prefill step; bounds its memory."""
-IDLE_EXIT_S = 0.25
-"""Seconds without work after which the background stepping thread exits (the next request restarts it)."""
 
 
 @dataclass(eq=False)
@@ -56,7 +54,6 @@ class _Request:
     session_id: str | None
     stop_ids: frozenset[int]
     rng: random.Random
-    on_finish: Callable[[GenerationResult], None] | None
     submitted: float = field(default_factory=time.perf_counter)
     scheduled: float = 0.0
     first_token: float = 0.0
@@ -80,61 +77,45 @@ class _Request:
 
 
 class EmbeddedEngine:
-    """Implements the `Engine` protocol in-process on CPU or one GPU, for `glm_moe_dsa` and `qwen3`."""
+    """Implements the `Engine` protocol in-process on CPU or one GPU, for `glm_moe_dsa` and `qwen3`;
+    the engine core its `EngineFront` drives."""
 
     def __init__(
         self,
         model,
-        config: RolloutConfig | None = None,
+        config: EmbeddedRolloutConfig | None = None,
         *,
         engine_id: str = "embedded",
         version: int = 0,
         dtype: torch.dtype = torch.float32,
         mtp=None,
     ) -> None:
-        """`model`: a transformers causal LM in memory, or a directory `from_pretrained` can load.
+        """`model`: a transformers causal LM in memory (`from_pretrained` loads one from a directory),
+        whose config and weights the native model is built from.
 
         `mtp`: the policy's MTP layer (`asyncrl.policy.mtp.MTPLayer`, or its state dict), needed by
-        `config.mtp_drafting`; a checkpoint directory written by `save_policy` brings its own.
+        `config.mtp_drafting`.
         """
-        self.config = config = config or RolloutConfig()
+        self.config = config = config or EmbeddedRolloutConfig()
         torch.set_num_threads(config.torch_threads)
         if config.mtp_drafting and not 1 <= config.mtp_draft_tokens <= config.mtp_max_draft_tokens:
             raise ValueError(
                 f"rollout.mtp_draft_tokens must be in [1, mtp_max_draft_tokens={config.mtp_max_draft_tokens}], "
                 f"got {config.mtp_draft_tokens}"
             )
-        if isinstance(model, (str, Path)):
-            if config.mtp_drafting and mtp is None:
-                from asyncrl.policy.checkpoint import load_policy
-
-                model, _, mtp = load_policy(model)
-            else:
-                from transformers import AutoModelForCausalLM
-
-                model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
         if config.mtp_drafting and mtp is None:
-            raise ValueError(
-                "rollout.mtp_drafting needs the policy's MTP layer: pass mtp=, or a checkpoint directory that has one"
-            )
+            raise ValueError("rollout.mtp_drafting needs the policy's MTP layer: pass mtp=, or a checkpoint directory that has one")
         hf_config = model.config
         self.engine_id = engine_id
         self.dtype = dtype
-        self.device = torch.device(
-            "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
-        )
+        self.device = torch.device("cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu")
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         if self.max_model_len > hf_config.max_position_embeddings:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{hf_config.max_position_embeddings}"
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {hf_config.max_position_embeddings}"
             )
-        self.model = build_model(
-            hf_config, model.state_dict(), max_len=self.max_model_len, dtype=dtype, device=self.device, fp8=config.fp8
-        )
-        self.drafter = None
-        if config.mtp_drafting:
-            self.drafter = NativeMTP(self.model, mtp if isinstance(mtp, dict) else mtp.state_dict())
+        self.model = build_model(hf_config, model.state_dict(), max_len=self.max_model_len, dtype=dtype, device=self.device, fp8=config.fp8)
+        self.drafter = NativeMTP(self.model, mtp if isinstance(mtp, dict) else mtp.state_dict()) if config.mtp_drafting else None
         self.vocab_size = hf_config.vocab_size
         eos = hf_config.eos_token_id
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
@@ -147,9 +128,7 @@ class EmbeddedEngine:
         )
         self.slots = SlotManager(self.cache, config.max_num_seqs, config.retained_prefixes)
         self.speculative = (
-            SpeculativeDecoder(self.model, self.drafter, self.cache, config.mtp_draft_tokens, self.device)
-            if self.drafter
-            else None
+            SpeculativeDecoder(self.model, self.drafter, self.cache, config.mtp_draft_tokens, self.device) if self.drafter else None
         )
         self.verify_steps = 0
         self.verify_tokens = 0
@@ -159,27 +138,28 @@ class EmbeddedEngine:
         self.generated_tokens = 0
         self.last_error: str | None = None
         self._ids = itertools.count()
+        # The core's state: only the stepping thread (or a caller holding the front's step lock) touches it.
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
-        # Shared with other threads (submitters, update_weights); everything else is the stepping thread's.
-        self._cv = threading.Condition()
-        self._inbox: deque[_Request] = deque()
-        self._aborts: set[str] = set()
-        self._pending_weights: tuple[dict, int] | None = None
-        self._weights_applied = threading.Event()
-        self._weights_error: Exception | None = None
-        self._jobs: deque[Callable[[], None]] = deque()  # scoring calls, run between two steps
         self._scorer: NativeScorer | None = None  # built by the first scoring call
-        self._thread: threading.Thread | None = None
-        self._step_lock = threading.Lock()
-        self._serving = False
-        self._stopping = False
+        self.front = EngineFront(self, name=f"engine-{engine_id}")
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, config: RolloutConfig | None = None, **kwargs) -> "EmbeddedEngine":
-        return cls(path, config, **kwargs)
+    def from_pretrained(cls, model, config: EmbeddedRolloutConfig | None = None, **kwargs) -> EmbeddedEngine:
+        """An engine over a checkpoint directory (loaded here; with `config.mtp_drafting`, its MTP layer
+        too, as `save_policy` writes it), or over a transformers model already in memory."""
+        if isinstance(model, (str, Path)):
+            if config is not None and config.mtp_drafting and kwargs.get("mtp") is None:
+                from asyncrl.policy.checkpoint import load_policy
 
-    # --- requests ------------------------------------------------------------------------------
+                model, _, kwargs["mtp"] = load_policy(model)
+            else:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(str(model), dtype=kwargs.get("dtype", torch.float32))
+        return cls(model, config, **kwargs)
+
+    # --- the engine verbs ------------------------------------------------------------------------
 
     def add_request(
         self,
@@ -190,29 +170,7 @@ class EmbeddedEngine:
         on_finish: Callable[[GenerationResult], None] | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises RequestError here, and only here."""
-        params = resolve_sampling(sampling, self.config.sampling.model_dump())
-        prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        request = _Request(
-            id=f"{self.engine_id}-{next(self._ids)}",
-            prompt=prompt,
-            params=params,
-            session_id=session_id,
-            stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
-            rng=random.Random(params.seed),  # seed None draws from OS entropy
-            on_finish=on_finish,
-        )
-        with self._cv:
-            self._inbox.append(request)
-            self._cv.notify()
-            self._spawn_locked()
-        return request.id
-
-    def abort(self, request_id: str) -> None:
-        """Finish a request early with reason "abort" (at the next step)."""
-        with self._cv:
-            self._aborts.add(request_id)
-            self._cv.notify()
-            self._spawn_locked()
+        return self.front.submit(self._request(prompt_token_ids, sampling, session_id), on_finish)
 
     async def generate(
         self,
@@ -222,111 +180,50 @@ class EmbeddedEngine:
         session_id: str | None = None,
     ) -> GenerationResult:
         """Sample a completion on the background thread; `session_id` enables prefix reuse across turns."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[GenerationResult] = loop.create_future()
+        return await self.front.generate(self._request(prompt_token_ids, sampling, session_id))
 
-        def deliver(result: GenerationResult) -> None:
-            try:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
-            except RuntimeError:  # the caller's event loop is closed: nobody is waiting, and the
-                pass  # stepping thread must not die of it
+    def _request(self, prompt_token_ids, sampling, session_id: str | None) -> _Request:
+        params = resolve_sampling(sampling, self.config.sampling.model_dump())
+        prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        return _Request(
+            id=f"{self.engine_id}-{next(self._ids)}",
+            prompt=prompt,
+            params=params,
+            session_id=session_id,
+            stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
+            rng=random.Random(params.seed),  # seed None draws from OS entropy
+        )
 
-        request_id = self.add_request(prompt_token_ids, sampling, session_id=session_id, on_finish=deliver)
-        self.start()
-        try:
-            return await done
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
+    def abort(self, request_id: str) -> None:
+        """Finish a request early with reason "abort" (at the next step)."""
+        self.front.abort(request_id)
 
-    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Prefill-only log-probs of every token given the ones before it (the `Scorer` verb)."""
-        return (await self.score_versioned(sequences, temperature)).logprobs
+    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
+        """Prefill-only log-probs of every token given the ones before it, and the version of the weights
+        that scored. The stepping thread runs it between two steps, so a weight swap never lands
+        mid-forward. Bad input is a RequestError, raised here."""
 
-    async def score_versioned(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
-        """`score`, with the version of the weights that scored. The stepping thread runs it between
-        two steps, so a weight swap never lands mid-forward, and no second thread runs torch (`_loop`
-        says why that matters). Bad input is a RequestError, raised here."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[ScoreResult] = loop.create_future()
+        def job() -> ScoreResult:
+            if self._scorer is None:
+                self._scorer = NativeScorer.over(
+                    self.model, vocab_size=self.vocab_size, max_len=self.max_model_len, dtype=self.dtype, device=self.device
+                )
+            return ScoreResult(self._scorer.score(sequences, temperature), self.version, self.engine_id)
 
-        def job() -> None:
-            try:
-                logprobs = self._native_scorer().score(sequences, temperature)
-                outcome: ScoreResult | Exception = ScoreResult(logprobs, self.version, self.engine_id)
-            except Exception as error:  # a RequestError, or a failure of this call only
-                outcome = error
-            try:
-                loop.call_soon_threadsafe(_settle, done, outcome)
-            except RuntimeError:  # the caller's event loop is closed: nobody is waiting
-                pass
-
-        with self._cv:
-            self._jobs.append(job)
-            self._cv.notify()
-        self.start()
-        return await done
-
-    def _native_scorer(self) -> NativeScorer:
-        if self._scorer is None:
-            self._scorer = NativeScorer.over(
-                self.model, vocab_size=self.vocab_size, max_len=self.max_model_len, dtype=self.dtype, device=self.device
-            )
-        return self._scorer
-
-    # --- weights and status --------------------------------------------------------------------
+        return await self.front.call(job)
 
     def update_weights(self, state_dict: dict, version: int) -> None:
-        """Swap in new weights between two steps; returns once they are in use.
-
-        Called from the stepping thread itself (an `on_finish` callback), it only queues them for
-        the start of the next step.
-        """
-        with self._cv:
-            self._pending_weights = (state_dict, version)
-            self._weights_applied.clear()
-            self._cv.notify()
-        if threading.current_thread() is self._thread:
-            return
-        while not self._weights_applied.is_set():
-            if self._thread is None or not self._thread.is_alive():
-                with self._step_lock:  # nobody is stepping; a thread started meanwhile waits for us
-                    self._apply_pending_weights()
-            else:
-                self._weights_applied.wait(0.05)
-        if self._weights_error is not None:
-            error, self._weights_error = self._weights_error, None
-            raise error
-
-    def _apply_pending_weights(self) -> None:
-        with self._cv:
-            pending, self._pending_weights = self._pending_weights, None
-        if pending is None:
-            return
-        state_dict, version = pending
-        try:
-            # Keys "mtp.*" (MTPLayer names) update the drafter; without them it keeps its weights,
-            # which can only lower acceptance, never change what is sampled.
-            mtp_state = {k.removeprefix("mtp."): v for k, v in state_dict.items() if k.startswith("mtp.")}
-            if mtp_state and self.drafter is not None:
-                self.drafter.load_state_dict(mtp_state)
-            self.model.load_state_dict(state_dict)  # builds every tensor before swapping: all or nothing
-        except Exception as error:
-            self._weights_error = error
-        else:
-            self.version = version
-            # Retained prefixes hold KV of the old weights; reusing it would mix policies in one turn.
-            self.slots.drop_retained()
-        self._weights_applied.set()
+        """Swap in new weights between two steps; returns once they are in use (`EngineFront.update_weights`)."""
+        self.front.update_weights(state_dict, version)
 
     def health(self) -> dict:
         return {
             "engine_id": self.engine_id,
             # Shut down means not serving, even though a later `generate` would start it again.
-            "alive": not self._stopping,
+            "alive": self.front.alive,
             "version": self.version,
             "running": len(self._running),
-            "waiting": len(self._waiting) + len(self._inbox),
+            "waiting": len(self._waiting) + self.front.queued,
             "retained_prefixes": self.slots.num_retained,
             "generated_tokens": self.generated_tokens,
             "fp8": self.model.fp8,
@@ -335,37 +232,47 @@ class EmbeddedEngine:
             "last_error": self.last_error,
         }
 
-    def has_unfinished(self) -> bool:
-        return bool(self._running or self._waiting or self._inbox)
-
-    # --- the engine core ------------------------------------------------------------------------
-
     def step(self) -> list[GenerationResult]:
+        """One step by hand (an engine not serving): weights, inbox and aborts, then `advance`. Returns the requests it finished."""
+        return self.front.step()
+
+    def has_unfinished(self) -> bool:
+        return self.front.has_unfinished()
+
+    def start(self) -> None:
+        """Serve in the background: a stepping thread runs while there is work (idempotent)."""
+        self.front.start()
+
+    def shutdown(self) -> None:
+        """Stop the background thread after its current step; unfinished requests stay queued."""
+        self.front.stop()
+
+    # --- the engine core (`EngineCore`: the front calls these on its stepping thread) -------------
+
+    def admit(self, requests: list[_Request]) -> None:
+        self._waiting.extend(requests)
+
+    def cancel(self, request_ids: set[str], error: str | None = None) -> list[GenerationResult]:
+        return [self._finish(r, "abort", error) for r in [r for r in (*self._waiting, *self._running) if r.id in request_ids]]
+
+    def busy(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        # Keys "mtp.*" (MTPLayer names) update the drafter; without them it keeps its weights,
+        # which can only lower acceptance, never change what is sampled.
+        mtp_state = {k.removeprefix("mtp."): v for k, v in state_dict.items() if k.startswith("mtp.")}
+        if mtp_state and self.drafter is not None:
+            self.drafter.load_state_dict(mtp_state)
+        self.model.load_state_dict(state_dict)  # builds every tensor before swapping: all or nothing
+        self.version = version
+        # Retained prefixes hold KV of the old weights; reusing it would mix policies in one turn.
+        self.slots.drop_retained()
+
+    def advance(self) -> list[GenerationResult]:
         """One engine iteration: schedule -> execute -> update. Returns the requests it finished."""
-        with self._step_lock:
-            return self._step()
-
-    def _step(self) -> list[GenerationResult]:
-        self._apply_pending_weights()
-        with self._cv:
-            jobs, self._jobs = self._jobs, deque()
-        for job in jobs:
-            job()
-        finished = self._drain_inbox()
         batch = self._schedule()
-        if batch:
-            finished += self._execute_and_update(batch)
-        return finished
-
-    def _drain_inbox(self) -> list[GenerationResult]:
-        with self._cv:
-            self._waiting.extend(self._inbox)
-            self._inbox.clear()
-            aborts, self._aborts = self._aborts, set()
-        finished = []
-        for request in [r for r in (*self._waiting, *self._running) if r.id in aborts]:
-            finished.append(self._finish(request, "abort"))
-        return finished
+        return self._execute_and_update(batch) if batch else []
 
     def _schedule(self) -> list[_Request]:
         """Newly admitted requests (their prefill), else every running request (one decode token)."""
@@ -409,9 +316,9 @@ class EmbeddedEngine:
         now = time.perf_counter()
         finished = []
         for b, request in enumerate(batch):
-            reason = None
+            reason: FinishReason | None = None
             kept = 0
-            for token, logprob in zip(tokens[b], logprobs[b]):
+            for token, logprob in zip(tokens[b], logprobs[b], strict=True):
                 request.output.append(token)
                 request.logprobs.append(logprob)
                 request.versions.append(self.version)
@@ -452,7 +359,7 @@ class EmbeddedEngine:
         elif request in self._waiting:
             self._waiting.remove(request)
         now = time.perf_counter()
-        result = GenerationResult(
+        return GenerationResult(
             request_id=request.id,
             prompt_token_ids=request.prompt,
             token_ids=request.output,
@@ -470,58 +377,3 @@ class EmbeddedEngine:
             },
             error=error,
         )
-        if request.on_finish is not None:
-            request.on_finish(result)
-        return result
-
-    # --- the background loop --------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Serve in the background: a stepping thread runs while there is work (idempotent)."""
-        with self._cv:
-            self._serving, self._stopping = True, False
-            self._spawn_locked()
-
-    def _spawn_locked(self) -> None:
-        if self._serving and self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=f"engine-{self.engine_id}", daemon=True)
-            self._thread.start()
-
-    def shutdown(self) -> None:
-        """Stop the background thread after its current step; unfinished requests stay queued."""
-        with self._cv:
-            self._serving, self._stopping = False, True
-            thread = self._thread
-            self._cv.notify()
-        if thread is not None:
-            thread.join()
-        self._thread = None
-
-    def _has_work(self) -> bool:
-        return bool(self._inbox or self._waiting or self._running or self._aborts or self._pending_weights or self._jobs)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                idle_until = time.monotonic() + IDLE_EXIT_S
-                while not self._stopping and not self._has_work():
-                    remaining = idle_until - time.monotonic()
-                    if remaining <= 0:
-                        # Leave when idle: a live thread that once ran torch ops keeps an OpenMP
-                        # team, and two teams on a small CPU make libgomp stop spinning, which
-                        # halved the speed of training beside an engine (SFT evaluation).
-                        self._thread = None
-                        return
-                    self._cv.wait(remaining)
-                if self._stopping:
-                    return
-            self.step()
-
-
-def _settle(future: asyncio.Future, outcome) -> None:
-    if future.done():  # the caller gave up
-        return
-    if isinstance(outcome, Exception):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)

@@ -43,7 +43,7 @@ class ForwardBatch:
     slot_range: tuple[int, int] | None  # (lo, hi) when slots are exactly lo..hi-1: reads become views
 
     @classmethod
-    def build(cls, slots: list[int], rows: list[list[int]], starts: list[int], device: torch.device) -> "ForwardBatch":
+    def build(cls, slots: list[int], rows: list[list[int]], starts: list[int], device: torch.device) -> ForwardBatch:
         lengths = [len(row) for row in rows]
         width = max(lengths)
         tokens = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
@@ -52,7 +52,7 @@ class ForwardBatch:
     @classmethod
     def from_tokens(
         cls, slots: list[int], tokens: torch.Tensor, starts: list[int], lengths: list[int] | None = None
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """Rows already padded into tokens [B, T]; `lengths` None means every row is T long.
 
         Speculative decoding feeds its drafts this way, straight from the tensors it drew them into.
@@ -62,7 +62,7 @@ class ForwardBatch:
         start_t = torch.tensor(starts, dtype=torch.long, device=device)
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         positions = start_t[:, None] + torch.arange(width, device=device) if width > 1 else start_t[:, None]
-        context_len = max(starts) + width if lengths is None else max(s + n for s, n in zip(starts, lengths))
+        context_len = max(starts) + width if lengths is None else max(s + n for s, n in zip(starts, lengths, strict=True))
         mask = torch.arange(context_len, device=device)[None, None, :] <= positions[:, :, None]
         if lengths is None:
             write_rows = None
@@ -91,7 +91,7 @@ class ForwardBatch:
         )
 
 
-    def next_position(self, tokens: torch.Tensor) -> "ForwardBatch":
+    def next_position(self, tokens: torch.Tensor) -> ForwardBatch:
         """The same single-token rows one position further on, fed tokens [B, 1] (chained drafts)."""
         positions = self.positions + 1
         context_len = self.context_len + 1

@@ -35,11 +35,11 @@ class SamplingRows:
         self.any_greedy = any(p.temperature == 0 for p in params)
         self.all_unit_temperature = all(p.temperature in (0, 1.0) for p in params)
 
-    def repeat(self, times: int) -> "SamplingRows":
+    def repeat(self, times: int) -> SamplingRows:
         """Each row's options `times` times over, for rows scored at several positions each."""
         return self if times == 1 else self.select(torch.arange(len(self.greedy), device=self.device).repeat_interleave(times))
 
-    def select(self, index: torch.Tensor) -> "SamplingRows":
+    def select(self, index: torch.Tensor) -> SamplingRows:
         """The options of rows `index` (a subset, or rows repeated for several positions each)."""
         rows = object.__new__(SamplingRows)
         rows.__dict__.update(self.__dict__)
@@ -101,7 +101,8 @@ def sample(
     final, order, keep, best_logp, best_token, greedy = _truncate(logits, params)
     # float64 so a uniform just below 1 does not round up to the end of the CDF.
     cdf = final.double().exp().cumsum(dim=-1)
-    uniform = torch.tensor([0.0 if p.temperature == 0 else rng.random() for p, rng in zip(params, rngs)], dtype=cdf.dtype, device=logits.device)
+    draws = [0.0 if p.temperature == 0 else rng.random() for p, rng in zip(params, rngs, strict=True)]
+    uniform = torch.tensor(draws, dtype=cdf.dtype, device=logits.device)
     target = (uniform * cdf[:, -1]).unsqueeze(1)
     # Rounding can put the target at or past the CDF's end; never step past the last kept token,
     # and never onto a zero-probability one (right=True skips flat stretches of the CDF).
@@ -125,7 +126,7 @@ def distributions(
     log-probs, as `sample` reports them. Speculative decoding compares these for target and draft.
     """
     rows = _rows(params, logits)
-    final, order, _, best_logp, best_token, greedy = _truncate(logits, rows)
+    final, order, _, _, best_token, greedy = _truncate(logits, rows)
     by_id = final if order is None else torch.empty_like(final).scatter_(1, order, final)
     probs = by_id.double().exp()
     if not rows.any_greedy:

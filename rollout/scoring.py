@@ -78,7 +78,7 @@ class NativeScorer:
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-    ) -> "NativeScorer":
+    ) -> NativeScorer:
         """A scorer over an already-built native model (`build_model`'s), sharing its weights, so a
         weight swap on that model (an engine's `update_weights`) is what the next call scores with.
 
@@ -103,11 +103,10 @@ class NativeScorer:
         if 0.0 < temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow: NaN log-probs
             raise RequestError(f"temperature {temperature} is too small to score with; use 0 for raw log-probs")
         rows = [self._validate(i, sequence) for i, sequence in enumerate(sequences)]
-        scores: list[list[float] | None] = [None] * len(rows)
+        scores: dict[int, list[float]] = {}
         for chunk in self._chunks(rows):
-            for i, logprobs in zip(chunk, self._forward([rows[i] for i in chunk], effective_temperature(temperature))):
-                scores[i] = logprobs
-        return scores
+            scores.update(zip(chunk, self._forward([rows[i] for i in chunk], effective_temperature(temperature)), strict=True))
+        return [scores[i] for i in range(len(rows))]
 
     def _validate(self, index: int, sequence) -> list[int]:
         try:

@@ -117,8 +117,8 @@ class SpeculativeDecoder:
         emitted = torch.cat([drafts, final[:, None]], 1).scatter_(1, accepted[:, None], final[:, None])
         emitted_logp = logp.gather(2, emitted[:, :, None]).squeeze(2)
         kept = [n + 1 for n in accepted.tolist()]
-        tokens = [row[:n] for row, n in zip(emitted.tolist(), kept)]
-        logprobs = [row[:n] for row, n in zip(emitted_logp.tolist(), kept)]
+        tokens = [row[:n] for row, n in zip(emitted.tolist(), kept, strict=True)]
+        logprobs = [row[:n] for row, n in zip(emitted_logp.tolist(), kept, strict=True)]
         return tokens, logprobs, counts, hidden
 
     def _uniforms(self, batch: list, counts: list[int], depth: int) -> torch.Tensor:
@@ -128,7 +128,7 @@ class SpeculativeDecoder:
         seeded request's tokens do not depend on what else is batched; unused columns are 0.
         """
         table = []
-        for request, n in zip(batch, counts):
+        for request, n in zip(batch, counts, strict=True):
             draws = [request.rng.random() for _ in range(2 * n + 1)]
             pad = [0.0] * (depth - n)
             table.append(draws[:n] + pad + draws[n : 2 * n] + pad + draws[2 * n :])
@@ -143,18 +143,18 @@ class SpeculativeDecoder:
         index = None if len(active) == len(batch) else torch.tensor(active, device=self.device)
         # Depth 1 catches the MTP layer up on every position the target computed since its last
         # step (the prompt, after prefill; the kept tokens, after a verify).
-        forward = ForwardBatch.build(
+        catch_up = ForwardBatch.build(
             [r.slot for r in requests],
             [_tokens(r, r.mtp_computed + 1, r.computed + 1) for r in requests],
             [r.mtp_computed for r in requests],
             self.device,
         )
-        logits, hidden = self.mtp.forward(forward, self.cache, pad_sequence([r.mtp_hidden for r in requests], batch_first=True))
+        logits, hidden = self.mtp.forward(catch_up, self.cache, pad_sequence([r.mtp_hidden for r in requests], batch_first=True))
         for r in requests:
             r.mtp_computed, r.mtp_hidden = r.computed, None
         step_rows = rows if index is None else rows.select(index)
         slots, starts = [r.slot for r in requests], [r.computed for r in requests]
-        forward = None
+        forward: ForwardBatch | None = None
         for step in range(max(counts)):
             probs, _ = distributions(logits, step_rows)
             column = uniforms[:, step] if index is None else uniforms[index, step]

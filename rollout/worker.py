@@ -12,13 +12,18 @@ the object store.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import ray
+from pydantic import TypeAdapter
 
 from asyncrl.configs.schema import RolloutConfig
 from asyncrl.records import GenerationResult, SamplingParams, ScoreResult
 
 from .engine import EmbeddedEngine
+
+if TYPE_CHECKING:
+    from .vllm_engine import VLLMEngine
 
 
 @ray.remote
@@ -26,22 +31,22 @@ class RolloutWorker:
     def __init__(self, model, config: RolloutConfig | dict, engine_id: str, version: int = 0, mtp=None) -> None:
         """`model`: a transformers causal LM (or an ObjectRef to one) or a model directory; `mtp`: its
         MTP layer (or state dict), for `rollout.mtp_drafting` when `model` is not a checkpoint directory."""
-        config = RolloutConfig.model_validate(config)
-        engine_class = EmbeddedEngine
+        config = TypeAdapter(RolloutConfig).validate_python(config)
+        self.engine: EmbeddedEngine | VLLMEngine
         if config.type == "vllm":
-            from .vllm_engine import VLLMEngine as engine_class
-        self.engine = engine_class(model, config, engine_id=engine_id, version=version, mtp=mtp)
+            from .vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine.from_pretrained(model, config, engine_id=engine_id, version=version, mtp=mtp)
+        else:
+            self.engine = EmbeddedEngine.from_pretrained(model, config, engine_id=engine_id, version=version, mtp=mtp)
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
     ) -> GenerationResult:
         return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
 
-    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
         return await self.engine.score(sequences, temperature)
-
-    async def score_versioned(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
-        return await self.engine.score_versioned(sequences, temperature)
 
     async def update_weights(self, state_dict: dict, version: int) -> int:
         # Waiting for the swap blocks; a thread keeps this actor's event loop serving generate calls.

@@ -2,13 +2,17 @@
 
 The environment plays a few training episodes against a real TITO gateway (FastAPI over loopback)
 in front of a real embedded engine, exactly as in `asyncrl run`, and a few held-out episodes
-through the greedy evaluation client. The policy is a tiny random model unless you pass one (a
-checkpoint directory, or a model object such as a scripted policy). What is checked:
+through the same gateway in evaluation rollouts (greedy, recorded nowhere), as an RL run evaluates.
+The policy is a tiny random model unless you pass one (a checkpoint directory, or a model object
+such as a scripted policy). What is checked:
 
 - `name` is a usable task name and `sample_task` gives both splits, the same task for the same seed;
 - every episode ends with an allowed status (default: ok, whatever the reward), a finite reward
   and metrics the store can keep, after at least one call to the policy through the client;
 - each recorded trajectory becomes at least one learner sample with sampled tokens to train on;
+- every recorded turn carries the sampling options it was drawn with, and they are the run's
+  (`rollout.sampling`: an RL run answers other options 400, `gateway.sampling_overrides`), and the
+  learner's log-prob of every sampled token, recomputed at its turn's temperature, is the engine's;
 - held-out evaluation runs without crashing episodes.
 
 All problems are collected and raised together as one `ContractError`; on success a
@@ -58,13 +62,13 @@ async def acheck_environment(
 ) -> ContractReport:  # fmt: skip
     """`policy`: None (tiny random model), a checkpoint directory, or a model the embedded engine runs
     (then `tokenizer` defaults to the embedded one). `sandboxes`: a SandboxBackend; by default the one
-    `SandboxConfig()` opens, for environments that need one."""
+    `ProcessSandboxConfig()` opens, for environments that need one."""
     problems = _check_tasks(env, seed)
     if needs_sandbox(env) and sandboxes is None:
-        from asyncrl.configs.schema import SandboxConfig
+        from asyncrl.configs.schema import ProcessSandboxConfig
         from asyncrl.envs.sandbox import open_backend
 
-        sandboxes = open_backend(SandboxConfig())
+        sandboxes = open_backend(ProcessSandboxConfig())
     model, tokenizer = _policy(policy, tokenizer)
     rng = random.Random(seed)
     tasks = [env.sample_task(rng, "train") for _ in range(episodes)]
@@ -82,12 +86,12 @@ async def acheck_environment(
                 results.append(result)
                 trajectories.append(gateway.store.get(rollout_id))
                 problems += _check_episode(env, index, result, trajectories[-1], allowed_statuses)
+                problems += _check_sampling(index, trajectories[-1], gateway.service.sampling, model)
             evaluation = None
             if eval_episodes:
                 evaluation = await evaluate_env(
-                    env, gateway.greedy, tokenizer, num_problems=eval_episodes, seed=seed,
-                    sandboxes=sandboxes, default_max_tokens=max_tokens, timeout_s=timeout_s,
-                )  # fmt: skip
+                    env, gateway.client, num_problems=eval_episodes, seed=seed, sandboxes=sandboxes, timeout_s=timeout_s
+                )
                 crashed = {s: n for s, n in evaluation.statuses.items() if s not in allowed_statuses}
                 if crashed:
                     problems.append(f"held-out evaluation: episodes ended {crashed}")
@@ -135,6 +139,41 @@ def _check_episode(env: Environment, index: int, result: EpisodeResult, trajecto
     return problems
 
 
+def _check_sampling(index: int, trajectory: Any, run: Any, model: Any) -> list[str]:
+    """The turns' recorded sampling options are the run's, and the learner's recomputed log-probs
+    (`learner.rl.sampled_logprobs` at each token's temperature) are the engine's."""
+    import torch
+
+    from asyncrl.learner.rl import sampled_logprobs
+    from asyncrl.samples import trajectory_to_samples
+
+    expected = (run.temperature, run.top_p, run.top_k)
+    problems = []
+    for turn in trajectory.turns:
+        options = (turn.temperature, turn.top_p, turn.top_k)
+        if None in options:
+            problems.append(f"episode {index} turn {turn.index}: no sampling options on record (temperature, top_p, top_k)")
+        elif options != expected:
+            problems.append(
+                f"episode {index} turn {turn.index}: sampled with temperature, top_p, top_k = {options}, not the run's "
+                f"{expected} (rollout.sampling); an RL run answers such calls 400 (gateway.sampling_overrides=refuse)"
+            )
+    if problems or trajectory.status in ("running", "aborted"):
+        return problems
+    # fp32 engines agree with a full forward to ~1e-5; lower precision rounds differently in each.
+    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    for sample in trajectory_to_samples(trajectory):
+        ids = torch.tensor([sample.token_ids], device=next(model.parameters()).device)
+        temperatures = torch.tensor([sample.scoring_temperatures(run.temperature)[1:]], device=ids.device)
+        with torch.no_grad():
+            logp = sampled_logprobs(model(input_ids=ids).logits, ids, temperatures)[0].cpu()
+        sampled = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
+        gap = float((logp - torch.tensor(sample.logprobs[1:]))[sampled].abs().max()) if sampled.any() else 0.0
+        if gap > tolerance:
+            problems.append(f"episode {index}: the learner's log-probs differ from the engine's by up to {gap:.2e} (> {tolerance:g})")
+    return problems
+
+
 def _policy(policy: Any, tokenizer: Any) -> tuple[Any, Any]:
     from asyncrl.policy.tokenizer import build_tokenizer
 
@@ -155,22 +194,19 @@ class _Gateway:
     """A real gateway on this event loop (uvicorn over loopback), its store, one embedded engine."""
 
     def __init__(self, model: Any, tokenizer: Any, directory: str, max_tokens: int) -> None:
-        from asyncrl.configs.schema import GatewayConfig, RolloutConfig, SamplingConfig
+        from asyncrl.configs.schema import EmbeddedRolloutConfig, GatewayConfig, SamplingConfig
         from asyncrl.gateway.engines import LocalEngine
         from asyncrl.gateway.pool import EnginePool
         from asyncrl.gateway.service import GatewayService
         from asyncrl.gateway.store import open_store
         from asyncrl.rollout import EmbeddedEngine
 
-        self.engine = EmbeddedEngine(model, RolloutConfig(device="cpu", torch_threads=1, max_num_seqs=16), engine_id="contract")
-        config = GatewayConfig()
+        self.engine = EmbeddedEngine(model, EmbeddedRolloutConfig(device="cpu", torch_threads=1, max_num_seqs=16), engine_id="contract")
+        config = GatewayConfig(sampling_overrides="allow")  # an override is reported per turn, not refused
         pool = EnginePool(config)
         pool.add_local(LocalEngine(self.engine))
         self.store = open_store(directory)
         self.service = GatewayService(self.store, tokenizer, pool, config, SamplingConfig(max_tokens=max_tokens))
-
-    async def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
-        return (await self.engine.generate(prompt, {"temperature": 0.0, "max_tokens": max_tokens})).token_ids
 
     async def __aenter__(self) -> "_Gateway":
         import uvicorn

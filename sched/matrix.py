@@ -3,9 +3,10 @@
 Rows are checkpoints (one per finished stage, in pipeline order), columns are the RL stages' tasks.
 A cell is the task's held-out greedy success (envs/evaluation.py: the environment's own episodes,
 reward logic and sandboxes, the same evaluation an RL run reports) of that checkpoint, served by an
-embedded engine in this process. Reading down a column shows whether a later stage erased what an
-earlier one taught; `checks` states the pipeline's two promises in numbers: each RL stage raises its
-own tasks over the checkpoint it started from, and the distilled student keeps at least
+embedded engine in this process behind an in-process gateway (`gateway/serving.py` evaluation_gateway).
+Reading down a column shows whether a later stage erased what an earlier one taught; `checks` states
+the pipeline's two promises in numbers: each RL stage raises its own tasks over the checkpoint it
+started from, and the distilled student keeps at least
 `DISTILL_KEEP` of each teacher's score on the teacher's own tasks.
 """
 
@@ -36,8 +37,8 @@ def evaluate_checkpoint(checkpoint: str | Path, columns: list[Column], torch_thr
 
     from asyncrl.rollout.engine import EmbeddedEngine
 
-    rollout = columns[0].config.rollout.model_copy(update={"torch_threads": torch_threads, "mtp_drafting": False})
-    engine = EmbeddedEngine(str(checkpoint), rollout)
+    rollout = columns[0].config.rollout.embedded().model_copy(update={"torch_threads": torch_threads, "mtp_drafting": False})
+    engine = EmbeddedEngine.from_pretrained(str(checkpoint), rollout)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     try:
         return asyncio.run(_evaluate(engine, tokenizer, columns))
@@ -47,21 +48,21 @@ def evaluate_checkpoint(checkpoint: str | Path, columns: list[Column], torch_thr
 
 async def _evaluate(engine, tokenizer, columns: list[Column]) -> dict[str, float]:
     from asyncrl.envs.evaluation import evaluate_env
-    from asyncrl.records import SamplingParams
+    from asyncrl.gateway.engines import LocalEngine
+    from asyncrl.gateway.serving import episode_http_client, evaluation_gateway
     from asyncrl.sched.tasks import TaskMix
-
-    async def generate(prompt: list[int], max_tokens: int) -> list[int]:
-        return (await engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))).token_ids
 
     scores = {}
     for column in columns:
         config = column.config
         tasks = config.tasks.model_copy(update={"mix": {column.task: column.spec}})
         ((task, num_problems),) = TaskMix.from_config(config.model_copy(update={"tasks": tasks})).evaluated(config.eval.num_problems)
-        result = await evaluate_env(
-            task.env, generate, tokenizer, num_problems=num_problems, seed=config.eval.seed,
-            sandboxes=task.sandboxes, default_max_tokens=config.eval.max_tokens, timeout_s=config.run.episode_timeout_s,
-        )  # fmt: skip
+        # Each column behind a gateway of its own stage's config (its sampling defaults and limits).
+        async with evaluation_gateway(config, [LocalEngine(engine)], tokenizer) as gateway, episode_http_client(config) as http:
+            result = await evaluate_env(
+                task.env, gateway, num_problems=num_problems, seed=config.eval.seed, sandboxes=task.sandboxes,
+                timeout_s=config.run.episode_timeout_s, http_client=http, task_name=column.task,
+            )  # fmt: skip
         scores[column.task] = result.accuracy
     return scores
 

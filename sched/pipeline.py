@@ -134,7 +134,7 @@ class Pipeline:
     # -- stages ---------------------------------------------------------------------------------
 
     def run_sft(self, name: str, previous: str | None) -> tuple[Path, dict]:
-        from asyncrl.learner.sft import run_sft
+        from asyncrl.sched.sft import run_sft
 
         result = run_sft(self.stage_config(name, {}))  # no intermediate checkpoints: a stopped SFT starts over
         return result.checkpoint, {"accuracy": result.accuracy, "steps": result.steps, "stop_reason": result.stop_reason}

@@ -6,7 +6,8 @@ Start-up, in order:
    checkpoint (a resumed run starts from its own last checkpoint instead).
 2. Ray, local: `rollout.num_workers` RolloutWorkers on `rollout.cpus_per_worker` CPUs each and the
    LearnerActor on `learner.num_cpus` CPUs, each with its own torch thread budget, so rollout and
-   learner never share a core budget. The engines start from the learner's weights (one push).
+   learner never share a core budget; the loop reaches them through `RayWorkers` and `RayLearner`
+   (sched/clients.py). The engines start from the learner's weights (one push).
 3. The trajectory store in the run directory (or Redis), and the TITO gateway in this process, on
    127.0.0.1, over the Ray engine handles. Episodes run as asyncio tasks on the same event loop and
    call the gateway over loopback HTTP like any agent.
@@ -21,12 +22,12 @@ leaves the ledger balanced. A crash or Ctrl-C skips `close`: `asyncrl run --resu
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -34,15 +35,19 @@ from asyncrl.configs.schema import RunConfig
 from asyncrl.distill.teachers import Teachers, check_checkpoints
 from asyncrl.envs.base import Environment
 from asyncrl.gateway.app import run_loop, settle_heap
-from asyncrl.gateway.engines import RayEngine
 from asyncrl.gateway.serving import InProcessGateway, episode_http_client
 from asyncrl.gateway.store import open_store
 from asyncrl.records import TERMINAL_STATUSES
 
+from .clients import RayLearner, RayWorkers
 from .display import Display
-from .loop import Loop, Parts
+from .loop import Loop
+from .parts import Parts
 from .rundir import LoopState, RunDir
 from .tasks import TaskMix, distill_task_mix
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class RunExists(RuntimeError):
@@ -50,7 +55,11 @@ class RunExists(RuntimeError):
 
 
 def run(
-    config: RunConfig | None, *, resume: str | Path | None = None, overrides: list[str] = (), env: Environment | None = None
+    config: RunConfig | None,
+    *,
+    resume: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    env: Environment | None = None,
 ) -> dict:
     """Run (or, with `resume`, continue) the RL job; returns the summary also written to summary.json.
 
@@ -61,13 +70,15 @@ def run(
     if resume is not None:
         rundir = RunDir(resume)
         config = rundir.read_config(overrides)
+    elif config is None:
+        raise TypeError("run() needs a config, or resume= a run directory")
     else:
         rundir = RunDir.for_config(config)
         if rundir.has_run():
             raise RunExists(f"{rundir.path} already holds a run: continue it with `asyncrl run --resume {rundir.path}`, "
                             "or pick another name= (or delete the directory)")  # fmt: skip
         if config.policy.path is None and config.run.sft_first:
-            from asyncrl.learner.sft import run_sft
+            from asyncrl.sched.sft import run_sft
 
             result = run_sft(config)
             sft = {"accuracy": result.accuracy, "steps": result.steps, "wall_s": result.wall_s, "checkpoint": str(result.checkpoint)}
@@ -100,20 +111,22 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
             raise RunExists(f"the trajectory store {store!r} already holds rollouts; use another store.namespace")
         workers, tokenizer = _start_workers(config)
         learner = _start_learner(config, checkpoint)
-        actors += [*workers, learner]
+        actors += [*workers.actors, learner.actor]
         teachers = None
         if distilling:
             handles = _start_teachers(config)
             actors += [handle.actor for handle in handles.values()]
             teachers = Teachers.from_config(config, handles)
-        engines = [RayEngine(worker, f"{config.name}-rollout-{i}") for i, worker in enumerate(workers)]
-        gateway = await stack.enter_async_context(InProcessGateway(config, store, engines, tokenizer))
+        gateway = await stack.enter_async_context(InProcessGateway(config, store, workers.engines, tokenizer))
         metrics = rundir.metrics(config, resume=resumed)
         stack.callback(metrics.close)
         http = await stack.enter_async_context(episode_http_client(config))
-        parts = Parts(store, gateway, http, tasks, learner, workers, tokenizer, rundir, metrics, display, teachers)
+        parts = Parts(
+            store=store, gateway=gateway, http=http, tasks=tasks, learner=learner, workers=workers,
+            tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
+        )  # fmt: skip
         loop = Loop(config, parts, state)
-        stack.push_async_callback(loop.stop_episodes)  # on a crash, before the gateway goes
+        stack.push_async_callback(loop.episodes.stop)  # on a crash, before the gateway goes
         await loop.push()  # the engines serve exactly the learner's weights, at its version
         if resumed:
             reclaim = _open_store(config, rundir, visibility_timeout_s=1e-6)
@@ -125,7 +138,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         settle_heap()  # the gateway's event loop stalls less on garbage collection (gateway/app.py)
         await loop.run()
         eval_after = await loop.close()
-        engine_versions = await asyncio.gather(*(worker.version.remote() for worker in workers))
+        engine_versions = await workers.versions()
         counts = store.counts()
         records = metrics.read()
         rundir.plot(records)
@@ -176,10 +189,11 @@ def _stop_ray(actors: list, started_ray: bool) -> None:
 
 def _open_store(config: RunConfig, rundir: RunDir, visibility_timeout_s: float | None = None):
     timeout = visibility_timeout_s or config.store.visibility_timeout_s
-    return open_store(rundir.store_address(config), namespace=config.store.namespace or config.name, visibility_timeout_s=timeout)
+    namespace = (config.store.namespace if config.store.type == "redis" else None) or config.name
+    return open_store(rundir.store_address(config), namespace=namespace, visibility_timeout_s=timeout)
 
 
-def _start_workers(config: RunConfig):
+def _start_workers(config: RunConfig) -> tuple[RayWorkers, PreTrainedTokenizerBase]:
     from asyncrl.policy.checkpoint import build_policy
     from asyncrl.rollout.worker import create_workers
 
@@ -188,13 +202,14 @@ def _start_workers(config: RunConfig):
     drafting = config.rollout.mtp_drafting
     policy = config.policy.model_copy(update={"mtp": config.policy.mtp.model_copy(update={"enabled": drafting})})
     model, tokenizer, mtp = build_policy(policy, config.seed)
-    return create_workers(model, config.rollout, name_prefix=f"{config.name}-rollout", mtp=mtp if drafting else None), tokenizer
+    prefix = f"{config.name}-rollout"
+    return RayWorkers(create_workers(model, config.rollout, name_prefix=prefix, mtp=mtp if drafting else None), prefix), tokenizer
 
 
-def _start_learner(config: RunConfig, checkpoint: Path | None):
+def _start_learner(config: RunConfig, checkpoint: Path | None) -> RayLearner:
     from asyncrl.learner.actor import create_learner
 
-    return create_learner(config, resume_from=str(checkpoint) if checkpoint else None)
+    return RayLearner(create_learner(config, resume_from=str(checkpoint) if checkpoint else None))
 
 
 def _start_teachers(config: RunConfig) -> dict:

@@ -58,7 +58,7 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
 
     @classmethod
-    def for_config(cls, config: RunConfig) -> "RunDir":
+    def for_config(cls, config: RunConfig) -> RunDir:
         return cls(Path(config.runs_dir) / config.name)
 
     # -- config -------------------------------------------------------------------------------

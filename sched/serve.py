@@ -27,7 +27,8 @@ def open_run_store(config: RunConfig):
     store = config.store
     # The file, not the directory: open_store reads a path that does not exist yet as a file name.
     address = store.url if store.type == "redis" else (store.path or run_directory(config) / SQLITE_FILENAME)
-    return open_store(address, namespace=store.namespace or config.name, visibility_timeout_s=store.visibility_timeout_s)
+    namespace = (store.namespace if store.type == "redis" else None) or config.name
+    return open_store(address, namespace=namespace, visibility_timeout_s=store.visibility_timeout_s)
 
 
 def _secret(run_dir: Path) -> bytes:
@@ -55,7 +56,7 @@ def _engines(config: RunConfig, model, mtp=None) -> list:
         return [RayEngine(worker, f"{config.name}-rollout-{i}") for i, worker in enumerate(workers)]
     from asyncrl.rollout import EmbeddedEngine
 
-    return [LocalEngine(EmbeddedEngine(model, rollout, engine_id=f"engine-{i}", mtp=mtp)) for i in range(rollout.num_workers)]
+    return [LocalEngine(EmbeddedEngine(model, rollout.embedded(), engine_id=f"engine-{i}", mtp=mtp)) for i in range(rollout.num_workers)]
 
 
 def _policy(config: RunConfig):
@@ -86,12 +87,16 @@ def build_service(config: RunConfig):
 
     model, tokenizer, mtp = _policy(config)
     handles = _engines(config, model, mtp)
-    pool = EnginePool(config.gateway)
+    gateway = config.gateway
+    if "sampling_overrides" not in gateway.model_fields_set:
+        # Served by hand (agent development, a judge): sample as each request asks unless the config says otherwise.
+        gateway = gateway.model_copy(update={"sampling_overrides": "allow"})
+    pool = EnginePool(gateway)
     for handle in handles:
         pool.add_local(handle)
     name = Path(config.policy.path).name if config.policy.path else f"asyncrl-tiny-{config.policy.tiny.arch}"
     service = GatewayService(
-        open_run_store(config), tokenizer, pool, config.gateway, config.rollout.sampling,
+        open_run_store(config), tokenizer, pool, gateway, config.rollout.sampling,
         secret=_secret(run_directory(config)), model_name=name,
     )  # fmt: skip
     return service, handles

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.configs.context import EnvContext
 from asyncrl.configs.schema import RunConfig, TaskSpec
 from asyncrl.envs.base import Environment, needs_sandbox
 from asyncrl.envs.registry import load_environment
@@ -57,8 +58,9 @@ class TaskMix:
         if env is not None:
             tasks = [Task(env.name, env)]
         else:
+            context = EnvContext.of(config)
             tasks = [
-                Task(name, load_environment(spec.env, spec.options, config), spec.ratio, spec.max_episodes_per_s, spec.eval_problems)
+                Task(name, load_environment(spec.env, spec.options, context), spec.ratio, spec.max_episodes_per_s, spec.eval_problems)
                 for name, spec in (config.tasks.mix or DEFAULT_MIX).items()
             ]  # fmt: skip
         if any(needs_sandbox(task.env) for task in tasks):

@@ -7,6 +7,12 @@ source "$ROOT/scripts/setup_env.sh"
 source "$ROOT/scripts/services.sh"
 cd "$ROOT"
 
+# Static checks first (a minute at most): lint, format, the three floors' import contract, types.
+# Only on a full run; with pytest arguments (a subset of the tests) they are skipped.
+if [ "$#" -eq 0 ]; then
+    bash "$ROOT/scripts/lint.sh"
+fi
+
 ensure_redis
 # The sandbox tests skip a backend that cannot run here, except under CI=true, where it must.
 ensure_bubblewrap || [ "${CI:-}" != "true" ] || { echo "[test] bubblewrap is required under CI=true" >&2; exit 1; }

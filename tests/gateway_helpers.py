@@ -1,7 +1,8 @@
 """Shared by the gateway tests: a real gateway over loopback (uvicorn in a thread) in front of real
 tiny engines, and a policy whose weights are set so it writes a tool call.
 
-The scripted policy is a real model run by the real engine: every layer's output projections are
+`ScriptedEngine` is an engine handle that writes exact replies, for tests of what goes around the
+policy (environments, evaluation). The scripted policy is a real model run by the real engine: every layer's output projections are
 zero, so the final hidden state is the last token's embedding and the model is a bigram table. Its
 embeddings and LM head are set so that after `<|assistant|>` it writes the SCRIPT below, each step
 with a logit margin of SHARPNESS: at temperature 1 it follows the script with probability ~1 - 1e-6
@@ -19,9 +20,9 @@ import openai
 import torch
 import uvicorn
 
-from asyncrl.configs.schema import GatewayConfig, RolloutConfig, SamplingConfig, TinyModelConfig
+from asyncrl.configs.schema import EmbeddedRolloutConfig, GatewayConfig, SamplingConfig, TinyModelConfig
 from asyncrl.gateway.app import create_app
-from asyncrl.gateway.engines import LocalEngine
+from asyncrl.gateway.engines import LocalEngine, ScoringUnsupported
 from asyncrl.gateway.pool import EnginePool
 from asyncrl.gateway.service import GatewayService
 from asyncrl.policy.tiny import build_tiny_model
@@ -36,6 +37,7 @@ from asyncrl.policy.tokenizer import (
     TOOL_CALL_OPEN,
     build_tokenizer,
 )  # fmt: skip
+from asyncrl.records import GenerationResult, SamplingParams
 
 SHAPE = dict(arch="qwen3", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=1024)
 SCRIPT = [ASSISTANT, TOOL_CALL_OPEN, "f", ARG_KEY_OPEN, "a", ARG_KEY_CLOSE, ARG_VALUE_OPEN, "7", ARG_VALUE_CLOSE, TOOL_CALL_CLOSE, EOS]
@@ -66,7 +68,7 @@ def scripted_model(script: list[str] = SCRIPT):
 def make_engine(engine_id: str = "e0", model=None):
     from asyncrl.rollout import EmbeddedEngine
 
-    config = RolloutConfig(device="cpu", torch_threads=1, max_num_seqs=16)
+    config = EmbeddedRolloutConfig(device="cpu", torch_threads=1, max_num_seqs=16)
     return EmbeddedEngine(model if model is not None else scripted_model(), config, engine_id=engine_id)
 
 
@@ -158,3 +160,25 @@ class Pausable(LocalEngine):
         if self.killed.is_set():
             raise ConnectionError(f"engine {self.engine_id} is gone")
         return await super().health()
+
+
+class ScriptedEngine:
+    """An engine handle that writes `reply(prompt text)` (cut at the request's max_tokens) and keeps
+    every request's prompt tokens and sampling options, for tests that need exact replies."""
+
+    def __init__(self, reply, engine_id: str = "scripted") -> None:
+        self.reply, self.engine_id = reply, engine_id
+        self.requests: list[tuple[list[int], SamplingParams]] = []
+
+    async def generate(self, prompt_token_ids, sampling, session_id):
+        self.requests.append((list(prompt_token_ids), sampling))
+        tokens = TOKENIZER.encode(self.reply(TOKENIZER.decode(prompt_token_ids)), add_special_tokens=False)[: sampling.max_tokens]
+        finish = "stop" if tokens and tokens[-1] == TOKENIZER.eos_token_id else "length"
+        zeros = [0.0] * len(tokens)
+        return GenerationResult("scripted", list(prompt_token_ids), tokens, zeros, [0] * len(tokens), finish, engine_id=self.engine_id)
+
+    async def score(self, sequences, temperature):
+        raise ScoringUnsupported("a scripted engine does not score")
+
+    async def health(self) -> dict:
+        return {}

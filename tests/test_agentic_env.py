@@ -1,7 +1,7 @@
 """The agentic environment: it speaks exactly the tool-call format the SFT demonstrations teach,
 rewards the verified product (a small format term otherwise), and keeps a fixed held-out split.
-Episodes run against the evaluation client (the gateway's chat template and tool-call parser) with
-a scripted token generator, and a real process sandbox (bubblewrap)."""
+Episodes run through a real gateway (its chat template and tool-call parser) in evaluation rollouts,
+in front of a scripted engine, with a real process sandbox (bubblewrap)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import random
 import shutil
 
 import pytest
+from gateway_helpers import ScriptedEngine
 
-from asyncrl.configs.schema import AgenticTaskConfig, SandboxConfig
+from asyncrl.configs.schema import AgenticTaskConfig, ProcessSandboxConfig, RunConfig
 from asyncrl.envs.agentic import AgenticEnv
-from asyncrl.envs.evaluation import GreedyClient
-from asyncrl.envs.runner import play_episode
+from asyncrl.envs.runner import run_recorded_episode
 from asyncrl.envs.sandbox import open_backend
 from asyncrl.envs.tool_demos import PYTHON_TOOL, ToolProblem
+from asyncrl.gateway.serving import evaluation_gateway
 from asyncrl.learner.sft_data import render_demo
 from asyncrl.policy.tokenizer import (
     ARG_KEY_CLOSE,
@@ -37,22 +38,19 @@ def call(name: str, code: str) -> str:
     return f"{TOOL_CALL_OPEN}{name}{ARG_KEY_OPEN}code{ARG_KEY_CLOSE}{ARG_VALUE_OPEN}{code}{ARG_VALUE_CLOSE}{TOOL_CALL_CLOSE}{EOS}"
 
 
-def scripted(replies: list[str], prompts: list[list[int]]):
-    """A generator that writes `replies` in turn and keeps the prompts it was given."""
-    replies = list(replies)
-
-    async def generate(prompt: list[int], max_tokens: int) -> list[int]:
-        prompts.append(prompt)
-        return TOKENIZER.encode(replies.pop(0), add_special_tokens=False)[:max_tokens]
-
-    return generate
-
-
 def episode(problem: ToolProblem, replies: list[str], config: AgenticTaskConfig | None = None):
-    prompts: list[list[int]] = []
-    client = GreedyClient(scripted(replies, prompts), TOKENIZER, 48)
-    result = asyncio.run(play_episode(AgenticEnv(config), problem, client, open_backend(SandboxConfig())))
-    return result, prompts
+    """The episode's result, and the prompt tokens of each call the gateway sent the engine."""
+    remaining = list(replies)
+    engine = ScriptedEngine(lambda _prompt: remaining.pop(0))
+
+    async def go():
+        async with evaluation_gateway(RunConfig(), [engine], TOKENIZER) as gateway:
+            _, result = await run_recorded_episode(
+                AgenticEnv(config), problem, gateway, sandboxes=open_backend(ProcessSandboxConfig()), evaluation=True
+            )
+            return result
+
+    return asyncio.run(go()), [prompt for prompt, _ in engine.requests]
 
 
 @needs_bwrap

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_small_bench_loses_no_episode(tmp_path):
-    config = load_config("agentic", ["sandbox.docker_host=unix:///nonexistent/docker.sock"])
+    config = load_config("agentic", ["sandbox.backend=docker", "sandbox.docker_host=unix:///nonexistent/docker.sock"])
     options = AgenticBenchOptions(
         episodes=40, engine_latency_s=0.02, sandbox_runs=1,
         latency=LatencyConfig(median_s=0.3, sigma=0.0, tail_prob=0.0),

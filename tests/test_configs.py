@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
+
 import pytest
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from asyncrl.cli import main
 from asyncrl.configs import ConfigError, RunConfig, dump_config, load_config, preset_names
-from asyncrl.configs.schema import Section
+from asyncrl.configs.context import EnvContext
+from asyncrl.configs.pipeline import PipelineConfig, StageSpec
+from asyncrl.configs.schema import (
+    DockerSandboxConfig,
+    EmbeddedRolloutConfig,
+    ProcessSandboxConfig,
+    RedisStoreConfig,
+    RolloutConfig,
+    SamplingConfig,
+    SandboxConfig,
+    Section,
+    SQLiteStoreConfig,
+    VLLMRolloutConfig,
+)
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -23,21 +39,46 @@ def test_presets_are_shipped() -> None:
     assert "quickstart" in preset_names()
 
 
+def _models(annotation: Any) -> list[type[BaseModel]]:
+    """The section models a field holds: itself, every choice of a union, the values of a mapping."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) is Annotated:
+        return _models(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, UnionType, dict):
+        return [model for arg in get_args(annotation) for model in _models(arg)]
+    return []
+
+
 def _sections(model: type[BaseModel]):
     yield model
     for field in model.model_fields.values():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            yield from _sections(field.annotation)
+        for section in _models(field.annotation):
+            yield from _sections(section)
+
+
+SECTIONS = {*_sections(RunConfig), *_sections(PipelineConfig)}
+
+
+def test_the_walk_reaches_the_choices_and_the_mappings() -> None:
+    names = {section.__name__ for section in SECTIONS}
+    assert {"EmbeddedRolloutConfig", "VLLMRolloutConfig", "SQLiteStoreConfig", "RedisStoreConfig"} <= names
+    assert {"ProcessSandboxConfig", "DockerSandboxConfig", "TaskSpec", "TeacherSpec", "StageSpec"} <= names
+
+
+def test_every_section_has_a_docstring() -> None:
+    for section in SECTIONS | {EnvContext}:
+        assert (section.__doc__ or "").strip(), f"{section.__name__} has no docstring"
 
 
 def test_every_field_has_a_docstring_and_default() -> None:
-    for section in _sections(RunConfig):
+    for section in SECTIONS - {PipelineConfig, StageSpec}:
         assert issubclass(section, Section), section
         for name, field in section.model_fields.items():
             assert not field.is_required(), f"{section.__name__}.{name} has no default"
-            annotation = field.annotation
-            is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
-            assert is_section or field.description, f"{section.__name__}.{name} has no docstring"
+            assert field.description, f"{section.__name__}.{name} has no docstring"
+    for name, field in {**EnvContext.model_fields, **PipelineConfig.model_fields, **StageSpec.model_fields}.items():
+        assert field.description, f"{name} has no docstring"
 
 
 def test_dotted_overrides_parse_yaml_values() -> None:
@@ -68,7 +109,7 @@ def test_bad_values_name_the_key(override: str, expected: str) -> None:
 
 
 def test_missing_config_lists_presets(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="no such file and no such preset.*quickstart"):
+    with pytest.raises(ConfigError, match=r"no such file and no such preset.*quickstart"):
         load_config(str(tmp_path / "nope.yaml"))
 
 
@@ -89,3 +130,100 @@ def test_cli_dry_run_prints_resolved_config(capsys) -> None:
 def test_cli_bad_config_is_exit_2_with_message(capsys) -> None:
     assert main(["sft", "quickstart", "sft.batch_size=0"]) == 2
     assert "sft.batch_size: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "section", "expected"),
+    [
+        ([], "store", SQLiteStoreConfig()),
+        (["store.path=x.db"], "store", SQLiteStoreConfig(path="x.db")),
+        (["store.type=redis", "store.namespace=n"], "store", RedisStoreConfig(namespace="n")),
+        (["rollout.retained_prefixes=2"], "rollout", EmbeddedRolloutConfig(retained_prefixes=2)),
+        (["rollout.type=vllm", "rollout.max_num_seqs=8"], "rollout", VLLMRolloutConfig(max_num_seqs=8)),
+        (["sandbox.backend=docker", "sandbox.cpus=2"], "sandbox", DockerSandboxConfig(cpus=2.0)),
+    ],
+)
+def test_the_choice_key_picks_the_section_model(overrides: list[str], section: str, expected: BaseModel) -> None:
+    assert getattr(load_config(None, overrides), section) == expected
+
+
+def test_an_override_switches_the_choice_of_a_preset(tmp_path) -> None:
+    assert load_config("agentic").sandbox == ProcessSandboxConfig()
+    assert load_config("agentic", ["sandbox.backend=docker"]).sandbox == DockerSandboxConfig()
+    path = tmp_path / "c.yaml"
+    path.write_text("sandbox:\n  backend: docker\n  docker_image: mine:1\nstore:\n  type: redis\n  namespace: a\n")
+    config = load_config(str(path), ["store.namespace=b"])
+    assert (config.sandbox, config.store) == (DockerSandboxConfig(docker_image="mine:1"), RedisStoreConfig(namespace="b"))
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), ["sandbox.backend=process"])
+    assert str(info.value) == "invalid config:\n  sandbox.docker_image: unknown key (a key of sandbox.backend=docker only)"
+
+
+def test_a_dump_with_other_choices_loads_back(tmp_path) -> None:
+    config = load_config(
+        "quickstart", ["store.type=redis", "rollout.type=vllm", "sandbox.backend=docker", "sandbox.docker_host=unix:///d.sock"]
+    )
+    path = tmp_path / "dumped.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(str(path)) == config
+    assert (yaml.safe_load(dump_config(config))["rollout"]["type"], type(load_config(str(path)).rollout)) == ("vllm", VLLMRolloutConfig)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sandbox.backend=vm"], "sandbox.backend: Input should be 'process' or 'docker' (got 'vm')"),
+        (["rollout.type=null"], "rollout.type: Input should be 'embedded' or 'vllm' (got None)"),
+        (["store=3"], "store: Input should be a mapping (got 3)"),
+        (["store.namespace=run1"], "store.namespace: unknown key (a key of store.type=redis only)"),
+        (
+            ["rollout.type=vllm", "rollout.retained_prefixes=0"],
+            "rollout.retained_prefixes: unknown key (a key of rollout.type=embedded only)",
+        ),
+        (["rollout.retaind_prefixes=0"], "rollout.retaind_prefixes: unknown key (did you mean 'retained_prefixes'?)"),
+        (["rollout.sampling.temprature=1"], "rollout.sampling.temprature: unknown key (did you mean 'temperature'?)"),
+        (["rollout.type=vllm", "rollout.sampling.top_p=0"], "rollout.sampling.top_p: Input should be greater than 0 (got 0)"),
+        (["sandbox.backend=docker", "sandbox.cpus=0"], "sandbox.cpus: Input should be greater than 0 (got 0)"),
+        (["rollout.mtp_draft_tokens=9"], "rollout: mtp_draft_tokens (9) exceeds mtp_max_draft_tokens (8)"),
+    ],
+)
+def test_errors_in_a_section_with_choices_name_the_key_as_written(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value) == f"invalid config:\n  {message}"
+
+
+def test_a_section_alone_validates_with_its_default_choice() -> None:
+    rollout = TypeAdapter(RolloutConfig)
+    assert rollout.validate_python({"max_num_seqs": 2}) == EmbeddedRolloutConfig(max_num_seqs=2)
+    assert rollout.validate_python(VLLMRolloutConfig(max_num_seqs=3).model_dump()) == VLLMRolloutConfig(max_num_seqs=3)
+    with pytest.raises(ValidationError):
+        TypeAdapter(SandboxConfig).validate_python({"backend": "process", "docker_image": "x"})
+
+
+def test_a_section_moves_to_another_choice_keeping_what_they_share() -> None:
+    docker = DockerSandboxConfig(memory_mb=512, network=True, docker_host="unix:///d.sock")
+    assert docker.on_backend("docker") is docker
+    assert docker.on_backend("process") == ProcessSandboxConfig(memory_mb=512, network=True)
+    assert ProcessSandboxConfig(python="/x/python3", timeout_s=2).on_backend("docker") == DockerSandboxConfig(timeout_s=2)
+    vllm = VLLMRolloutConfig(max_num_seqs=8, fp8=True, sampling=SamplingConfig(temperature=0.5))
+    assert vllm.embedded() == EmbeddedRolloutConfig(max_num_seqs=8, fp8=True, sampling=SamplingConfig(temperature=0.5))
+    embedded = EmbeddedRolloutConfig(retained_prefixes=3)
+    assert embedded.embedded() is embedded
+
+
+def test_the_env_context_carries_what_plugins_read() -> None:
+    overrides = [
+        "seed=5",
+        "rollout.sampling.temperature=0.7",
+        "run.episode_max_tokens=9",
+        "tasks.general.max_words=2",
+        "rewards.http.timeout_s=3",
+    ]
+    config = load_config("quickstart", overrides)
+    context = EnvContext.of(config)
+    assert (context.seed, context.sampling.temperature, context.episode_max_tokens) == (5, 0.7, 9)
+    assert (context.tasks, context.rewards) == (config.tasks, config.rewards)
+    assert EnvContext() == EnvContext.of(RunConfig())  # the defaults are a default run's
+    with pytest.raises(ValidationError):
+        context.seed = 1  # type: ignore[misc]  # frozen: every plug-in sees the same settings

@@ -164,6 +164,25 @@ def test_samples_are_scored_by_their_stages_teacher_at_the_sampling_temperature(
     assert set(metrics) == {"reverse_kl/math", "reverse_kl/tools"}
 
 
+def test_a_teacher_scores_each_token_at_its_turns_temperature():
+    learner = make_learner(group_size=1)
+    model = make_tiny_model("qwen3", seed=3)
+    teacher = LoopbackTeacher(model)
+    mixed = sample(learner, "a", "a", 0.0, [10, 11], env=[40], more=[12, 13])
+    mixed.temperatures = [None] * 3 + [0.5, 0.5] + [None] + [0.0, 0.0]  # a turn at 0.5, then a greedy one
+    plain = sample(learner, "b", "b", 0.0, [20, 21])  # no temperature on record: the run's
+    for s in (mixed, plain):
+        s.task = "math"
+    out, _ = asyncio.run(Teachers({"math": teacher}, temperature=0.7).score([mixed, plain]))
+    # One call per temperature among the sampled tokens: 0.5, 1 (greedy), 0.7 (the run's).
+    assert [(len(sequences), temperature) for sequences, temperature in teacher.calls] == [(1, 0.5), (1, 1.0), (1, 0.7)]
+    scorer = NativeScorer(model)
+    at = {t: scorer.score([mixed.token_ids], t)[0] for t in (0.5, 1.0)}
+    sampled = [j for j, m in enumerate(mixed.loss_mask) if m]
+    assert [out[0].teacher_logprobs[j] for j in sampled] == [at[0.5][3], at[0.5][4], at[1.0][6], at[1.0][7]]
+    assert out[1].teacher_logprobs == scorer.score([plain.token_ids], 0.7)[0]
+
+
 def test_a_sample_of_a_task_without_a_teacher_is_an_error():
     learner = make_learner(group_size=1)
     stray = sample(learner, "r", "r", 0.0, [10, 11])

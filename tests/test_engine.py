@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
 import torch
 from conftest import make_tiny_model, run_to_completion
+from test_engine_front import check_closed_caller, check_idle_exit
 
-from asyncrl.configs.schema import RolloutConfig
+from asyncrl.configs.schema import EmbeddedRolloutConfig
 from asyncrl.records import RequestError, SamplingParams
 from asyncrl.rollout import EmbeddedEngine
 
@@ -24,7 +23,7 @@ def model():
 
 
 def new_engine(model, **options) -> EmbeddedEngine:
-    return EmbeddedEngine(model, RolloutConfig(**{"max_num_seqs": 8, "retained_prefixes": 2, **options}))
+    return EmbeddedEngine(model, EmbeddedRolloutConfig(**{"max_num_seqs": 8, "retained_prefixes": 2, **options}))
 
 
 def assert_same_sample(a, b) -> None:
@@ -35,7 +34,7 @@ def assert_same_sample(a, b) -> None:
 def test_requests_joining_mid_decode_sample_what_they_would_alone(model):
     prompts = [PROMPT, [40, 41, 42], list(range(20, 45)), [99] * 12]
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10 + 3 * i, seed=100 + i) for i in range(4)]
-    alone = [run_to_completion(new_engine(model), [(p, s)])[0] for p, s in zip(prompts, params)]
+    alone = [run_to_completion(new_engine(model), [(p, s)])[0] for p, s in zip(prompts, params, strict=False)]
 
     engine = new_engine(model)
     ids = [engine.add_request(prompts[0], params[0]), engine.add_request(prompts[1], params[1])]
@@ -45,7 +44,7 @@ def test_requests_joining_mid_decode_sample_what_they_would_alone(model):
     ids += [engine.add_request(prompts[2], params[2]), engine.add_request(prompts[3], params[3])]
     while engine.has_unfinished():
         done.update((r.request_id, r) for r in engine.step())
-    for i, expected in zip(ids, alone):
+    for i, expected in zip(ids, alone, strict=False):
         assert_same_sample(done[i], expected)
         assert done[i].finish_reason == "length"
 
@@ -77,18 +76,18 @@ def test_prefix_reuse_stops_at_the_first_differing_token_and_needs_the_same_sess
     params = SamplingParams(temperature=0, max_tokens=4)
     engine = new_engine(model)
     run_to_completion(engine, [(PROMPT, params)], session_id="a")
-    (other,) = run_to_completion(engine, [(PROMPT + [3], params)], session_id="b")
+    (other,) = run_to_completion(engine, [([*PROMPT, 3], params)], session_id="b")
     assert other.cached_prompt_tokens == 0
-    (edited,) = run_to_completion(engine, [(PROMPT[:3] + [8, 8, 8, 8, 8], params)], session_id="a")
+    (edited,) = run_to_completion(engine, [([*PROMPT[:3], 8, 8, 8, 8, 8], params)], session_id="a")
     assert edited.cached_prompt_tokens == 3
-    (fresh,) = run_to_completion(new_engine(model), [(PROMPT[:3] + [8, 8, 8, 8, 8], params)])
+    (fresh,) = run_to_completion(new_engine(model), [([*PROMPT[:3], 8, 8, 8, 8, 8], params)])
     assert_same_sample(edited, fresh)
 
 
 def test_retained_prefixes_are_evicted_least_recently_used(model):
     params = SamplingParams(temperature=0, max_tokens=3)
     engine = new_engine(model, retained_prefixes=2)
-    firsts = {s: run_to_completion(engine, [(PROMPT + [i], params)], session_id=s)[0] for i, s in enumerate("abc")}
+    firsts = {s: run_to_completion(engine, [([*PROMPT, i], params)], session_id=s)[0] for i, s in enumerate("abc")}
     assert engine.health()["retained_prefixes"] == 2
     follow = {s: r.prompt_token_ids + r.token_ids for s, r in firsts.items()}
     (a,) = run_to_completion(engine, [(follow["a"], params)], session_id="a")
@@ -228,44 +227,17 @@ def test_health_reports_a_shut_down_engine_as_not_alive(model):
 
 
 def test_idle_stepping_thread_leaves_and_the_next_request_restarts_it(model):
-    # An idle thread that once ran torch ops keeps an OpenMP team and slows a trainer in the same
-    # process; the engine lets it go and starts a new one on demand.
     engine = new_engine(model)
-    first = asyncio.run(engine.generate(PROMPT, {"max_tokens": 3, "seed": 1}))
-    for _ in range(400):
-        if engine._thread is None:
-            break
-        time.sleep(0.01)
-    assert engine._thread is None and engine.health()["alive"]
-    engine.update_weights(model.state_dict(), 2)  # applied by the caller: nobody is stepping
-    again = asyncio.run(engine.generate(PROMPT, {"max_tokens": 3, "seed": 1}))
-    engine.shutdown()
-    assert again.token_ids == first.token_ids and again.versions == [2, 2, 2]
+    try:
+        check_idle_exit(engine, PROMPT, {"max_tokens": 3, "seed": 1}, model.state_dict(), 2)
+    finally:
+        engine.shutdown()
 
 
 def test_a_caller_whose_event_loop_closed_costs_nobody_else_their_result(model):
-    """Finished requests are handed back through their callers' event loops. When one caller's loop
-    is gone, the others finishing in the same step must still get their results."""
     engine = new_engine(model)
-    params = SamplingParams(temperature=0.0, max_tokens=8)
-
-    def submit_and_leave() -> None:
-        gone = asyncio.new_event_loop()
-        gone.create_task(engine.generate(PROMPT, params))
-        gone.run_until_complete(asyncio.sleep(0.05))
-        gone.close()
-
-    async def scenario():
-        with engine._step_lock:  # hold the engine so both requests are admitted in one step
-            leaver = threading.Thread(target=submit_and_leave)
-            leaver.start()
-            leaver.join()
-            live = asyncio.ensure_future(engine.generate(PROMPT, params))  # same prompt: same last step
-            await asyncio.sleep(0.05)
-        return await asyncio.wait_for(live, 30)
-
+    params = SamplingParams(temperature=0.0, max_tokens=8)  # the same prompt: both finish in the same step
     try:
-        result = asyncio.run(scenario())
-        assert result.token_ids and result.finish_reason in ("stop", "length")
+        check_closed_caller(engine.front, lambda: engine.generate(PROMPT, params))
     finally:
         engine.shutdown()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.configs import ConfigError, load_config
-from asyncrl.configs.schema import RunConfig
+from asyncrl.configs.context import EnvContext
 from asyncrl.envs.agentic import AgenticEnv
 from asyncrl.envs.base import EpisodeResult
 from asyncrl.envs.reasoning import ReasoningEnv
@@ -30,9 +30,9 @@ class Configured(Plain):
     name = "configured"
 
     @classmethod
-    def from_config(cls, config, **options):
+    def from_config(cls, context, **options):
         instance = cls(**options)
-        instance.seed = config.seed
+        instance.seed = context.seed
         return instance
 
 
@@ -48,15 +48,15 @@ def _dist_info(root, name: str, entry_points: str):
 
 def test_builtin_names_build_the_builtin_environments_from_the_run_config():
     config = load_config("quickstart", ["run.episode_max_tokens=7", "tasks.agentic.max_turns=5"])
-    reasoning = load_environment("reasoning", {"max_digits": 2}, config)
+    reasoning = load_environment("reasoning", {"max_digits": 2}, EnvContext.of(config))
     assert isinstance(reasoning, ReasoningEnv) and reasoning.max_tokens == 7 and reasoning.task.config.max_digits == 2
-    agentic = load_environment("agentic", {}, config)
+    agentic = load_environment("agentic", {}, EnvContext.of(config))
     assert isinstance(agentic, AgenticEnv) and agentic.config.max_turns == 5 and agentic.needs_sandbox
 
 
 def test_an_import_path_builds_with_options_or_through_from_config():
     assert load_environment(f"{__name__}:Plain", {"size": 3}).size == 3
-    built = load_environment(f"{__name__}:Configured", {"size": 2}, RunConfig(seed=11))
+    built = load_environment(f"{__name__}:Configured", {"size": 2}, EnvContext(seed=11))
     assert (built.size, built.seed) == (2, 11)
 
 
@@ -70,7 +70,9 @@ def test_entry_points_are_discovered(tmp_path, monkeypatch):
 def test_a_name_registered_twice_is_an_error_naming_both(tmp_path, monkeypatch):
     _dist_info(tmp_path, "clash", f"[asyncrl.envs]\nreasoning = {__name__}:Plain\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(EnvironmentNotFound, match=r"'reasoning' is registered twice: asyncrl.envs.reasoning:ReasoningEnv and .*:Plain.*clash"):
+    with pytest.raises(
+        EnvironmentNotFound, match=r"'reasoning' is registered twice: asyncrl.envs.reasoning:ReasoningEnv and .*:Plain.*clash"
+    ):
         load_environment("reasoning")
 
 

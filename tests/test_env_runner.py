@@ -134,3 +134,39 @@ def test_a_sandbox_crash_is_recorded_as_env_crash_under_the_task_name(tmp_path):
         assert (crashed.status, crashed.task, crashed.reward) == ("env_crash", "tools-b", 0.0)
     finally:
         engine.shutdown()
+
+
+class SlowOpenLifecycle:
+    """A lifecycle whose open completes only when released, like a store write finishing in its thread
+    after the episode was cancelled."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.aborted: list[tuple[str, str]] = []
+
+    async def open_rollout(self, **request):
+        from asyncrl.lifecycle import Rollout
+
+        await asyncio.shield(self.release.wait())
+        return Rollout("r-slow", "rk-x", "http://127.0.0.1:9/v1")
+
+    async def abort(self, rollout_id, reason=""):
+        self.aborted.append((rollout_id, reason))
+
+    async def finish(self, *args, **kwargs):
+        raise AssertionError("a cancelled episode is never finished")
+
+
+def test_an_episode_cancelled_while_its_rollout_opens_aborts_the_rollout_once_open():
+    async def main():
+        lifecycle = SlowOpenLifecycle()
+        episode = asyncio.create_task(run_recorded_episode(NoToolEnv(), None, lifecycle))
+        await asyncio.sleep(0)  # the episode is now waiting on the open
+        episode.cancel()
+        await asyncio.sleep(0)
+        lifecycle.release.set()  # the open completes after the cancellation
+        with pytest.raises(asyncio.CancelledError):
+            await episode
+        return lifecycle.aborted
+
+    assert asyncio.run(main()) == [("r-slow", "cancelled")]

@@ -1,4 +1,4 @@
-"""The reasoning environment and the episode runner against a live gateway and a real engine."""
+"""The reasoning environment, the episode runner and held-out evaluation against a live gateway and a real engine."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from gateway_helpers import LiveGateway, make_engine, make_service, scripted_mod
 from asyncrl.configs.schema import ArithmeticTaskConfig
 from asyncrl.envs.arithmetic import Problem
 from asyncrl.envs.base import Environment, EpisodeResult
+from asyncrl.envs.evaluation import evaluate_env
 from asyncrl.envs.reasoning import ReasoningEnv
 from asyncrl.envs.runner import run_recorded_episode
 from asyncrl.gateway.client import AsyncGatewayClient
@@ -98,3 +99,18 @@ def test_broken_environments_end_in_one_recorded_status(gateway, env, status, re
     assert isinstance(result, EpisodeResult) and result.status == status and reason in result.reason
     trajectory = store.get(rollout_id)
     assert trajectory.status == status and trajectory.reward == 0.0
+
+
+def test_held_out_evaluation_goes_through_the_gateway_and_records_nothing(gateway):
+    live, store = gateway
+    env = ReasoningEnv(ArithmeticTaskConfig())
+
+    async def go():
+        async with AsyncGatewayClient(live.url) as client:
+            return await evaluate_env(env, client, num_problems=40, seed=6)
+
+    result = asyncio.run(go())
+    # The engine answers 7 to anything: exactly the held-out problems whose answer is 7 are right.
+    assert [p.answer for p in env.heldout_tasks(40, 6)].count(7) == 1
+    assert (result.accuracy, result.num_problems, result.statuses) == (1 / 40, 40, {"ok": 40})
+    assert store.list() == []

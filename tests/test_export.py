@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
 import pytest
 
-from asyncrl.gateway.export import export_trajectories, read_trajectories
+from asyncrl.gateway.export import _parquet_schema, _to_parquet_row, export_trajectories, read_trajectories
 from asyncrl.gateway.store import open_store
 from asyncrl.records import Turn
 
@@ -16,7 +17,8 @@ from asyncrl.records import Turn
 def store(tmp_path):
     store = open_store(tmp_path / "run.db")
     done = store.open("arithmetic", "g0", {"problem": "2+2", "nested": {"k": [1, None]}})
-    store.append(Turn(done, [1, 2], [3, 4], [-math.pi, math.nextafter(0.0, -1.0)], [0, 1], timings={"total": 0.25}))
+    logprobs = [-math.pi, math.nextafter(0.0, -1.0)]
+    store.append(Turn(done, [1, 2], [3, 4], logprobs, [0, 1], timings={"total": 0.25}, temperature=0.7, top_p=0.9, top_k=40))
     store.append(Turn(done, [1, 2, 3, 4, 9], [5], [-1e-300], [2], finish_reason="length", engine_id="e1"))
     store.finish(done, 1.0, metrics={"tool_calls": 1})
     store.abort(store.open("arithmetic", "g0"), reason="timeout in client")
@@ -54,3 +56,32 @@ def test_an_unknown_format_is_refused(store, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"\.jsonl or \.parquet"):
         export_trajectories(store, tmp_path / "t.csv")
     assert export_trajectories(store, tmp_path / "t.data", format="jsonl") == 3
+
+
+SAMPLING = ("temperature", "top_p", "top_k")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_files_written_before_turns_carried_sampling_options_read_back_without_them(store, tmp_path, suffix) -> None:
+    stored = store.list()
+    assert (stored[0].turns[0].temperature, stored[0].turns[0].top_p, stored[0].turns[0].top_k) == (0.7, 0.9, 40)
+    old = [trajectory.to_dict() for trajectory in stored]
+    for data in old:
+        for turn in data["turns"]:
+            for key in SAMPLING:
+                del turn[key]
+    path = tmp_path / f"old{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(data) + "\n" for data in old))
+    else:
+        pa = pytest.importorskip("pyarrow", reason="Parquet export needs pyarrow")
+        import pyarrow.parquet as pq
+
+        schema = _parquet_schema(pa)
+        turn = schema.field("turns").type.value_type
+        old_turn = pa.struct([turn.field(i) for i in range(turn.num_fields) if turn.field(i).name not in SAMPLING])
+        old_schema = schema.set(schema.get_field_index("turns"), pa.field("turns", pa.list_(old_turn)))
+        pq.write_table(pa.Table.from_pylist([_to_parquet_row(data) for data in old], schema=old_schema), path)
+    got = read_trajectories(path)
+    assert [[(t.temperature, t.top_p, t.top_k) for t in g.turns] for g in got] == [[(None, None, None)] * len(s.turns) for s in stored]
+    assert [[t.logprobs for t in g.turns] for g in got] == [[t.logprobs for t in s.turns] for s in stored]

@@ -8,7 +8,7 @@ import torch
 from conftest import make_tiny_model, run_to_completion
 from test_engine_numerics import hf_logprobs
 
-from asyncrl.configs.schema import RolloutConfig, TinyModelConfig
+from asyncrl.configs.schema import EmbeddedRolloutConfig, TinyModelConfig
 from asyncrl.policy.tiny import build_tiny_model
 from asyncrl.records import SamplingParams
 from asyncrl.rollout import EmbeddedEngine
@@ -48,7 +48,7 @@ def test_fp8_product_is_close_to_the_full_precision_one():
 @pytest.mark.parametrize("arch", ["glm_moe_dsa", "qwen3"])
 def test_fp8_engine_logprobs_stay_close_to_the_learner(arch):
     model = make_tiny_model(arch)
-    engine = EmbeddedEngine(model, RolloutConfig(max_num_seqs=8, fp8=True))
+    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=8, fp8=True))
     assert any(isinstance(v, Fp8Weight) for v in engine.model.weights["layers"][-1].values())
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=5)
     results = run_to_completion(engine, [(p, params) for p in ([5, 17, 33, 9, 64], list(range(20, 45)))])
@@ -58,23 +58,23 @@ def test_fp8_engine_logprobs_stay_close_to_the_learner(arch):
 
 def test_fp8_weights_take_about_half_of_bf16():
     model = build_tiny_model(TinyModelConfig(arch="qwen3"))
-    fp8 = EmbeddedEngine(model, RolloutConfig(fp8=True))
-    full = EmbeddedEngine(model, RolloutConfig())
+    fp8 = EmbeddedEngine(model, EmbeddedRolloutConfig(fp8=True))
+    full = EmbeddedEngine(model, EmbeddedRolloutConfig())
     assert weight_bytes(fp8.model.weights) / weight_bytes(full.model.weights) <= 0.55
 
 
 def test_a_model_that_cannot_be_quantized_is_refused_at_start_up():
     model = make_tiny_model("qwen3", hidden_size=24, intermediate_size=48)  # widths not multiples of 16
     with pytest.raises(Fp8Error, match=r"layers\.0\.qkv has input width 24, not a multiple of 16"):
-        EmbeddedEngine(model, RolloutConfig(fp8=True))
-    EmbeddedEngine(model, RolloutConfig())  # the same model runs in full precision
+        EmbeddedEngine(model, EmbeddedRolloutConfig(fp8=True))
+    EmbeddedEngine(model, EmbeddedRolloutConfig())  # the same model runs in full precision
 
 
 def test_a_weight_push_is_quantized_again():
     model, other = make_tiny_model("qwen3", seed=0), make_tiny_model("qwen3", seed=1)
-    engine = EmbeddedEngine(model, RolloutConfig(max_num_seqs=4, fp8=True))
+    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=4, fp8=True))
     engine.update_weights(other.state_dict(), version=1)
-    fresh = EmbeddedEngine(other, RolloutConfig(max_num_seqs=4, fp8=True))
+    fresh = EmbeddedEngine(other, EmbeddedRolloutConfig(max_num_seqs=4, fp8=True))
     pushed = engine.model.weights["layers"][0]["qkv"]
     assert isinstance(pushed, Fp8Weight)
     assert torch.equal(pushed.qweight.view(torch.uint8), fresh.model.weights["layers"][0]["qkv"].qweight.view(torch.uint8))
@@ -88,7 +88,7 @@ def test_fp8_with_mtp_drafting_keeps_greedy_output():
     model = make_tiny_model("glm_moe_dsa", eos_token_id=None, config_overrides={"vocab_size": 8})
     mtp = build_mtp(model, seed=1).eval()
     greedy = SamplingParams(temperature=0, max_tokens=16)
-    plain = run_to_completion(EmbeddedEngine(model, RolloutConfig(fp8=True)), [([1, 2, 3, 4], greedy)])[0]
-    spec = EmbeddedEngine(model, RolloutConfig(fp8=True, mtp_drafting=True, mtp_draft_tokens=3), mtp=mtp)
+    plain = run_to_completion(EmbeddedEngine(model, EmbeddedRolloutConfig(fp8=True)), [([1, 2, 3, 4], greedy)])[0]
+    spec = EmbeddedEngine(model, EmbeddedRolloutConfig(fp8=True, mtp_drafting=True, mtp_draft_tokens=3), mtp=mtp)
     assert isinstance(spec.drafter.weights["eh_proj"], Fp8Weight)
     assert run_to_completion(spec, [([1, 2, 3, 4], greedy)])[0].token_ids == plain.token_ids

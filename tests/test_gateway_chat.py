@@ -39,7 +39,9 @@ def _store(kind: str, tmp_path):
 
 @pytest.fixture
 def gateway(engine, tmp_path):
-    with LiveGateway(make_service(open_store(tmp_path), [engine])) as gw:
+    # Some calls here ask for their own sampling options (greedy token calls); refusal has its own tests
+    # (test_sampling_record.py).
+    with LiveGateway(make_service(open_store(tmp_path), [engine], sampling_overrides="allow")) as gw:
         yield gw
 
 
@@ -143,3 +145,4 @@ def test_text_completions_reuse_exact_tokens_and_token_calls_are_recorded(gatewa
     first_sequence = first_sequence[:-1] if first_sequence[-1] == TOKENIZER.eos_token_id else first_sequence
     assert turns[1].prompt_token_ids[: len(first_sequence)] == first_sequence
     assert turns[2].prompt_token_ids == [4, 40, 41, 5] and turns[2].completion_token_ids == tokens["token_ids"]
+    assert [(t.temperature, t.top_p, t.top_k) for t in turns] == [(1.0, 1.0, 0), (1.0, 1.0, 0), (0.0, 1.0, 0)]

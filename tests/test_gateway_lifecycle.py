@@ -1,4 +1,5 @@
-"""Rollout lifecycle over HTTP: open, finish, abort, describe, and the refusals that protect records."""
+"""Rollout lifecycle over HTTP: open, finish, abort, describe, the refusals that protect records, and
+evaluation rollouts (greedy, recorded nowhere)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import threading
 
 import openai
 import pytest
-from gateway_helpers import LiveGateway, Pausable, make_engine, make_service
+from gateway_helpers import TOOLS, LiveGateway, Pausable, make_engine, make_service
 
-from asyncrl.gateway.client import GatewayClient
+from asyncrl.gateway.client import GatewayClient, GatewayRefused
+from asyncrl.gateway.engines import LocalEngine
 from asyncrl.gateway.store import open_store
 
 USER = [{"role": "user", "content": "hi"}]
@@ -99,3 +101,52 @@ def _capture(errors: list, client) -> None:
         client.chat.completions.create(model="policy", messages=USER)
     except openai.APIStatusError as error:
         errors.append(error)
+
+
+class Recording(LocalEngine):
+    """A real in-process engine that keeps the sampling options of every request it is sent."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.sampling: list = []
+
+    async def generate(self, prompt_token_ids, sampling, session_id):
+        self.sampling.append(sampling)
+        return await super().generate(prompt_token_ids, sampling, session_id)
+
+
+def test_an_evaluation_rollout_is_sampled_greedily_and_recorded_nowhere(engine, tmp_path) -> None:
+    recording, store = Recording(engine), open_store(tmp_path)
+    # Overrides allowed, so that the recorded rollout below keeps the temperature it asks for.
+    with LiveGateway(make_service(store, [recording], sampling_overrides="allow")) as gw, GatewayClient(gw.url) as client:
+        empty = store.counts()
+        rollout = client.open_rollout(task="t", group_id="g", metadata={"seed": 3}, evaluation=True)
+        agent = rollout.openai(max_retries=0)
+        reply = agent.chat.completions.create(model="policy", messages=USER, tools=TOOLS, temperature=1.7, top_p=0.5)
+        assert reply.choices[0].message.tool_calls[0].function.name == "f"
+        assert reply.model_extra["asyncrl"]["evaluation"] is True and reply.model_extra["asyncrl"]["turn_index"] == 0
+        text = agent.completions.create(model="policy", prompt="<|user|>hi<|assistant|>", temperature=2.0, max_tokens=4)
+        assert (text.model_extra["asyncrl"]["evaluation"], text.model_extra["asyncrl"]["turn_index"]) == (True, 1)
+        # Greedy whatever the episode asked; the other options are the request's.
+        assert [(s.temperature, s.top_p, s.max_tokens) for s in recording.sampling] == [(0.0, 0.5, 16), (0.0, 1.0, 4)]
+        info = client.get(rollout.rollout_id)
+        assert (info["status"], info["turns"], info["task"], info["group_id"], info["metadata"]) == ("running", 2, "t", "g", {"seed": 3})
+
+        finished = client.finish(rollout.rollout_id, reward=1.0, metrics={"correct": True})
+        assert (finished["status"], finished["reward"], finished["turns"], finished["metrics"]) == ("ok", 1.0, 2, {"correct": True})
+        assert store.list() == [] and store.counts() == empty
+        with pytest.raises(GatewayRefused) as dropped:
+            client.get(rollout.rollout_id)
+        assert dropped.value.status == 404
+        _refused(agent, 409, "is ok")
+
+        aborted = client.open_rollout(task="t", evaluation=True)
+        assert client.abort(aborted.rollout_id, reason="stopped")["status"] == "aborted"
+        _refused(aborted.openai(max_retries=0), 409, "is aborted")
+        assert store.list() == [] and gw.service.health()["rollouts_running"] == 0
+
+        # The same request in a recorded rollout keeps its temperature and is recorded.
+        recorded = client.open_rollout(task="t")
+        plain = recorded.openai(max_retries=0).chat.completions.create(model="policy", messages=USER, temperature=1.7)
+        assert "evaluation" not in plain.model_extra["asyncrl"] and recording.sampling[-1].temperature == 1.7
+        assert [t.rollout_id for t in store.list()] == [recorded.rollout_id]

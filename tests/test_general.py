@@ -7,16 +7,19 @@ import asyncio
 import random
 
 import pytest
+from gateway_helpers import ScriptedEngine
 
 from asyncrl.configs import load_config
-from asyncrl.configs.schema import ArithmeticTaskConfig, GeneralTaskConfig, RunConfig, SFTConfig
+from asyncrl.configs.context import EnvContext
+from asyncrl.configs.schema import GeneralTaskConfig, RunConfig, SFTConfig
 from asyncrl.envs.arithmetic import is_heldout
 from asyncrl.envs.evaluation import evaluate_env
 from asyncrl.envs.general import GeneralEnv, GeneralTask, Instruction
 from asyncrl.envs.registry import load_environment
-from asyncrl.learner.sft_data import DemoStream
+from asyncrl.gateway.serving import evaluation_gateway
 from asyncrl.policy.tokenizer import ASSISTANT, EOS, USER, build_tokenizer
 from asyncrl.sched.contract import check_environment
+from asyncrl.sched.sft import demo_stream
 
 FULL = Instruction(("cat", "sun"), "upper", count=3, banned="dog", ending="!")
 TOKENIZER = build_tokenizer()
@@ -83,40 +86,35 @@ def test_the_held_out_split_is_disjoint_fixed_and_distinct():
 
 def test_the_run_config_builds_the_task_and_its_reward():
     config = load_config("general", ["tasks.general.max_words=2"])
-    env = load_environment("general", {"constraint_fraction": 1.0}, config)
+    env = load_environment("general", {"constraint_fraction": 1.0}, EnvContext.of(config))
     assert isinstance(env, GeneralEnv) and env.config.max_words == 2 and env.config.max_tokens == 24
     assert env.config.constraint_fraction == 1.0
     assert all(env.sample_task(random.Random(i)).count is not None for i in range(20))
 
 
-def _oracle(answer_of):
-    """A greedy generate function that answers each instruction with `answer_of(instruction)`."""
-    by_prompt = {}
-
-    async def generate(prompt: list[int], max_tokens: int) -> list[int]:
-        text = TOKENIZER.decode(prompt)
-        instruction = by_prompt[text.removeprefix(USER).removesuffix(ASSISTANT)]
-        return TOKENIZER.encode(answer_of(instruction), add_special_tokens=False)[:max_tokens] + [TOKENIZER.eos_token_id]
-
-    return by_prompt, generate
-
-
 @pytest.mark.parametrize(("answer_of", "accuracy"), [(lambda i: i.answer, 1.0), (lambda i: i.answer.swapcase(), 0.0)])
 def test_held_out_evaluation_counts_the_rules_verdict(answer_of, accuracy):
     env = GeneralEnv()
-    by_prompt, generate = _oracle(answer_of)
-    by_prompt.update({t.prompt: t for t in env.heldout_tasks(50, seed=3)})
-    result = asyncio.run(evaluate_env(env, generate, TOKENIZER, num_problems=50, seed=3))
+    by_prompt = {t.prompt: t for t in env.heldout_tasks(50, seed=3)}
+    # An engine that answers each instruction the gateway renders with `answer_of(instruction)`.
+    engine = ScriptedEngine(lambda text: answer_of(by_prompt[text.removeprefix(USER).removesuffix(ASSISTANT)]) + EOS)
+
+    async def go():
+        async with evaluation_gateway(RunConfig(), [engine], TOKENIZER) as gateway:
+            return await evaluate_env(env, gateway, num_problems=50, seed=3)
+
+    result = asyncio.run(go())
     assert (result.accuracy, result.statuses) == (accuracy, {"ok": 50})
+    assert len(engine.requests) == 50 and {sampling.temperature for _, sampling in engine.requests} == {0.0}
 
 
 def test_the_general_task_meets_the_environment_contract():
-    report = check_environment(load_environment("general", {}, RunConfig()), episodes=3, eval_episodes=3)
+    report = check_environment(load_environment("general", {}, EnvContext()), episodes=3, eval_episodes=3)
     assert all(0.0 <= r.reward <= 1.0 and "constraints_met" in r.metrics for r in report.results)
 
 
 def test_sft_mixes_general_demonstrations_from_the_training_split_only():
-    stream = DemoStream(TOKENIZER, ArithmeticTaskConfig(), 0.1, seed=0, general_demo_fraction=0.4)
+    stream = demo_stream(RunConfig(sft={"tool_demo_fraction": 0.1, "general_demo_fraction": 0.4}), TOKENIZER, seed=0)
     demos = stream.batch(2000)
     general = [d for d in demos if TOKENIZER.decode(d.token_ids).startswith(USER + "Use ")]
     assert abs(len(general) / 2000 - 0.4) < 0.05

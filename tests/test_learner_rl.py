@@ -176,6 +176,25 @@ def test_micro_batches_give_the_step_of_one_batch():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
+def test_each_token_is_scored_at_its_own_sampling_temperature():
+    learner = make_learner(temperature=1.0)
+    hot = sample(learner, "a", "g", 1.0, [10, 11, 12], more=[13, 14], env=[40])
+    cold = sample(learner, "b", "g", 0.0, [20, 21, 22])
+    # Turn temperatures per token: 0.5 on the first turn, greedy (scored raw) on the second.
+    prompt = [None] * len(PROMPT)
+    hot.temperatures = prompt + [0.5] * 3 + [None] + [0.0] * 2
+    at_half = model_logprobs(learner, hot.token_ids, 0.5)
+    hot.logprobs = [0.0] * 3 + at_half[3:6] + [0.0] + hot.logprobs[7:]  # the second turn's are the raw ones
+    metrics = learner.train_step([hot, cold])
+    assert metrics["computed_trainable_tokens"] == 8 and metrics["abs_logp_diff"] < 1e-6
+    assert metrics["masked_token_frac"] == 0.0
+
+    # The same log-probs scored at the run's temperature alone are off on the first turn.
+    unrecorded = make_learner(temperature=1.0)
+    hot.temperatures = None
+    assert unrecorded.train_step([hot, cold])["abs_logp_diff"] > 1e-2
+
+
 def test_learner_divides_logits_by_the_sampling_temperature():
     hot = make_learner(temperature=2.0)
     samples = [

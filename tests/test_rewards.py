@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from gateway_helpers import LiveGateway, make_engine, make_service, scripted_model
 
+from asyncrl.configs.context import EnvContext
 from asyncrl.configs.schema import RunConfig
 from asyncrl.envs.general import GeneralEnv, Instruction
 from asyncrl.envs.registry import load_environment
@@ -88,7 +89,7 @@ def test_bad_references_say_what_is_wrong():
     with pytest.raises(TypeError, match="lacks an async score"):
         load_reward(f"{__name__}:NotAReward")
     with pytest.raises(ValueError, match="timeout_s"):
-        load_reward("http", {"timeout_s": -1}, RunConfig())
+        load_reward("http", {"timeout_s": -1}, EnvContext())
 
 
 def test_a_reward_registered_by_entry_point_is_found_by_name(tmp_path, monkeypatch):
@@ -164,7 +165,7 @@ def reward_server():
 
 def test_the_http_reward_model_gets_the_episode_and_its_score_comes_back(reward_server):
     url, seen = reward_server
-    reward = load_reward("http", {"url": f"{url}/score"}, RunConfig())
+    reward = load_reward("http", {"url": f"{url}/score"}, EnvContext())
     result = score(reward, "CAT SUN")
     assert (result.reward, result.details) == (0.7, {"chars": 7})
     assert seen[-1] == {
@@ -176,7 +177,7 @@ def test_the_http_reward_model_gets_the_episode_and_its_score_comes_back(reward_
 def test_the_http_reward_reads_its_settings_from_the_run_config(reward_server):
     url, _ = reward_server
     config = RunConfig.model_validate({"rewards": {"http": {"url": f"{url}/score", "timeout_s": 3}}})
-    reward = load_reward("http", {}, config)
+    reward = load_reward("http", {}, EnvContext.of(config))
     assert (reward.config.url, reward.config.timeout_s) == (f"{url}/score", 3.0)
     assert score(reward, "ab").reward == 0.2
 
@@ -194,18 +195,18 @@ def test_the_http_reward_reads_its_settings_from_the_run_config(reward_server):
 def test_http_reward_failures_are_clear_reward_errors(reward_server, path, message):
     url, _ = reward_server
     with pytest.raises(RewardError, match=message):
-        score(load_reward("http", {"url": url + path, "timeout_s": 0.5}, RunConfig()), "x")
+        score(load_reward("http", {"url": url + path, "timeout_s": 0.5}, EnvContext()), "x")
 
 
 def test_an_unreachable_reward_service_is_a_reward_error():
     with pytest.raises(RewardError, match="unreachable"):
-        score(load_reward("http", {"url": "http://127.0.0.1:9/score", "timeout_s": 2}, RunConfig()), "x")
+        score(load_reward("http", {"url": "http://127.0.0.1:9/score", "timeout_s": 2}, EnvContext()), "x")
 
 
 def test_a_failing_reward_model_ends_episodes_as_env_crash_and_the_runner_carries_on(reward_server):
     url, _ = reward_server
     config = RunConfig.model_validate({"tasks": {"general": {"reward": "http"}}, "rewards": {"http": {"url": f"{url}/fail"}}})
-    env = load_environment("general", {}, config)
+    env = load_environment("general", {}, EnvContext.of(config))
     report = check_environment(env, episodes=3, eval_episodes=2, allowed_statuses=("env_crash",))
     assert [r.status for r in report.results] == ["env_crash"] * 3
     assert all("RewardError" in r.reason and "answered 500" in r.reason for r in report.results)
@@ -231,7 +232,8 @@ def served_judge(verdict: str, tmp_path, monkeypatch):
 
     engine = make_engine("judge", judge_policy(verdict))
     try:
-        with LiveGateway(make_service(open_store(tmp_path), [engine])) as gateway:
+        # As `asyncrl serve` serves it: the judge samples at its own temperature.
+        with LiveGateway(make_service(open_store(tmp_path), [engine], sampling_overrides="allow")) as gateway:
             _, key = gateway.open(task="judge")
             monkeypatch.setenv(JUDGE_KEY_ENV, key)
             yield f"{gateway.url}/v1"
@@ -240,7 +242,7 @@ def served_judge(verdict: str, tmp_path, monkeypatch):
 
 
 def judge(base_url: str, **options):
-    return load_reward("judge", {"base_url": base_url, "api_key_env": JUDGE_KEY_ENV, **options}, RunConfig())
+    return load_reward("judge", {"base_url": base_url, "api_key_env": JUDGE_KEY_ENV, **options}, EnvContext())
 
 
 def test_the_judge_scores_through_a_served_model(tmp_path, monkeypatch):
@@ -259,7 +261,7 @@ def test_the_judge_trains_the_general_task_through_the_runner(tmp_path, monkeypa
         config = RunConfig.model_validate(
             {"tasks": {"general": {"reward": "judge"}}, "rewards": {"judge": {"base_url": url, "api_key_env": JUDGE_KEY_ENV}}}
         )
-        env = load_environment("general", {}, config)
+        env = load_environment("general", {}, EnvContext.of(config))
         report = check_environment(env, episodes=3, eval_episodes=2)
     assert [r.reward for r in report.results] == pytest.approx([0.7] * 3)
     assert all(r.metrics["reward_details"]["judge_score"] == 7.0 for r in report.results)
@@ -278,9 +280,9 @@ def test_an_unparseable_verdict_ends_the_episode_as_env_crash(tmp_path, monkeypa
 def test_a_judge_that_times_out_or_is_gone_is_a_reward_error(reward_server, monkeypatch):
     url, _ = reward_server
     monkeypatch.setenv(JUDGE_KEY_ENV, "k")
-    with pytest.raises(RewardError, match="gave no verdict within 0.5 s"):
+    with pytest.raises(RewardError, match=r"gave no verdict within 0\.5 s"):
         score(judge(f"{url}/v1", timeout_s=0.5), "x")
-    with pytest.raises(RewardError, match="judge at http://127.0.0.1:9/v1 failed: APIConnectionError"):
+    with pytest.raises(RewardError, match=r"judge at http://127\.0\.0\.1:9/v1 failed: APIConnectionError"):
         score(judge("http://127.0.0.1:9/v1", timeout_s=2), "x")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_model
 
-from asyncrl.configs.schema import RolloutConfig
+from asyncrl.configs.schema import EmbeddedRolloutConfig
 from asyncrl.records import RequestError, SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -24,7 +24,7 @@ def test_worker_generates_and_takes_new_weights(ray_session):
     from asyncrl.rollout.worker import create_workers
 
     model = make_tiny_model("qwen3", eos_token_id=None)
-    config = RolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4, retained_prefixes=1)
+    config = EmbeddedRolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4, retained_prefixes=1)
     workers = create_workers(model, config)
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=9)
 
@@ -65,7 +65,7 @@ def test_gateway_routes_openai_calls_to_ray_workers(ray_session, tmp_path):
     from asyncrl.rollout.worker import create_workers
 
     model = make_tiny_model("qwen3", eos_token_id=None)
-    workers = create_workers(model, RolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4), name_prefix="gw")
+    workers = create_workers(model, EmbeddedRolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4), name_prefix="gw")
     handles = [RayEngine(worker, f"gw-{i}") for i, worker in enumerate(workers)]
     store = open_store(tmp_path)
     with LiveGateway(make_service(store, handles)) as live:

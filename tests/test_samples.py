@@ -123,3 +123,24 @@ def test_samples_from_a_stored_trajectory(tmp_path) -> None:
     assert sample.loss_mask == [0, 0, 1, 1, 0, 0, 0, 1]
     assert _sampled(sample) == [(9, -0.1, 4), (EOS, -0.2, 4), (10, -0.3, 5)]
     store.close()
+
+
+def test_each_sampled_token_carries_its_turns_temperature() -> None:
+    p0, c0 = [10, 11], [20, EOS]
+    p1, c1 = p0 + c0 + TOOL, [22]
+    forked, c2 = [10, 99], [23, 24]
+    trajectory = _trajectory((p0, c0, [-0.1, -0.2], [0, 0]), (p1, c1, [-0.3], [0]), (forked, c2, [-0.4, -0.5], [0, 0]))
+    for turn, temperature in zip(trajectory.turns, (0.7, 0.0, 1.3)):
+        turn.temperature, turn.top_p, turn.top_k = temperature, 1.0, 0
+    merged, fork = trajectory_to_samples(trajectory)
+    assert merged.temperatures == [None, None, 0.7, 0.7, None, None, None, 0.0]
+    assert fork.temperatures == [None, None, 1.3, 1.3]
+    # What the learner and the teachers score at: 1 for greedy, the run's where nothing was sampled.
+    assert merged.scoring_temperatures(0.5) == [0.5, 0.5, 0.7, 0.7, 0.5, 0.5, 0.5, 1.0]
+    assert merged.scoring_temperatures(0.0) == [1.0, 1.0, 0.7, 0.7, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_turns_without_a_recorded_temperature_give_samples_at_the_runs() -> None:
+    (sample,) = trajectory_to_samples(_trajectory(([10, 11], [20], [-0.1], [0])))
+    assert sample.temperatures is None
+    assert sample.scoring_temperatures(0.8) == [0.8, 0.8, 0.8]

@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import TypeAdapter
 from test_sandbox_hostile import available_config
 
-from asyncrl.configs.schema import SandboxConfig
+from asyncrl.configs.schema import DockerSandboxConfig, ProcessSandboxConfig, SandboxConfig
 from asyncrl.envs.sandbox import SandboxError, ToolResult, open_backend
 from asyncrl.envs.sandbox.bench import sandbox_start_ms
 
@@ -46,12 +47,12 @@ def _open_once(config: SandboxConfig) -> None:
 
 def test_docker_engine_unreachable_is_a_sandbox_error() -> None:
     with pytest.raises(SandboxError, match="no Docker engine answers at unix:///nonexistent/docker.sock"):
-        _open_once(SandboxConfig(backend="docker", docker_host="unix:///nonexistent/docker.sock"))
+        _open_once(DockerSandboxConfig(docker_host="unix:///nonexistent/docker.sock"))
 
 
 def test_missing_interpreter_is_a_sandbox_error() -> None:
     with pytest.raises(SandboxError, match="/nonexistent/python3 is missing|bubblewrap"):
-        _open_once(SandboxConfig(backend="process", python="/nonexistent/python3"))
+        _open_once(ProcessSandboxConfig(python="/nonexistent/python3"))
 
 
 def test_missing_docker_image_is_a_sandbox_error(docker_config) -> None:
@@ -124,9 +125,9 @@ def test_process_backend_removes_scratch_of_sandboxes_left_open() -> None:
 
 def test_config_rejects_limits_out_of_bounds() -> None:
     with pytest.raises(ValueError):
-        SandboxConfig(memory_mb=1)
+        ProcessSandboxConfig(memory_mb=1)
     with pytest.raises(ValueError):
-        SandboxConfig(backend="vm")
+        TypeAdapter(SandboxConfig).validate_python({"backend": "vm"})
 
 
 CHILD_HOOK_PROBE = r"""

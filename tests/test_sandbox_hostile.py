@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.configs.schema import SandboxConfig
+from asyncrl.configs.schema import DockerSandboxConfig, ProcessSandboxConfig, SandboxConfig
 from asyncrl.envs.sandbox import SandboxError, open_backend
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,7 +26,9 @@ _probed: dict[str, str | None] = {}
 
 
 def _config(backend: str, **overrides) -> SandboxConfig:
-    return SandboxConfig(backend=backend, docker_host=os.environ.get("DOCKER_HOST"), **{**LIMITS, **overrides})
+    if backend == "docker":
+        return DockerSandboxConfig(docker_host=os.environ.get("DOCKER_HOST"), **{**LIMITS, **overrides})
+    return ProcessSandboxConfig(**{**LIMITS, **overrides})
 
 
 async def _probe(config: SandboxConfig) -> None:

@@ -1,24 +1,26 @@
-"""SFT data (assistant-only loss masks), held-out evaluation, and a short end-to-end SFT run."""
+"""SFT data (assistant-only loss masks, the environments' demonstration mix), held-out evaluation
+through the gateway, and a short end-to-end SFT run."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
+from gateway_helpers import scripted_model
 from transformers import AutoModelForCausalLM
 
 from asyncrl.configs.loader import load_config
-from asyncrl.configs.schema import ArithmeticTaskConfig, EvalConfig, RunConfig, TinyModelConfig
+from asyncrl.configs.schema import RunConfig, TinyModelConfig
 from asyncrl.envs.arithmetic import ArithmeticTask
-from asyncrl.envs.tool_demos import PYTHON_TOOL, ToolProblem
-from asyncrl.learner.evaluate import evaluate_arithmetic, hf_greedy_generate
-from asyncrl.learner.sft import next_token_loss, run_sft, train_step
+from asyncrl.envs.tool_demos import PYTHON_TOOL, ToolProblem, sample_tool_problem
+from asyncrl.learner.sft import next_token_loss, train_step
 from asyncrl.learner.sft_data import DemoStream, collate, length_buckets, render_demo
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import mtp_loss, policy_hidden_and_logits
-from asyncrl.policy.tiny import build_tiny_model
-from asyncrl.policy.tokenizer import build_tokenizer
+from asyncrl.policy.tokenizer import ASSISTANT, EOS, build_tokenizer
+from asyncrl.sched.sft import HeldOut, demo_stream, run_sft
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, moe_intermediate_size=16)
 
@@ -57,7 +59,7 @@ def test_tool_demo_mask_covers_the_call_markup_and_eos_but_not_the_tool_output()
 
 def test_stream_mix_buckets_and_collate():
     tok = build_tokenizer()
-    stream = DemoStream(tok, ArithmeticTaskConfig(), tool_demo_fraction=0.25, seed=0)
+    stream = demo_stream(RunConfig(sft={"tool_demo_fraction": 0.25}), tok, seed=0)
     demos = stream.batch(400)
     tool_share = sum(tok.decode(d.token_ids).count("<tool_call>") for d in demos) / len(demos)
     assert 0.18 < tool_share < 0.32
@@ -69,13 +71,34 @@ def test_stream_mix_buckets_and_collate():
     assert batch["input_ids"].shape == (5, max(lengths))
     assert batch["attention_mask"].sum(1).tolist() == lengths
     assert (batch["loss_mask"] * (1 - batch["attention_mask"])).sum() == 0
-    assert DemoStream(tok, ArithmeticTaskConfig(), 0.25, seed=0).batch(10)[3].token_ids == demos[3].token_ids
+    assert demo_stream(RunConfig(sft={"tool_demo_fraction": 0.25}), tok, seed=0).batch(10)[3].token_ids == demos[3].token_ids
+
+
+def test_the_environments_demonstrations_are_the_warm_starts_mix_draw_for_draw():
+    """The stream the SFT entry point builds from the environments is, seed for seed, the one the warm
+    start has always drawn: one uniform number picks the source, which then draws with the same generator."""
+    tok = build_tokenizer()
+    config = RunConfig(sft={"tool_demo_fraction": 0.3})
+    arithmetic, rng = ArithmeticTask(config.tasks.arithmetic), random.Random(7)
+    expected = []
+    for _ in range(200):
+        if rng.random() < 0.3:
+            expected.append(render_demo(tok, sample_tool_problem(rng).demonstration(), tools=[PYTHON_TOOL]).token_ids)
+        else:
+            expected.append(render_demo(tok, arithmetic.sample(rng).demonstration()).token_ids)
+    assert [d.token_ids for d in demo_stream(config, tok, seed=7).batch(200)] == expected
+
+
+def test_a_stream_refuses_shares_above_one():
+    with pytest.raises(ValueError, match="must not exceed 1"):
+        DemoStream(build_tokenizer(), [(0.7, None), (0.4, None)], rest=None, seed=0)
 
 
 def test_bucketed_step_has_the_gradient_of_one_padded_batch():
     config = RunConfig(policy={"tiny": TinyModelConfig(arch="qwen3", **SMALL)})
     tok = build_tokenizer()
-    demos = DemoStream(tok, config.tasks.arithmetic, 0.25, seed=1).batch(16)
+    with_tools = config.model_copy(update={"sft": config.sft.model_copy(update={"tool_demo_fraction": 0.25})})
+    demos = demo_stream(with_tools, tok, seed=1).batch(16)
     assert len(length_buckets(demos)) > 1
     model, _, mtp = build_policy(config.policy, seed=0)
     train_step(config, model, mtp, demos, tok.pad_token_id)
@@ -93,35 +116,20 @@ def test_bucketed_step_has_the_gradient_of_one_padded_batch():
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["glm_moe_dsa", "qwen3"])
-def test_batched_greedy_matches_one_prompt_at_a_time_and_hf_generate(arch):
+def test_held_out_evaluation_plays_the_arithmetic_episodes_through_the_gateway():
+    """A real model that answers "12" to anything, served by the SFT's embedded engine behind the
+    in-process gateway: its accuracy is exactly the share of held-out problems whose answer is 12."""
     tok = build_tokenizer()
-    model = build_tiny_model(TinyModelConfig(arch=arch, **SMALL), seed=0).eval()
-    generate = hf_greedy_generate(model, tok.eos_token_id, tok.pad_token_id, batch_size=3)
-    texts = ["<|user|>1+2<|assistant|>", "<|user|>What is 45 minus 3?<|assistant|>", "<|user|>99+1<|assistant|>"]
-    prompts = [tok.encode(t, add_special_tokens=False) for t in texts] * 2
-    batched = generate(prompts, 6)
-    assert batched == [generate([p], 6)[0] for p in prompts]
-    with torch.no_grad():
-        reference = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):] for p in prompts]
-    for ours, theirs in zip(batched, reference):
-        assert ours == theirs.tolist()[: len(ours)]
-
-
-def test_evaluation_scores_the_callable_it_is_given():
-    tok = build_tokenizer()
-    task, config = ArithmeticTaskConfig(), EvalConfig(num_problems=20, seed=5)
-    problems = ArithmeticTask(task).heldout_set(20, 5)
-    answers = {tuple(tok.apply_chat_template(p.messages(), add_generation_prompt=True, tokenize=False).encode()): p
-                for p in problems}  # fmt: skip
-
-    def oracle(prompts, max_tokens):
-        assert max_tokens == config.max_tokens
-        return [tok.encode(f"{answers[tuple(tok.decode(p).encode())].answer}<|endoftext|>") for p in prompts]
-
-    assert evaluate_arithmetic(oracle, tok, task, config).accuracy == 1.0
-    wrong = evaluate_arithmetic(lambda prompts, n: [tok.encode("-1")] * len(prompts), tok, task, config)
-    assert wrong.accuracy == 0.0 and wrong.num_problems == 20 and wrong.examples
+    config = load_config(None, ["eval.num_problems=60", "eval.seed=5", "eval.max_tokens=3"])
+    model = scripted_model([ASSISTANT, "1", "2", EOS])
+    heldout = HeldOut(config, model, tok)
+    try:
+        accuracy = heldout.accuracy(model.state_dict(), 1)
+    finally:
+        heldout.close()
+    problems = ArithmeticTask(config.tasks.arithmetic).heldout_set(60, 5)
+    twelves = sum(p.answer == 12 for p in problems)
+    assert twelves == 2 and accuracy == twelves / 60
 
 
 def test_short_sft_run_writes_a_loadable_checkpoint_metrics_and_plot(tmp_path):

@@ -17,7 +17,7 @@ from conftest import make_tiny_model, run_to_completion
 from pydantic import ValidationError
 from test_engine_numerics import assert_matches_hf
 
-from asyncrl.configs.schema import RolloutConfig
+from asyncrl.configs.schema import EmbeddedRolloutConfig
 from asyncrl.policy.mtp import build_mtp, mtp_logits, policy_hidden_and_logits
 from asyncrl.records import SamplingParams
 from asyncrl.rollout import EmbeddedEngine
@@ -113,7 +113,7 @@ def test_greedy_rows_accept_exactly_the_target_argmax():
 
 
 def engine(model, mtp=None, **options) -> EmbeddedEngine:
-    return EmbeddedEngine(model, RolloutConfig(max_num_seqs=64, retained_prefixes=2, **options), mtp=mtp)
+    return EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=64, retained_prefixes=2, **options), mtp=mtp)
 
 
 @pytest.fixture(scope="module")
@@ -211,17 +211,17 @@ def test_engine_samples_the_target_distribution(small_vocab, options):
 
 def test_draft_count_out_of_range_is_a_config_error():
     with pytest.raises(ValidationError, match="mtp_draft_tokens"):
-        RolloutConfig(mtp_draft_tokens=0)
+        EmbeddedRolloutConfig(mtp_draft_tokens=0)
     with pytest.raises(ValidationError, match="exceeds mtp_max_draft_tokens"):
-        RolloutConfig(mtp_draft_tokens=9, mtp_max_draft_tokens=8)
+        EmbeddedRolloutConfig(mtp_draft_tokens=9, mtp_max_draft_tokens=8)
 
 
 def test_engine_refuses_bad_drafting_setups(small_vocab):
     model, mtp = small_vocab
     with pytest.raises(ValueError, match="needs the policy's MTP layer"):
-        EmbeddedEngine(model, RolloutConfig(mtp_drafting=True))
+        EmbeddedEngine(model, EmbeddedRolloutConfig(mtp_drafting=True))
     # model_copy skips validation; the engine checks again at start-up.
-    unchecked = RolloutConfig(mtp_drafting=True).model_copy(update={"mtp_draft_tokens": 0})
+    unchecked = EmbeddedRolloutConfig(mtp_drafting=True).model_copy(update={"mtp_draft_tokens": 0})
     with pytest.raises(ValueError, match="mtp_draft_tokens must be in"):
         EmbeddedEngine(model, unchecked, mtp=mtp)
 

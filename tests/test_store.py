@@ -21,6 +21,7 @@ from asyncrl.gateway.store import (
     UnknownRollout,
     open_store,
 )
+from asyncrl.gateway.store.base import turn_from_json
 from asyncrl.records import Turn
 
 REDIS_URL = os.environ.get("ASYNCRL_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -140,6 +141,22 @@ def test_closed_and_unknown_rollouts_are_refused(make_store) -> None:
     with pytest.raises(StoreError, match="turn 0"):
         store.append(Turn(running, [1], [2], [0.0], [0], index=4))
     assert store.get(running).status == "running"
+
+
+def test_sampling_options_round_trip_and_turns_stored_without_them_read_back_unset(make_store) -> None:
+    store = make_store()
+    rollout_id = store.open("t")
+    store.append(Turn(rollout_id, [1, 2], [3], [-0.5], [0], temperature=0.0, top_p=1.0, top_k=0))
+    store.append(Turn(rollout_id, [1, 2, 3], [4], [-0.25], [0], temperature=0.7, top_p=0.9, top_k=40))
+    turns = store.get(rollout_id).turns
+    assert [(t.temperature, t.top_p, t.top_k) for t in turns] == [(0.0, 1.0, 0), (0.7, 0.9, 40)]
+    # Both backends read a turn through turn_from_json; one stored before turns carried their options:
+    old = (
+        '{"rollout_id":"r","prompt_token_ids":[1],"completion_token_ids":[2],"logprobs":[-1.0],"versions":[0],'
+        '"finish_reason":"stop","branch":0,"engine_id":"e0","timings":{},"created_at":1.0}'
+    )
+    turn = turn_from_json(old, 3)
+    assert (turn.index, turn.completion_token_ids, turn.temperature, turn.top_p, turn.top_k) == (3, [2], None, None, None)
 
 
 def test_turns_must_be_aligned() -> None:

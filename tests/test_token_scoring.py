@@ -21,7 +21,7 @@ from test_distill import LoopbackTeacher
 from test_distill_scoring import SEQUENCES
 from test_learner_rl import _one_thread  # noqa: F401 (autouse fixture: one torch thread)
 
-from asyncrl.configs.schema import RolloutConfig, RunConfig, TeacherSpec
+from asyncrl.configs.schema import EmbeddedRolloutConfig, RunConfig, TeacherSpec
 from asyncrl.distill.teachers import HttpTeacher, TeacherError, Teachers, check_checkpoints
 from asyncrl.gateway.engines import HttpEngine, LocalEngine, RayEngine, ScoringUnsupported, engine_app
 from asyncrl.gateway.store import open_store
@@ -58,14 +58,14 @@ def gateway(teacher_model, tmp_path_factory):
 @pytest.mark.parametrize("arch", ["qwen3", "glm_moe_dsa"])
 def test_engine_scores_equal_the_checkpoint_scorer_and_follow_weight_updates(arch, tmp_path):
     make_tiny_model(arch, seed=1).save_pretrained(tmp_path)
-    engine = EmbeddedEngine(str(tmp_path), RolloutConfig(device="cpu", torch_threads=1, max_num_seqs=4), engine_id="s")
+    engine = EmbeddedEngine.from_pretrained(str(tmp_path), EmbeddedRolloutConfig(device="cpu", torch_threads=1, max_num_seqs=4), engine_id="s")
     try:
-        before = asyncio.run(engine.score(SEQUENCES, 0.7))
+        before = asyncio.run(engine.score(SEQUENCES, 0.7)).logprobs
         assert max_diff(before, NativeScorer(str(tmp_path)).score(SEQUENCES, 0.7)) < TOLERANCE
         assert all(row[0] == 0.0 for row in before)
         other = make_tiny_model(arch, seed=2)
         engine.update_weights(other.state_dict(), version=3)
-        after = asyncio.run(engine.score_versioned(SEQUENCES, 0.7))
+        after = asyncio.run(engine.score(SEQUENCES, 0.7))
         assert after.version == 3 and after.engine_id == "s"
         assert max_diff(after.logprobs, NativeScorer(other).score(SEQUENCES, 0.7)) < TOLERANCE
         assert max_diff(after.logprobs, before) > 0.1  # the new weights, not the old ones
@@ -148,7 +148,7 @@ class CannotScore:
     async def generate(self, prompt_token_ids, sampling=None, *, session_id=None):
         return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
 
-    async def score_versioned(self, sequences, temperature=1.0):
+    async def score(self, sequences, temperature=1.0):
         raise NotImplementedError(f"engine {self.engine_id} (vLLM) cannot score token sequences")
 
     def health(self) -> dict:
@@ -193,7 +193,7 @@ def http_handle(engine) -> HttpEngine:
 
 def test_ray_and_http_engine_handles_score_as_the_engine_does(teacher_model):
     # The RolloutWorker actor's own class, run in this process.
-    worker = RolloutWorker.__ray_metadata__.modified_class(teacher_model, RolloutConfig(device="cpu", torch_threads=1), "w0")
+    worker = RolloutWorker.__ray_metadata__.modified_class(teacher_model, EmbeddedRolloutConfig(device="cpu", torch_threads=1), "w0")
     refusing = CannotScore(worker.engine, "v")
     expected = NativeScorer(teacher_model).score(SEQUENCES, 0.7)
 

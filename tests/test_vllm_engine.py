@@ -19,8 +19,9 @@ import time
 import pytest
 import torch
 from conftest import make_tiny_model
+from test_engine_front import check_closed_caller, check_idle_exit
 
-from asyncrl.configs.schema import RolloutConfig
+from asyncrl.configs.schema import VLLMRolloutConfig
 from asyncrl.policy.checkpoint import save_policy
 from asyncrl.policy.tokenizer import build_tokenizer
 from asyncrl.records import RequestError, SamplingParams
@@ -49,8 +50,8 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _config(**changes) -> RolloutConfig:
-    return RolloutConfig(type="vllm", max_num_seqs=16, max_model_len=256, **changes)
+def _config(**changes) -> VLLMRolloutConfig:
+    return VLLMRolloutConfig(max_num_seqs=16, max_model_len=256, **changes)
 
 
 def _reference_logprobs(model, prompt: list[int], tokens: list[int], params: SamplingParams) -> list[float]:
@@ -63,7 +64,7 @@ def _reference_logprobs(model, prompt: list[int], tokens: list[int], params: Sam
 
 def _max_gap(model, result, params) -> float:
     reference = _reference_logprobs(model, result.prompt_token_ids, result.token_ids, params)
-    return max(abs(a - b) for a, b in zip(result.logprobs, reference))
+    return max(abs(a - b) for a, b in zip(result.logprobs, reference, strict=False))
 
 
 def _generate(engine, prompts, params):
@@ -134,7 +135,8 @@ def test_logprobs_match_transformers(engine, qwen3):
                 gaps.get((params.temperature, params.top_p, params.top_k), 0.0), _max_gap(model, result, params)
             )
             tokens += len(result.token_ids)
-    print(f"\n[vllm] max |logprob - transformers| by (T, top_p, top_k): {gaps}; {tokens / (time.perf_counter() - started):.0f} tokens/s incl. reference")
+    rate = tokens / (time.perf_counter() - started)
+    print(f"\n[vllm] max |logprob - transformers| by (T, top_p, top_k): {gaps}; {rate:.0f} tokens/s incl. reference")
     assert max(gaps.values()) < LOGPROB_TOL
 
 
@@ -218,11 +220,20 @@ def test_update_during_generation_switches_version_between_tokens(engine, qwen3)
     assert finished.wait(120)
     (result,) = results
     switch = result.versions.index(11)
-    assert 0 < switch and result.versions == [10] * switch + [11] * (len(result.versions) - switch)
+    assert switch > 0 and result.versions == [10] * switch + [11] * (len(result.versions) - switch)
     old = _reference_logprobs(model, result.prompt_token_ids, result.token_ids[:switch], params)
     new = _reference_logprobs(other, result.prompt_token_ids, result.token_ids, params)[switch:]
-    assert max(abs(a - b) for a, b in zip(result.logprobs, old + new)) < LOGPROB_TOL
+    assert max(abs(a - b) for a, b in zip(result.logprobs, old + new, strict=False)) < LOGPROB_TOL
     engine.update_weights(model.state_dict(), 12)
+
+
+def test_idle_stepping_thread_leaves_and_a_push_meanwhile_is_applied_by_its_caller(engine, qwen3):
+    check_idle_exit(engine, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8), qwen3[0].state_dict(), 13)
+
+
+def test_a_caller_whose_event_loop_closed_costs_nobody_else_their_result(engine):
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)  # the same prompt: both finish in the same step
+    check_closed_caller(engine.front, lambda: engine.generate(PROMPTS[0], greedy))
 
 
 def test_abort_and_health(engine):
@@ -269,7 +280,7 @@ def _glm4_moe_model(seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # unit scale, as conftest's models: distributions far from uniform
-        for name, param in model.named_parameters():
+        for _name, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, param.shape[-1] ** -0.5)
     return model
@@ -343,7 +354,8 @@ def test_fp8_on_gpu_or_refused_on_cpu(qwen3, ray_cluster):
     try:
         params = SamplingParams(temperature=1.0, max_tokens=24, seed=1)
         results = ray.get([worker.generate.remote(p, params) for p in PROMPTS], timeout=600)
-        gaps = [abs(a - b) for r in results for a, b in zip(r.logprobs, _reference_logprobs(qwen3[0], r.prompt_token_ids, r.token_ids, params))]
+        references = [_reference_logprobs(qwen3[0], r.prompt_token_ids, r.token_ids, params) for r in results]
+        gaps = [abs(a - b) for r, reference in zip(results, references, strict=True) for a, b in zip(r.logprobs, reference, strict=False)]
         assert ray.get(worker.health.remote())["fp8"] and sum(gaps) / len(gaps) < 0.25  # the embedded engine's bound
         ray.get(worker.update_weights.remote(qwen3[0].state_dict(), 1))  # re-quantized on reload
         assert ray.get(worker.generate.remote(PROMPTS[0], params)).versions[0] == 1
@@ -385,3 +397,14 @@ def test_ray_worker_hosts_a_vllm_engine(qwen3, ray_cluster):
         assert _max_gap(other, after, greedy) < LOGPROB_TOL
     finally:
         ray.kill(worker)
+
+
+def test_shutdown_ends_unfinished_requests_and_refuses_later_ones(engine):
+    """Last in this module: it shuts the module's engine down (the fixture's own shutdown is then a no-op)."""
+    ended = []
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=200), on_finish=ended.append)
+    engine.shutdown()
+    assert [(r.finish_reason, r.error) for r in ended] == [("abort", "engine shut down")] and len(ended[0].token_ids) < 200
+    assert not engine.health()["alive"]
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4))

@@ -9,8 +9,8 @@ registry stays cheap to import (`asyncrl --help`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from pydantic import BaseModel, ValidationError
 
@@ -43,7 +43,7 @@ class Benchmark:
         try:
             return config, self.options.model_validate(data)
         except ValidationError as err:
-            raise ConfigError(format_validation_error(err).replace("\n  ", "\n  bench.")) from None
+            raise ConfigError(format_validation_error(err, self.options).replace("\n  ", "\n  bench.")) from None
 
     def describe(self, name: str) -> list[str]:
         """Lines for `asyncrl bench --help`: the config it runs and its own settings."""

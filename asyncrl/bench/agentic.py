@@ -66,7 +66,7 @@ class AgenticBenchOptions(Section):
     apply: the wait is the tool call itself, between the episode's two model calls)."""
     sandbox_runs: int = Field(5, ge=1, le=1000)
     """Timed sandbox starts per backend (after one untimed)."""
-    sandbox_backends: list[Literal["docker", "process"]] = ["docker", "process"]
+    sandbox_backends: list[Literal["docker", "process"]] = Field(["docker", "process"])
     """Backends whose start-up is measured."""
 
 
@@ -103,7 +103,7 @@ class SleepingSandboxes:
         self.latency = LatencyDistribution(latency)
         self.calls = self.running = self.running_max = 0
 
-    async def open(self) -> "SleepingSandbox":
+    async def open(self) -> SleepingSandbox:
         return SleepingSandbox(self)
 
 
@@ -172,6 +172,7 @@ def run(config: RunConfig, json_path: str | None = None, options: AgenticBenchOp
 
 
 async def _episodes(config: RunConfig, options: AgenticBenchOptions, store_path: str) -> dict:
+    from asyncrl.configs.context import EnvContext
     from asyncrl.envs.agentic import AgenticEnv
     from asyncrl.envs.runner import run_recorded_episode
     from asyncrl.gateway.app import settle_heap
@@ -179,7 +180,7 @@ async def _episodes(config: RunConfig, options: AgenticBenchOptions, store_path:
     from asyncrl.gateway.store import open_store
     from asyncrl.records import TERMINAL_STATUSES
 
-    env = AgenticEnv.from_config(config)
+    env = AgenticEnv.from_config(EnvContext.of(config))
     sandboxes = SleepingSandboxes(options.latency)
     rng = random.Random(config.seed)
     tasks = [env.sample_task(rng) for _ in range(options.episodes)]

@@ -26,9 +26,10 @@ import json
 import platform
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from tempfile import TemporaryDirectory
-from typing import Callable, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -62,13 +63,15 @@ class AsyncBenchOptions(Section):
     """Modes to run, in this order (each once); the ratio needs both."""
 
 
-def run(config: RunConfig, json_path: str | None = None, options: AsyncBenchOptions | None = None, *, env_factory: Callable | None = None) -> dict:
+def run(
+    config: RunConfig, json_path: str | None = None, options: AsyncBenchOptions | None = None, *, env_factory: Callable | None = None
+) -> dict:
     """Both modes, side by side; `env_factory(config)` builds the wrapped environment (default: reasoning)."""
     from asyncrl.sched.run import run as run_loop
 
     options = options or AsyncBenchOptions()
     env_factory = env_factory or _reasoning_env
-    sides = {}
+    sides: dict[str, dict] = {}
     with TemporaryDirectory(prefix="bench-async-") as tmp:
         config = _with(config, f"runs_dir={tmp}")
         config, sft = _warm_start(config)
@@ -132,7 +135,9 @@ def _tool_latencies(run_dir: Path) -> dict:
     from asyncrl.gateway.store import open_store
 
     store = open_store(run_dir)
-    waits = [(t.metadata.get("admitted_at_version"), t.metrics["tool_latency_s"]) for t in store.list() if "tool_latency_s" in (t.metrics or {})]
+    waits = [
+        (t.metadata.get("admitted_at_version"), t.metrics["tool_latency_s"]) for t in store.list() if "tool_latency_s" in (t.metrics or {})
+    ]
     store.close()
     if not waits:
         return {}
@@ -152,7 +157,7 @@ def _warm_start(config: RunConfig) -> tuple[RunConfig, dict | None]:
     is given. A policy with no reward signal (e.g. an untrained one on arithmetic) never steps."""
     if config.policy.path is not None or not config.run.sft_first:
         return config, None
-    from asyncrl.learner.sft import run_sft
+    from asyncrl.sched.sft import run_sft
 
     _say("bench async: SFT warm start (shared by both modes)")
     result = run_sft(config)

@@ -49,7 +49,9 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     model = AutoModelForCausalLM.from_config(
         tiny_model_config(config.policy.tiny, eos_token_id=None), dtype=torch.float32
     ).eval()
-    rollout = config.rollout.model_copy(update={"torch_threads": threads, "max_num_seqs": max(BATCH, config.rollout.max_num_seqs)})
+    rollout = config.rollout.embedded().model_copy(
+        update={"torch_threads": threads, "max_num_seqs": max(BATCH, config.rollout.max_num_seqs)}
+    )
     engine = EmbeddedEngine(model, rollout, engine_id="bench")
     rng = random.Random(config.seed)
     # Ids 16.. are ordinary characters in the embedded tokenizer; any in-vocabulary ids would do.
@@ -58,7 +60,7 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     def engine_tok_s(batch: int) -> float:
         async def go():
             params = [SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, seed=i) for i in range(batch)]
-            return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts[:batch], params)))
+            return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts[:batch], params, strict=True)))
 
         start = time.perf_counter()
         results = asyncio.run(go())
@@ -89,7 +91,9 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
 
     from . import engine_mtp
 
-    b64, hf64, b1 = [], [], []
+    b64: list[float] = []
+    hf64: list[float] = []
+    b1: list[float] = []
     mtp_steps = engine_mtp.REPEATS + 1 if config.policy.path else 0
     with Progress(TextColumn("bench engine"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as progress:
         task = progress.add_task("measure", total=3 * (REPEATS + 1) + mtp_steps)

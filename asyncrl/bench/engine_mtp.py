@@ -64,7 +64,7 @@ def task_prompts(config: RunConfig, tokenizer, count: int) -> list[tuple[str, li
 def _generate(engine, prompts: list[list[int]], temperature: float = 1.0):
     async def go():
         params = [dict(temperature=temperature, max_tokens=MAX_TOKENS, seed=i) for i in range(len(prompts))]
-        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params, strict=True)))
 
     return asyncio.run(go())
 
@@ -100,7 +100,7 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
     model = model.float().eval()
     if mtp is None:
         raise SystemExit(f"bench engine: {config.policy.path} has no MTP layer to draft with")
-    base = config.rollout.model_copy(update={"torch_threads": threads, "max_num_seqs": batch, "retained_prefixes": 0})
+    base = config.rollout.embedded().model_copy(update={"torch_threads": threads, "max_num_seqs": batch, "retained_prefixes": 0})
     plain = EmbeddedEngine(model, base, engine_id="plain")
     drafting = EmbeddedEngine(
         model, base.model_copy(update={"mtp_drafting": True, "mtp_draft_tokens": DRAFT_TOKENS}), engine_id="mtp", mtp=mtp
@@ -113,7 +113,7 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
     results = _generate(drafting, prompts)
     per_task = {}
     for task in dict.fromkeys(t for t, _ in tasks_and_prompts):
-        mine = [r for (t, _), r in zip(tasks_and_prompts, results) if t == task and r.mtp_verify_steps]
+        mine = [r for (t, _), r in zip(tasks_and_prompts, results, strict=True) if t == task and r.mtp_verify_steps]
         steps = sum(r.mtp_verify_steps for r in mine)
         emitted = sum(r.mtp_accept_len * r.mtp_verify_steps for r in mine)
         per_task[task] = round(emitted / steps, 3) if steps else None
@@ -126,8 +126,8 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
     if progress:
         progress()
 
-    sides = {"b1_plain": [], "b1_mtp": [], "b64_plain": [], "b64_mtp": []}
-    cpu_sides = {k: [] for k in sides}
+    sides: dict[str, list[float]] = {"b1_plain": [], "b1_mtp": [], "b64_plain": [], "b64_mtp": []}
+    cpu_sides: dict[str, list[float]] = {k: [] for k in sides}
     _tok_s(plain, prompts, batch), _tok_s(drafting, prompts, batch)  # warm-up
     for repeat in range(REPEATS):
         # Alternate which side goes first, so a load change between the two hits both alike.

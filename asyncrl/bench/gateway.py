@@ -36,7 +36,8 @@ import uuid
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from asyncrl.configs.schema import GatewayConfig, RunConfig, SamplingConfig
+from asyncrl.configs.schema import GatewayConfig, RedisStoreConfig, RunConfig, SamplingConfig
+from asyncrl.records import ScoreResult
 
 SESSIONS, TURNS, REPEATS = 64, 6, 3
 ENGINE_LATENCY_S, THINK_S = 1.0, 0.25
@@ -68,6 +69,11 @@ class StubEngine:
             )  # fmt: skip
         finally:
             self.active -= 1
+
+    async def score(self, sequences: list[list[int]], temperature: float) -> ScoreResult:
+        from asyncrl.gateway.engines import ScoringUnsupported
+
+        raise ScoringUnsupported(f"engine {self.engine_id} is a generation stub")
 
     async def health(self) -> dict:
         return {"alive": True, "max_concurrent": self.max_active}
@@ -128,7 +134,10 @@ def _serve_direct(latency_s: float, ports) -> None:
     parsed = parse_completion(ids, build_tokenizer(), TOOLS, lambda: f"call_{0:024x}")
     result = GenerationResult("", [], ids, [-0.125] * len(ids), [0] * len(ids), "stop", "direct")
     reply = api.chat_response("direct", "0" * 32, 0, 0, parsed.message(), parsed.finish_reason("stop"), result, 100, 0, None)
-    bodies = {"/v1/chat/completions": json.dumps(reply).encode(), "/rollouts": json.dumps({"rollout_id": "0" * 32, "api_key": "direct"}).encode()}
+    bodies = {
+        "/v1/chat/completions": json.dumps(reply).encode(),
+        "/rollouts": json.dumps({"rollout_id": "0" * 32, "api_key": "direct"}).encode(),
+    }
 
     async def app(scope, receive, send) -> None:
         request = b""
@@ -142,7 +151,8 @@ def _serve_direct(latency_s: float, ports) -> None:
         if path == "/v1/chat/completions":
             await asyncio.sleep(latency_s)
         body = bodies.get(path, b"{}")
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     _listen(app, ports, lifespan="off")
@@ -207,7 +217,8 @@ async def _through_gateway(url: str, sessions: int, turns: int, think_s: float) 
     # which would have been measured as gateway latency.
     import aiohttp
 
-    walls, errors = [], []
+    walls: list[float] = []
+    errors: list[str] = []
     connector = aiohttp.TCPConnector(limit=sessions)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
         start = time.perf_counter()
@@ -235,7 +246,7 @@ async def _in_process(sessions: int, turns: int, think_s: float, latency_s: floa
     return walls
 
 
-def _pct(values: list[float], q: float) -> float:
+def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
@@ -284,9 +295,11 @@ def _http_walls(server: Server, cpu: list[tuple[float, float]] | None = None) ->
     gets the server process's (CPU seconds, run-queue wait seconds) per request of that workload."""
     with server as url:
         asyncio.run(_through_gateway(url, SESSIONS, 1, 0.0))  # warm-up: template compile, connections
-        before = _schedstat(server.process.pid)
+        pid = server.process.pid
+        assert pid is not None  # entering `server` started it
+        before = _schedstat(pid)
         walls, errors, _ = asyncio.run(_through_gateway(url, SESSIONS, TURNS, THINK_S))
-        after = _schedstat(server.process.pid)
+        after = _schedstat(pid)
     assert not errors, errors[:3]
     if cpu is not None:
         cpu.append(((after[0] - before[0]) / len(walls), (after[1] - before[1]) / len(walls)))
@@ -301,7 +314,8 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     results: dict = {}
     with TemporaryDirectory() as tmp:
         sides: dict[str, list[list[float]]] = {"gateway": [], "direct": [], "in_process": []}
-        server, cpu = [], {"gateway": [], "direct": []}
+        server: list[float] = []
+        cpu: dict[str, list[tuple[float, float]]] = {"gateway": [], "direct": []}
         for repeat in range(REPEATS):
             store = str(Path(tmp) / f"overhead-{repeat}.db")
             order = ("gateway", "direct") if repeat % 2 == 0 else ("direct", "gateway")
@@ -314,14 +328,14 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
             server += _server_overhead(store)
         for q in (50, 99):
             pct = {name: [_pct(walls, q) for walls in runs] for name, runs in sides.items()}
-            overheads = [g - d for g, d in zip(pct["gateway"], pct["direct"])]
+            overheads = [g - d for g, d in zip(pct["gateway"], pct["direct"], strict=True)]
             results[f"overhead_p{q}_ms"] = round(1000 * statistics.median(overheads), 3)
             results[f"server_overhead_p{q}_ms"] = round(1000 * _pct(server, q), 3)
             results[f"gateway_p{q}_ms"] = round(1000 * statistics.median(pct["gateway"]), 3)
             results[f"direct_p{q}_ms"] = round(1000 * statistics.median(pct["direct"]), 3)
             # The pre-2026-11-29 method (an in-process engine call as the baseline) for comparison:
             # it also charges the client's HTTP and JSON work and the loopback round trip to the gateway.
-            inproc = [g - d for g, d in zip(pct["gateway"], pct["in_process"])]
+            inproc = [g - d for g, d in zip(pct["gateway"], pct["in_process"], strict=True)]
             results[f"overhead_vs_in_process_p{q}_ms"] = round(1000 * statistics.median(inproc), 3)
         # Process CPU time per request (all threads) and time spent runnable but waiting for a core:
         # the first is the server's own cost, the second what a busy machine added to it.
@@ -329,7 +343,8 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
             results[f"{name}_cpu_ms_per_request"] = round(1000 * statistics.median(c for c, _ in samples), 3)
             results[f"{name}_cpu_wait_ms_per_request"] = round(1000 * statistics.median(w for _, w in samples), 3)
         results["overhead_repeats_ms"] = {
-            f"p{q}": [round(1000 * (_pct(g, q) - _pct(d, q)), 2) for g, d in zip(sides["gateway"], sides["direct"])] for q in (50, 99)
+            f"p{q}": [round(1000 * (_pct(g, q) - _pct(d, q)), 2) for g, d in zip(sides["gateway"], sides["direct"], strict=True)]
+            for q in (50, 99)
         }
 
         with Gateway(str(Path(tmp) / "sessions.db"), BIG_LATENCY_S) as url:
@@ -345,9 +360,10 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
         }  # fmt: skip
 
         redis_namespace = f"bench-gateway-{uuid.uuid4().hex}"
+        redis_url = config.store.url if isinstance(config.store, RedisStoreConfig) else RedisStoreConfig().url
         for name, address, namespace in (
             ("sqlite", str(Path(tmp) / "throughput.db"), "bench"),
-            ("redis", config.store.url, redis_namespace),
+            ("redis", redis_url, redis_namespace),
         ):
             with Gateway(address, 0.0, namespace) as url:
                 asyncio.run(_through_gateway(url, SESSIONS, 1, 0.0))
@@ -355,7 +371,7 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
                 assert not errors, errors[:3]
             results[f"{name}_turns_per_s"] = round(len(walls) / elapsed, 1)
             results[f"{name}_store_appends_per_s"] = round(_store_appends_per_s(address, namespace + "-raw"), 1)
-        _drop_redis_namespace(config.store.url, redis_namespace)
+        _drop_redis_namespace(redis_url, redis_namespace)
 
     results["setup"] = {
         "sessions": SESSIONS, "turns": TURNS, "repeats": REPEATS, "engine_latency_s": ENGINE_LATENCY_S,

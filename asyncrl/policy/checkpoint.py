@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import logging as hf_logging
 
@@ -154,7 +154,7 @@ def save_policy(
     return directory
 
 
-def load_policy(directory: str | Path) -> tuple[PreTrainedModel, object, MTPLayer | None]:
+def load_policy(directory: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, MTPLayer | None]:
     """(model, tokenizer, MTP layer or None) from a directory written by `save_policy`.
 
     Any Hugging Face causal-LM directory works too; it simply has no MTP layer.
@@ -168,12 +168,13 @@ def load_policy(directory: str | Path) -> tuple[PreTrainedModel, object, MTPLaye
     return model, tokenizer, mtp
 
 
-def build_policy(policy: PolicyConfig, seed: int) -> tuple[PreTrainedModel, object, MTPLayer | None]:
+def build_policy(policy: PolicyConfig, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, MTPLayer | None]:
     """The tiny policy, freshly initialised, when `policy.path` is None; else the checkpoint there.
 
     A checkpoint without an MTP layer gets a fresh one when MTP is enabled; with MTP disabled
     none is returned.
     """
+    tokenizer: PreTrainedTokenizerBase
     if policy.path is None:
         model, tokenizer, mtp = build_tiny_model(policy.tiny, seed=seed), build_tokenizer(), None
     else:

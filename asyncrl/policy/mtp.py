@@ -22,14 +22,14 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
 # Per-layer lists in the policy config that the MTP layer's index must also be valid for.
 _PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "indexer_types")
 
 
-def mtp_layer_config(config: PretrainedConfig) -> PretrainedConfig:
+def mtp_layer_config(config: PreTrainedConfig) -> PreTrainedConfig:
     """The policy config extended by one layer, so a decoder layer can be built at index N."""
     extended = copy.deepcopy(config)
     for name in _PER_LAYER_FIELDS:
@@ -37,27 +37,34 @@ def mtp_layer_config(config: PretrainedConfig) -> PretrainedConfig:
         if isinstance(values, list) and len(values) == config.num_hidden_layers:
             # The MTP layer is a layer like the last one, except that it always runs its own DSA
             # indexer: there is no earlier layer in its stack to share top-k positions with.
-            setattr(extended, name, values + ["full" if name == "indexer_types" else values[-1]])
+            setattr(extended, name, [*values, "full" if name == "indexer_types" else values[-1]])
     extended.num_hidden_layers = config.num_hidden_layers + 1
     return extended
+
+
+class SharedHead(nn.Module):
+    """Holds the norm before the LM head, under the name (`shared_head.norm`) vLLM's MTP loaders read."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
 
 
 class MTPLayer(nn.Module):
     """enorm, hnorm, eh_proj, one decoder block, shared_head.norm (the LM head is the policy's)."""
 
-    def __init__(self, policy: nn.Module) -> None:
+    def __init__(self, policy: PreTrainedModel) -> None:
         super().__init__()
         self.layer_index: int = policy.config.num_hidden_layers
         self.config = mtp_layer_config(policy.config)
         hidden = self.config.hidden_size
-        decoder_layer_class = type(policy.model.layers[0])
+        decoder_layer_class = type(policy.get_submodule("model.layers.0"))
         self.block = decoder_layer_class(self.config, self.layer_index)
-        norm_class = type(self.block.input_layernorm)
+        norm_class = type(self.block.get_submodule("input_layernorm"))
         self.enorm = norm_class(hidden, eps=self.config.rms_norm_eps)
         self.hnorm = norm_class(hidden, eps=self.config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.shared_head = nn.Module()
-        self.shared_head.norm = norm_class(hidden, eps=self.config.rms_norm_eps)
+        self.shared_head = SharedHead(norm_class(hidden, eps=self.config.rms_norm_eps))
         # The policy's own initialiser, so experts and router start as the policy's layers did.
         self.apply(policy._init_weights)
 
@@ -85,7 +92,7 @@ class MTPLayer(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def build_mtp(policy: nn.Module, seed: int | None = None) -> MTPLayer:
+def build_mtp(policy: PreTrainedModel, seed: int | None = None) -> MTPLayer:
     if seed is not None:
         torch.manual_seed(seed)
     layer = MTPLayer(policy)
@@ -96,8 +103,8 @@ def policy_hidden_and_logits(
     policy: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's final (normed) hidden states and its logits, from one forward pass."""
-    hidden = policy.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return hidden, policy.lm_head(hidden)
+    hidden = policy.get_submodule("model")(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return hidden, policy.get_submodule("lm_head")(hidden)
 
 
 def draft_step(
@@ -117,7 +124,8 @@ def draft_step(
     2D padding mask over cached plus new positions; `cache`, if given, is a transformers cache
     built with `mtp.config` (the MTP layer keeps its keys and values at index `mtp.layer_index`).
     """
-    embeds = policy.model.embed_tokens(next_token_ids)
+    decoder = policy.get_submodule("model")
+    embeds = decoder.get_submodule("embed_tokens")(next_token_ids)
     mask = create_causal_mask(
         config=mtp.config,
         inputs_embeds=embeds,
@@ -126,9 +134,9 @@ def draft_step(
         position_ids=position_ids,
         allow_is_causal_skip=False,  # the DSA indexer needs a real mask
     )
-    rotary = policy.model.rotary_emb(previous_hidden, position_ids=position_ids)
+    rotary = decoder.get_submodule("rotary_emb")(previous_hidden, position_ids=position_ids)
     hidden = mtp(previous_hidden, embeds, rotary, mask, position_ids, cache=cache)
-    return policy.lm_head(mtp.shared_head.norm(hidden)), hidden
+    return policy.get_submodule("lm_head")(mtp.shared_head.norm(hidden)), hidden
 
 
 def mtp_logits(

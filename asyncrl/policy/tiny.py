@@ -7,15 +7,17 @@ build even smaller models.
 
 from __future__ import annotations
 
-from transformers import AutoModelForCausalLM, GlmMoeDsaConfig, PretrainedConfig, Qwen3Config
+from typing import Any
+
+from transformers import AutoModelForCausalLM, GlmMoeDsaConfig, PreTrainedConfig, PreTrainedModel, Qwen3Config
 
 from asyncrl.configs.schema import TinyModelConfig
 
 from .tokenizer import VOCAB_SIZE
 
 
-def tiny_model_config(shape: TinyModelConfig, *, eos_token_id: int = 1, pad_token_id: int = 0) -> PretrainedConfig:
-    common = dict(
+def tiny_model_config(shape: TinyModelConfig, *, eos_token_id: int | None = 1, pad_token_id: int = 0) -> PreTrainedConfig:
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_layers,
@@ -51,7 +53,7 @@ def tiny_model_config(shape: TinyModelConfig, *, eos_token_id: int = 1, pad_toke
     )
 
 
-def build_tiny_model(shape: TinyModelConfig, seed: int = 0):
+def build_tiny_model(shape: TinyModelConfig, seed: int = 0) -> PreTrainedModel:
     """A freshly initialised tiny causal LM in float32 (the fast dtype on CPUs without bf16 units)."""
     import torch
 

@@ -38,7 +38,8 @@ VOCAB_SIZE = 128
 # the model is taught to write it, so a rendered conversation and a sampled one are the same tokens.
 # Arguments may be a mapping or (OpenAI wire format) a JSON string, which is rendered verbatim.
 CHAT_TEMPLATE = (
-    "{%- if tools -%}" + SYSTEM + "tools:{% for t in tools %} {{ t.function.name if t.function is defined else t.name }}{% endfor %}\n{%- endif -%}"
+    "{%- if tools -%}" + SYSTEM + "tools:{% for t in tools %} {{ t.function.name if t.function is defined else t.name }}"
+    "{% endfor %}\n{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'system' -%}" + SYSTEM + "{{ m.content }}"
     "{%- elif m.role == 'user' -%}" + USER + "{{ m.content }}"
@@ -47,7 +48,9 @@ CHAT_TEMPLATE = (
     "{%- set f = tc.function if tc.function is defined else tc -%}"
     + TOOL_CALL_OPEN + "{{ f.name }}"
     "{%- if f.arguments is mapping -%}"
-    "{%- for k, v in f.arguments.items() -%}" + ARG_KEY_OPEN + "{{ k }}" + ARG_KEY_CLOSE + ARG_VALUE_OPEN + "{{ v }}" + ARG_VALUE_CLOSE + "{%- endfor -%}"
+    "{%- for k, v in f.arguments.items() -%}"
+    + ARG_KEY_OPEN + "{{ k }}" + ARG_KEY_CLOSE + ARG_VALUE_OPEN + "{{ v }}" + ARG_VALUE_CLOSE
+    + "{%- endfor -%}"
     "{%- else -%}" + ARG_VALUE_OPEN + "{{ f.arguments }}" + ARG_VALUE_CLOSE + "{%- endif -%}"
     + TOOL_CALL_CLOSE +
     "{%- endfor -%}" + EOS +

@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-from asyncrl.configs.schema import HTTPRewardConfig, RunConfig
+from asyncrl.configs.context import EnvContext
+from asyncrl.configs.schema import HTTPRewardConfig
 
 from .base import PerLoop, RewardError, RewardResult
 
@@ -29,10 +30,9 @@ class HTTPReward:
         self._client: PerLoop[httpx.AsyncClient] = PerLoop(lambda: httpx.AsyncClient(timeout=self.config.timeout_s))
 
     @classmethod
-    def from_config(cls, config: RunConfig | None, **options: Any) -> "HTTPReward":
+    def from_config(cls, context: EnvContext, **options: Any) -> HTTPReward:
         """`rewards.http` with `options` overriding its fields."""
-        config = config or RunConfig()
-        return cls(HTTPRewardConfig(**{**config.rewards.http.model_dump(), **options}))
+        return cls(HTTPRewardConfig(**{**context.rewards.http.model_dump(), **options}))
 
     async def score(self, prompt_messages: list[dict], completion_text: str, task: Any) -> RewardResult:
         url = self.config.url

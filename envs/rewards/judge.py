@@ -21,7 +21,8 @@ from typing import Any
 
 import openai
 
-from asyncrl.configs.schema import JudgeRewardConfig, RunConfig
+from asyncrl.configs.context import EnvContext
+from asyncrl.configs.schema import JudgeRewardConfig
 
 from .base import PerLoop, RewardError, RewardResult
 
@@ -47,10 +48,9 @@ class JudgeReward:
         self._client: PerLoop[openai.AsyncOpenAI] = PerLoop(self._new_client)
 
     @classmethod
-    def from_config(cls, config: RunConfig | None, **options: Any) -> "JudgeReward":
+    def from_config(cls, context: EnvContext, **options: Any) -> JudgeReward:
         """`rewards.judge` with `options` overriding its fields."""
-        config = config or RunConfig()
-        return cls(JudgeRewardConfig(**{**config.rewards.judge.model_dump(), **options}))
+        return cls(JudgeRewardConfig(**{**context.rewards.judge.model_dump(), **options}))
 
     def _new_client(self) -> openai.AsyncOpenAI:
         c = self.config

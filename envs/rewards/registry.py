@@ -4,16 +4,17 @@ A reference is a built-in name (`constraints`, `http`, `judge`), a name register
 package in the entry-point group `asyncrl.rewards`, or an import path `package.module:attr`. The
 target may be
 - a rule (a function decorated with `@rule`): options are bound as its keyword arguments;
-- a class or factory: built with `from_config(config, **options)` when it has that hook (the
-  built-in `http` and `judge` read the run's `rewards` section this way), else `factory(**options)`.
+- a class or factory: built with `from_config(context, **options)` when it has that hook (an
+  `EnvContext`, configs/context.py: the built-in `http` and `judge` read its `rewards` this way),
+  else `factory(**options)`.
 Whatever is built must have an async `score` (envs/rewards/base.py).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
+from asyncrl.configs.context import EnvContext
 from asyncrl.envs.registry import import_target, registered_names
 
 from .base import Reward
@@ -36,8 +37,8 @@ def registered() -> dict[str, str]:
     return registered_names(BUILTIN, GROUP, "reward", RewardNotFound)
 
 
-def load_reward(ref: str, options: dict | None = None, config: Any = None) -> Reward:
-    """Build the reward `ref` names with `options`; `config` (the RunConfig) goes to a `from_config` hook."""
+def load_reward(ref: str, options: dict | None = None, context: EnvContext | None = None) -> Reward:
+    """Build the reward `ref` names with `options`; `context` (None: a default run's) goes to a `from_config` hook."""
     path = ref if ":" in ref else registered().get(ref)
     if path is None:
         raise RewardNotFound(
@@ -50,7 +51,7 @@ def load_reward(ref: str, options: dict | None = None, config: Any = None) -> Re
         if isinstance(target, RuleReward):
             reward = target.bind(**options)
         elif hasattr(target, "from_config"):
-            reward = target.from_config(config, **options)
+            reward = target.from_config(context or EnvContext(), **options)
         else:
             reward = target(**options)
     except TypeError as error:

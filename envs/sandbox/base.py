@@ -7,8 +7,9 @@ ends the episode as `env_crash`.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 KillReason = Literal["timeout", "memory", "pids", "output"]
 
@@ -62,7 +63,7 @@ class Sandbox(Protocol):
 
     async def close(self) -> None: ...
 
-    async def __aenter__(self) -> "Sandbox": ...
+    async def __aenter__(self) -> Sandbox: ...
 
     async def __aexit__(self, *exc: object) -> None: ...
 
@@ -70,8 +71,13 @@ class Sandbox(Protocol):
 class SandboxBackend(Protocol):
     name: str
 
-    async def open(self) -> Sandbox:
-        """A fresh sandbox for one episode; use it as `async with await backend.open() as sandbox`."""
+    def open(self) -> OpeningSandbox:
+        """A fresh sandbox for one episode: `async with backend.open() as sandbox` (closed on the way
+        out), or `sandbox = await backend.open()` when the caller closes it itself."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the backend holds (sandboxes left open, its engine connection)."""
         ...
 
 
@@ -79,11 +85,11 @@ class OpeningSandbox:
     """What the backends' `open()` returns: `await` it for the sandbox, or enter it with `async with`
     (the sandbox is then closed on the way out, also when the episode is cancelled)."""
 
-    def __init__(self, start) -> None:
+    def __init__(self, start: Callable[[], Awaitable[Sandbox]]) -> None:
         self._start = start
         self._sandbox: Sandbox | None = None
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, Any, Sandbox]:
         return self._start().__await__()
 
     async def __aenter__(self) -> Sandbox:

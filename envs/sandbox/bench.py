@@ -11,11 +11,11 @@ from asyncrl.envs.sandbox import open_backend
 async def sandbox_start_ms(config: SandboxConfig, backends: tuple[str, ...] = ("docker", "process"), runs: int = 5) -> dict[str, float]:
     """Mean milliseconds from `open()` to the answer of a first `print(1)`, closing included, per backend.
     One untimed round per backend first (engine connection, leftover sweep, page cache)."""
-    means = {}
+    means: dict[str, float] = {}
     for name in backends:
-        backend = open_backend(config.model_copy(update={"backend": name}))
+        backend = open_backend(config.on_backend(name))
         try:
-            times = []
+            times: list[float] = []
             for i in range(runs + 1):
                 started = time.perf_counter()
                 async with backend.open() as sandbox:

@@ -21,7 +21,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from asyncrl.configs.schema import SandboxConfig
+from asyncrl.configs.schema import DockerSandboxConfig
 from asyncrl.envs.sandbox.base import OpeningSandbox, SandboxError, ToolResult
 from asyncrl.envs.sandbox.calls import HOST_GRACE_S, read_answer, runner_argv, timed_out_on_host
 
@@ -66,7 +66,7 @@ def _alive(pid: int) -> bool:
 
 
 class DockerSandbox:
-    def __init__(self, backend: "DockerBackend", container) -> None:
+    def __init__(self, backend: DockerBackend, container) -> None:
         self._backend = backend
         self._container = container
         self._lock = asyncio.Lock()  # one call at a time: the supervisor kills whatever else runs
@@ -106,7 +106,7 @@ class DockerSandbox:
         # Not under the lock: removing the container is also what ends a call still running.
         await asyncio.shield(self._discard_container())
 
-    async def __aenter__(self) -> "DockerSandbox":
+    async def __aenter__(self) -> DockerSandbox:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -116,7 +116,7 @@ class DockerSandbox:
 class DockerBackend:
     name = "docker"
 
-    def __init__(self, config: SandboxConfig) -> None:
+    def __init__(self, config: DockerSandboxConfig) -> None:
         self.config = config
         self.id = uuid.uuid4().hex[:12]
         self.labels = {LABEL: "1", f"{LABEL}.backend": self.id, f"{LABEL}.host": socket.gethostname(), f"{LABEL}.pid": str(os.getpid())}

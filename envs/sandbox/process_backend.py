@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from asyncrl.configs.schema import SandboxConfig
+from asyncrl.configs.schema import ProcessSandboxConfig
 from asyncrl.envs.sandbox.base import OpeningSandbox, SandboxError, ToolResult
 from asyncrl.envs.sandbox.calls import HOST_GRACE_S, read_answer, runner_argv, timed_out_on_host
 from asyncrl.envs.sandbox.spawn import Child
@@ -48,7 +48,7 @@ def _root_mounts(python: Path) -> list[str]:
 
 
 class ProcessSandbox:
-    def __init__(self, backend: "ProcessBackend", scratch: Path) -> None:
+    def __init__(self, backend: ProcessBackend, scratch: Path) -> None:
         self._backend = backend
         self._scratch = scratch
         self._lock = asyncio.Lock()  # one call at a time, as in a terminal
@@ -87,7 +87,7 @@ class ProcessSandbox:
             await asyncio.to_thread(shutil.rmtree, self._scratch, True)
         self._backend.scratch_dirs.discard(self._scratch)
 
-    async def __aenter__(self) -> "ProcessSandbox":
+    async def __aenter__(self) -> ProcessSandbox:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -97,7 +97,7 @@ class ProcessSandbox:
 class ProcessBackend:
     name = "process"
 
-    def __init__(self, config: SandboxConfig) -> None:
+    def __init__(self, config: ProcessSandboxConfig) -> None:
         self.config = config
         self._bwrap = shutil.which("bwrap")
         self.as_root = os.geteuid() == 0
@@ -108,6 +108,7 @@ class ProcessBackend:
         atexit.register(self._remove_scratch)
 
     def bwrap_argv(self, scratch: Path) -> list[str]:
+        assert self._bwrap is not None  # `_open` opens no sandbox without it
         net = ["--share-net"] if self.config.network else []
         return [
             *self._drop_privileges(),
@@ -124,6 +125,7 @@ class ProcessBackend:
         """The command that runs bubblewrap as nobody, with no supplementary groups, when we are root."""
         if not self.as_root:
             return []
+        assert self._setpriv is not None  # `_open` opens no sandbox as root without it
         return [self._setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
 
     def open(self) -> OpeningSandbox:

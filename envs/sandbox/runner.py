@@ -6,6 +6,7 @@ call left behind, and prints exactly one JSON line describing what happened. Sta
 and no imports from asyncrl: this file is the whole program the sandbox's interpreter sees.
 """
 
+import contextlib
 import json
 import os
 import resource
@@ -44,18 +45,14 @@ def _limit_child(rlimits):
 
 
 def _kill_everything(child, whole_namespace):
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     if whole_namespace:
         # Code that left its session (setsid, double fork) is still in this PID namespace, where
         # kill(-1) reaches every process but init and ourselves. Only sent inside a namespace of the
         # sandbox's own: outside one it would reach every process of this user on the machine.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _pump(child, deadline, cap):

@@ -13,9 +13,11 @@ through `connect_read_pipe`, the exit through a pidfd), so no thread waits on a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
+from typing import IO
 
 
 class Child:
@@ -44,14 +46,12 @@ class Child:
 
     async def kill(self) -> None:
         """SIGKILL the process group and reap the process."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         await self.wait()
 
 
-async def _read_all(pipe) -> bytes:
+async def _read_all(pipe: IO[bytes] | None) -> bytes:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=2**30)
     transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
@@ -68,8 +68,13 @@ async def _exited(pid: int) -> None:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return
-    done = loop.create_future()
-    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pidfd, readable)
     try:
         await done
     finally:

@@ -1,5 +1,10 @@
 """The trajectory store contract, shared by the SQLite and Redis backends.
 
+The contract is split by caller, so each sees only its verbs: `TrajectoryRecorder` (the gateway:
+open, append, finish, abort), `TrajectoryHandOff` (the loop: claim, ack, counts) and
+`TrajectoryReader` (inspection, export and replay: get, list, counts). `TrajectoryStore` is all
+three, which every backend implements.
+
 Life of a rollout: `open` -> `append` turns -> `finish` (or `abort`). Every rollout that reaches a
 terminal status, aborted ones included, is handed to the consumer (the learner) exactly once:
 `claim` leases it to a named consumer, `ack` ends the lease for good. A lease that is not acked
@@ -38,8 +43,8 @@ class RolloutClosed(StoreError):
 
 
 @runtime_checkable
-class TrajectoryStore(Protocol):
-    """Where turns are recorded and completed trajectories wait for the learner."""
+class TrajectoryRecorder(Protocol):
+    """The gateway's side: rollouts opened, their turns recorded, then finished or aborted."""
 
     def open(
         self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None
@@ -59,6 +64,16 @@ class TrajectoryStore(Protocol):
         """End a running rollout without a reward (status aborted)."""
         ...
 
+    def get(self, rollout_id: str) -> Trajectory:
+        """One trajectory with all its turns; UnknownRollout if there is none (the gateway answers a
+        rollout's status from it and finds a running rollout again after a restart)."""
+        ...
+
+
+@runtime_checkable
+class TrajectoryHandOff(Protocol):
+    """The loop's side: terminal trajectories handed to the learner exactly once."""
+
     def claim(self, consumer: str, max_n: int, block_s: float = 0.0) -> list[Trajectory]:
         """Lease up to `max_n` terminal trajectories to `consumer`, oldest first: expired leases of
         dead consumers and never-claimed ones. Waits up to `block_s` seconds when none is ready."""
@@ -68,6 +83,15 @@ class TrajectoryStore(Protocol):
         """End `consumer`'s leases for good; returns how many it still held. A lease that expired and
         went to another consumer is not this consumer's to ack and is not counted."""
         ...
+
+    def counts(self) -> dict[str, int]:
+        """Rollouts per status and the state of the hand-off; keys are COUNT_KEYS."""
+        ...
+
+
+@runtime_checkable
+class TrajectoryReader(Protocol):
+    """Inspection, export and replay: read what was recorded, change nothing."""
 
     def get(self, rollout_id: str) -> Trajectory:
         """One trajectory with all its turns; UnknownRollout if there is none."""
@@ -82,6 +106,11 @@ class TrajectoryStore(Protocol):
     def counts(self) -> dict[str, int]:
         """Rollouts per status and the state of the hand-off; keys are COUNT_KEYS."""
         ...
+
+
+@runtime_checkable
+class TrajectoryStore(TrajectoryRecorder, TrajectoryHandOff, TrajectoryReader, Protocol):
+    """What every backend implements: all three callers' sides, and `close`."""
 
     def close(self) -> None: ...
 
@@ -121,6 +150,8 @@ def turn_json(turn: Turn) -> str:
 
 
 def turn_from_json(text: str, index: int) -> Turn:
+    """A stored turn; fields it was stored without (a turn's sampling options, in stores written before
+    turns carried them) take the Turn's defaults."""
     return Turn.from_dict({**json.loads(text), "index": index})
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -9,12 +11,23 @@ from ..fp8 import linear
 from ..kv_cache import ForwardBatch
 
 
+class RotaryEmbedding(Protocol):
+    """What `RopeTable` reads of a transformers rotary embedding module (it may also have a `rope_type`)."""
+
+    @property
+    def inv_freq(self) -> torch.Tensor: ...
+
+    @property
+    def attention_scaling(self) -> float: ...
+
+
 class RopeTable:
     """cos/sin of every position up to max_len, computed exactly as transformers does (fp32)."""
 
-    def __init__(self, rotary_embedding: torch.nn.Module, max_len: int, *, dtype: torch.dtype, device: torch.device):
-        if getattr(rotary_embedding, "rope_type", "default") in ("dynamic", "longrope"):
-            raise ValueError(f"RoPE type {rotary_embedding.rope_type!r} depends on sequence length; not supported")
+    def __init__(self, rotary_embedding: RotaryEmbedding, max_len: int, *, dtype: torch.dtype, device: torch.device):
+        rope_type = getattr(rotary_embedding, "rope_type", "default")
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(f"RoPE type {rope_type!r} depends on sequence length; not supported")
         inv_freq = rotary_embedding.inv_freq.float().to(device)
         scaling = rotary_embedding.attention_scaling
         freqs = torch.arange(max_len, device=device).float()[:, None] * inv_freq[None, :]

@@ -1,0 +1,335 @@
+"""The engine front: what both rollout engines put between their callers and their engine core.
+
+An engine core (the embedded engine's batcher, or the wrapper around vLLM's `LLMEngine`) is
+single-threaded: one thread runs it, one step at a time. `EngineFront` is everything around it, the
+same for both engines:
+
+- an inbox and a set of aborts that any thread may fill (`submit`, `abort`), handed to the core at
+  the start of a step, so the core never sees another thread;
+- the weight-swap handshake (`update_weights`): a push is applied between two steps by whoever
+  steps next, and its caller returns once the new weights serve, or with the core's refusal;
+- jobs that run on the stepping thread between two steps (`call`: the embedded engine's scoring);
+- while serving, a background stepping thread that runs while there is work and leaves after
+  `IDLE_EXIT_S` without any (the next request starts a new one); not serving, the owner steps by hand;
+- `generate`: a request as an awaitable, its result settled from the stepping thread onto the
+  caller's event loop, which may have closed meanwhile;
+- finished results handed to each request's callback; a failing callback costs nobody else theirs.
+
+The core's verbs (`EngineCore`) are called on the stepping thread only, or under the step lock by a
+caller when no thread steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from asyncrl.records import GenerationResult
+
+log = logging.getLogger(__name__)
+
+IDLE_EXIT_S = 0.25
+"""Seconds without work after which the background stepping thread exits (the next request restarts it)."""
+
+T = TypeVar("T")
+
+
+class EngineCore(Protocol):
+    """What an engine does in one thread: the verbs its front drives."""
+
+    def admit(self, requests: list) -> None:
+        """Take requests from the inbox (each made by the engine, with an `id`); they run from the next `advance`."""
+        ...
+
+    def cancel(self, request_ids: set[str], error: str | None = None) -> list[GenerationResult]:
+        """Finish these requests with reason "abort" (ids it does not hold are ignored); their results."""
+        ...
+
+    def advance(self) -> list[GenerationResult]:
+        """One engine iteration over the admitted requests; the results of those it finished."""
+        ...
+
+    def busy(self) -> bool:
+        """Whether admitted requests are unfinished."""
+        ...
+
+    def load_weights(self, weights: Any, version: int) -> None:
+        """Serve `weights` as `version` from now on; raising refuses them, and the old weights stay."""
+        ...
+
+
+@dataclass(eq=False)
+class _Push:
+    """One `update_weights` call, from queued to settled."""
+
+    weights: Any
+    version: int
+    replaced: list[_Push] = field(default_factory=list)  # earlier pushes it superseded: their callers wait for it
+    done: bool = False
+    error: Exception | None = None
+
+    def settle(self, error: Exception | None) -> None:
+        self.done, self.error = True, error
+        for earlier in self.replaced:  # their weights never served; the refusal, if any, is this caller's
+            earlier.done = True
+
+
+class EngineFront:
+    """Request intake, aborts, weight pushes, jobs and the stepping thread around one `EngineCore`."""
+
+    def __init__(self, core: EngineCore, name: str) -> None:
+        """`name`: the stepping thread's, and the one errors give the engine."""
+        self.core, self.name = core, name
+        # Everything below is shared between callers and the stepping thread, guarded by _cv.
+        self._cv = threading.Condition()
+        self._inbox: list = []
+        self._aborts: set[str] = set()
+        self._jobs: list[Callable[[], None]] = []
+        self._push: _Push | None = None
+        self._callbacks: dict[str, Callable[[GenerationResult], None] | None] = {}  # every unfinished request
+        self._thread: threading.Thread | None = None
+        self._serving = False
+        self._stopping = False
+        self._closed = False
+        self._step_lock = threading.Lock()  # one step at a time, whoever steps
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def submit(self, request, on_finish: Callable[[GenerationResult], None] | None = None) -> str:
+        """Queue a request the engine made (and validated); `on_finish` gets its result. Returns its id."""
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is shut down")
+            self._callbacks[request.id] = on_finish
+            self._inbox.append(request)
+            self._wake_locked()
+        return request.id
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request early with reason "abort" (at the next step)."""
+        with self._cv:
+            self._aborts.add(request_id)
+            self._wake_locked()
+
+    async def generate(self, request) -> GenerationResult:
+        """Submit `request`, serve, and await its result; a cancelled caller aborts the request."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[GenerationResult] = loop.create_future()
+        self.submit(request, on_finish=lambda result: _settle_soon(loop, done, result))
+        self.start()
+        try:
+            return await done
+        except asyncio.CancelledError:
+            self.abort(request.id)
+            raise
+
+    async def call(self, job: Callable[[], T]) -> T:
+        """Run `job` on the stepping thread between two steps (so it never overlaps a step or a weight
+        swap, and no second thread runs the core) and return what it returns or raise what it raises."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = job()
+            except Exception as error:  # a failure of this call only
+                _settle_soon(loop, done, error=error)
+            else:
+                _settle_soon(loop, done, result)
+
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is shut down")
+            self._jobs.append(run)
+            self._wake_locked()
+        self.start()
+        return await done
+
+    def has_unfinished(self) -> bool:
+        with self._cv:
+            return bool(self._inbox) or self.core.busy()
+
+    @property
+    def queued(self) -> int:
+        """Requests submitted and not yet handed to the core."""
+        return len(self._inbox)
+
+    # --- weights -------------------------------------------------------------------------------
+
+    def update_weights(self, weights: Any, version: int) -> None:
+        """Swap in new weights between two steps; returns once they serve, or raises the core's refusal.
+
+        From the stepping thread itself (an `on_finish` callback) it only queues them for the start
+        of the next step. When no thread steps, the caller applies them. A push that a newer one
+        replaces before it was applied returns when the newer one is.
+        """
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is shut down")
+            push = _Push(weights, version)
+            if self._push is not None:
+                push.replaced = [self._push, *self._push.replaced]
+            self._push = push
+            self._cv.notify_all()
+            if threading.current_thread() is self._thread:
+                return
+            while not push.done and self._thread is not None:
+                self._cv.wait()
+        if not push.done:  # nobody steps; a thread started meanwhile waits for the step lock
+            with self._step_lock:
+                self._apply_push()
+        if push.error is not None:
+            raise push.error
+
+    def _apply_push(self) -> None:
+        with self._cv:
+            push, self._push = self._push, None
+        if push is None:
+            return
+        try:
+            self.core.load_weights(push.weights, push.version)
+        except Exception as error:
+            outcome: Exception | None = error
+        else:
+            outcome = None
+        with self._cv:
+            push.settle(outcome)
+            self._cv.notify_all()
+
+    # --- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> list[GenerationResult]:
+        """One iteration: pending weights, jobs, the inbox and aborts, then the core's `advance`.
+        The stepping thread calls it; an engine that is not serving may call it by hand."""
+        with self._step_lock:
+            self._apply_push()
+            with self._cv:
+                jobs, self._jobs = self._jobs, []
+            for job in jobs:
+                job()
+            with self._cv:
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            if inbox:
+                self.core.admit(inbox)
+            finished = self.core.cancel(aborts) if aborts else []
+            finished += self.core.advance()
+        # Outside the step lock: a callback may push weights, which a caller without a stepping thread applies itself.
+        self._deliver(finished)
+        return finished
+
+    def _deliver(self, results: list[GenerationResult]) -> None:
+        for result in results:
+            with self._cv:
+                on_finish = self._callbacks.pop(result.request_id, None)
+            if on_finish is None:
+                continue
+            try:
+                on_finish(result)
+            except Exception:  # the caller's problem; the thread, and the other results, carry on
+                log.exception("%s: the on_finish callback of %s failed", self.name, result.request_id)
+
+    def _has_work_locked(self) -> bool:
+        return bool(self._inbox or self._aborts or self._jobs or self._push) or self.core.busy()
+
+    def _wake_locked(self) -> None:
+        self._cv.notify_all()
+        if self._serving and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+
+    def _leave_locked(self) -> None:
+        if self._thread is threading.current_thread():
+            self._thread = None
+        self._cv.notify_all()  # a weight push waiting for this thread now applies itself
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    idle_until = time.monotonic() + IDLE_EXIT_S
+                    while not self._stopping and not self._has_work_locked():
+                        remaining = idle_until - time.monotonic()
+                        if remaining <= 0:
+                            # Leave when idle: a live thread that once ran torch ops keeps an OpenMP
+                            # team, and two teams on a small CPU make libgomp stop spinning, which
+                            # halved the speed of training beside an engine (SFT evaluation).
+                            self._leave_locked()
+                            return
+                        self._cv.wait(remaining)
+                    if self._stopping:
+                        self._leave_locked()
+                        return
+                self.step()
+        finally:  # also when a step raised: the next request starts a new thread
+            with self._cv:
+                self._leave_locked()
+
+    # --- serving -------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        """Serving, or ready to: not stopped (a later `generate` would start a stopped front again) nor closed."""
+        return not self._stopping and not self._closed
+
+    def start(self) -> None:
+        """Serve in the background: a stepping thread runs while there is work (idempotent)."""
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is shut down")
+            self._serving, self._stopping = True, False
+            if self._has_work_locked():
+                self._wake_locked()
+
+    def stop(self) -> None:
+        """Stop the stepping thread after its current step; unfinished requests stay queued."""
+        with self._cv:
+            self._serving, self._stopping = False, True
+            thread = self._thread
+            self._cv.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def close(self, message: str) -> None:
+        """Stop for good: pending jobs run, unfinished requests end with "abort" and `message`, a
+        pending weight push fails with it, and every later call raises RuntimeError."""
+        with self._cv:
+            self._closed = True
+            push, self._push = self._push, None
+            if push is not None:
+                push.settle(RuntimeError(message))
+                self._cv.notify_all()
+        self.stop()
+        with self._step_lock:
+            with self._cv:
+                jobs, self._jobs = self._jobs, []
+                inbox, self._inbox = self._inbox, []
+                unfinished = set(self._callbacks)
+            for job in jobs:
+                job()
+            if inbox:
+                self.core.admit(inbox)
+            finished = self.core.cancel(unfinished, error=message) if unfinished else []
+        self._deliver(finished)
+
+
+def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result=None, error: Exception | None = None) -> None:
+    """Settle `future` from another thread, on its own event loop."""
+    # RuntimeError: the caller's event loop is closed. Nobody is waiting, and the stepping thread must not die of it.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_settle, future, result, error)
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.done():  # the caller gave up
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,100 @@
+"""What lets a run stop anywhere and go on: its books, their commit point, and taking back what a dead run left.
+
+Every rollout the learner accounts for is booked at once (the ledger of `LoopState`), but it is
+acknowledged in the store only when a checkpoint that holds its training is on disk (`checkpoint`:
+save the learner, write the loop state listing the rollouts about to be acknowledged, acknowledge
+them). So a run that dies loses nothing and re-trains nothing: on resume, `recover` aborts what the
+dead run left running, finishes the acknowledgement its last checkpoint began, and claims again,
+whole groups at a time, everything else it never acknowledged. The RL wall clock
+(`run.wall_budget_s`) is carried across restarts the same way, in the loop state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+
+from asyncrl.gateway.store import RolloutClosed, TrajectoryStore
+from asyncrl.records import TERMINAL_STATUSES, Trajectory
+
+from .groups import GroupBuffer
+from .parts import LearnerClient
+from .rundir import LoopState, RunDir
+
+CONSUMER = "learner"
+"""The store consumer name the loop claims and acknowledges trajectories under."""
+
+
+class Books:
+    def __init__(self, state: LoopState, store: TrajectoryStore, rundir: RunDir, learner: LearnerClient) -> None:
+        self.state, self.store, self.rundir, self.learner = state, store, rundir, learner
+        self.unacked: list[str] = []  # accounted since the last checkpoint
+        self.seen: set[str] = set()  # a lease that expires comes back once more; never count it twice
+        self.started_at = time.monotonic()  # of this process's share of the RL wall clock since the last checkpoint
+
+    def elapsed(self) -> float:
+        """Seconds of RL loop, earlier processes of this run included."""
+        return self.state.rl_wall_s + time.monotonic() - self.started_at
+
+    def first_claim(self, trajectory: Trajectory) -> bool:
+        """True the first time this run claims `trajectory`."""
+        if trajectory.rollout_id in self.seen:
+            return False
+        self.seen.add(trajectory.rollout_id)
+        return True
+
+    def book(self, ledger: dict[str, int], rollout_ids: list[str]) -> None:
+        """A learner step's accounts, one per rollout it was handed."""
+        if sum(ledger.values()) != len(rollout_ids):
+            raise RuntimeError(f"the learner accounted for {sum(ledger.values())} of {len(rollout_ids)} rollouts")
+        for account, n in ledger.items():
+            self.state.ledger[account] += n
+        self.unacked += rollout_ids
+
+    def book_untrained(self, leftovers: list[Trajectory]) -> None:
+        """Rollouts the run ends without training: aborted."""
+        self.state.ledger["aborted"] += len(leftovers)
+        self.unacked += [t.rollout_id for t in leftovers]
+
+    async def checkpoint(self) -> None:
+        """Save the learner, then acknowledge what it trained (the loop state lists them first, so a
+        crash between the two is finished on resume: `recover` acknowledges `acking`)."""
+        directory = self.rundir.checkpoint_dir(self.state.version)
+        await self.learner.save(str(directory))
+        self.state.rl_wall_s += time.monotonic() - self.started_at
+        self.started_at = time.monotonic()
+        self.state.acking = list(self.unacked)
+        self.rundir.commit_checkpoint(directory, self.state)
+        await asyncio.to_thread(self.store.ack, CONSUMER, self.unacked)
+        self.unacked = []
+
+    async def recover(self, reclaim_store: TrajectoryStore, groups: GroupBuffer) -> int:
+        """Take back what a dead run left into `groups`; returns how many trajectories it claimed again.
+
+        `reclaim_store` is this store with no visibility timeout: the dead run's leases count as expired.
+        """
+        await asyncio.to_thread(abort_running, self.store, "the run stopped before this rollout ended")
+        total = sum(self.store.counts()[status] for status in TERMINAL_STATUSES)
+        left = await asyncio.to_thread(reclaim_store.claim, CONSUMER, max(total, 1)) if total else []
+        await asyncio.to_thread(self.store.ack, CONSUMER, self.state.acking)
+        acked, by_group = set(self.state.acking), defaultdict(list)
+        for trajectory in left:
+            if trajectory.rollout_id not in acked:
+                by_group[trajectory.group_id].append(trajectory)
+        for group_id, members in by_group.items():  # whole groups: a checkpoint acknowledges groups whole
+            groups.open(group_id, len(members))
+            for trajectory in members:
+                self.seen.add(trajectory.rollout_id)
+                groups.add(trajectory)
+        return sum(map(len, by_group.values()))
+
+
+def abort_running(store: TrajectoryStore, reason: str) -> int:
+    """Abort every rollout the store still holds as running (episodes the run no longer drives)."""
+    running = store.list(status="running")
+    for trajectory in running:
+        with contextlib.suppress(RolloutClosed):  # it ended on its own meanwhile
+            store.abort(trajectory.rollout_id, reason)
+    return len(running)

@@ -1,0 +1,147 @@
+"""The real scheduler loop end to end without Ray: an `RLLearner` and an `EmbeddedEngine` in this
+process behind the in-process clients (sched/clients.py), the real gateway over loopback, a SQLite
+store, a tiny policy. Every rollout must end in exactly one account and be acknowledged in the store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from loop_helpers import TINY, CoinEnv
+
+from asyncrl.configs.loader import load_config
+from asyncrl.gateway.serving import InProcessGateway, episode_http_client
+from asyncrl.gateway.store import open_store
+from asyncrl.learner.rl import RLLearner
+from asyncrl.policy.checkpoint import build_policy
+from asyncrl.records import TERMINAL_STATUSES
+from asyncrl.rollout.engine import EmbeddedEngine
+from asyncrl.sched.clients import LocalLearner, LocalWorkers
+from asyncrl.sched.display import Display
+from asyncrl.sched.loop import Loop
+from asyncrl.sched.parts import Parts
+from asyncrl.sched.rundir import LOOP_STATE_FILE, LoopState, RunDir
+from asyncrl.sched.tasks import TaskMix
+
+
+def config(tmp_path, *overrides: str):
+    return load_config("quickstart", [*TINY, f"runs_dir={tmp_path}", *overrides])
+
+
+async def run_in_process(config, env, *, resume: bool = False) -> dict:
+    """What `asyncrl run` does after start-up (sched/run.py), over in-process parts; with `resume`, it
+    continues the run in `config`'s run directory from its last checkpoint."""
+    rundir = RunDir.for_config(config)
+    checkpoint, state = rundir.latest_checkpoint() if resume else (None, LoopState())
+    if not resume:
+        rundir.write_config(config)
+    store = open_store(rundir.store_address(config), namespace=config.name)
+    model, tokenizer, _ = build_policy(config.policy, config.seed)
+    workers = LocalWorkers([EmbeddedEngine(model, config.rollout, engine_id="local-0")])
+    policy = RLLearner.from_config(config)
+    if checkpoint is not None:
+        policy.load(checkpoint)
+    metrics, result = rundir.metrics(config, resume=resume), {"state": state, "rundir": rundir}
+    try:
+        async with InProcessGateway(config, store, workers.engines, tokenizer) as gateway, episode_http_client(config) as http:
+            parts = Parts(
+                store=store, gateway=gateway, http=http, tasks=TaskMix.from_config(config, env), learner=LocalLearner(policy),
+                workers=workers, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=Display(progress=False),
+            )  # fmt: skip
+            loop = Loop(config, parts, state)
+            try:
+                await loop.push()
+                if resume:
+                    reclaim = open_store(rundir.store_address(config), namespace=config.name, visibility_timeout_s=1e-6)
+                    result["recovered"] = await loop.recover(reclaim)
+                    reclaim.close()
+                if state.eval_before is None:
+                    state.eval_before = await loop.evaluate(force=True)
+                await loop.run()
+                result["eval_after"] = await loop.close()
+            finally:
+                await loop.episodes.stop()
+        result.update(counts=store.counts(), versions=await workers.versions(), health=await workers.health(), records=metrics.read())
+    finally:
+        metrics.close()
+        store.close()
+    return result
+
+
+def started(counts: dict) -> int:
+    return sum(counts[status] for status in ("running", *TERMINAL_STATUSES))
+
+
+def test_a_sync_run_over_in_process_parts_balances_its_books(tmp_path):
+    result = asyncio.run(run_in_process(config(tmp_path, "name=s", "run.mode=sync", "run.steps=2"), CoinEnv()))
+    state, counts = result["state"], result["counts"]
+    steps = [r for r in result["records"] if "loss" in r]  # one record per learner call
+    # Sync admits one batch (2 groups x 4) per learner call and nothing is left in flight at the end.
+    assert started(counts) == 8 * len(steps) and sum(state.ledger.values()) == started(counts)
+    assert state.ledger["aborted"] == 0 and state.ledger["trained"] > 0
+    assert counts["acked"] == started(counts) and counts["running"] == counts["pending"] == counts["claimed"] == 0
+    assert state.version == 2 and result["versions"] == [2] and result["health"][0]["version"] == 2
+    stepped = [r for r in steps if r["stepped"]]
+    assert [r["step"] for r in stepped] == [1, 2] and [r["pushed_version"] for r in stepped] == [1, 2]
+    assert all(r["staleness_max"] == 0 for r in steps)  # every trained token from the weights being trained
+    evals = [r for r in result["records"] if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2] and evals[-1]["eval_accuracy"] == result["eval_after"]
+    assert state.eval_before == evals[0]["eval_accuracy"]
+    # The last checkpoint (close's, over step 2's) holds the same books, with nothing left to acknowledge.
+    saved = json.loads((result["rundir"].checkpoint_dir(2) / LOOP_STATE_FILE).read_text())
+    assert saved["version"] == 2 and saved["ledger"] == state.ledger and saved["acking"] == []
+
+
+def test_an_async_run_over_in_process_parts_balances_its_books(tmp_path):
+    run = config(tmp_path, "name=a", "run.steps=3", "learner.checkpoint_every=1")
+    result = asyncio.run(run_in_process(run, CoinEnv(crash_every=3)))
+    state, counts = result["state"], result["counts"]
+    assert sum(state.ledger.values()) == started(counts) > 0
+    assert state.ledger["dropped_crash"] > 0  # the first group's task crashes (seeded); accounted, and the run carries on
+    assert counts["acked"] == started(counts) and counts["running"] == counts["pending"] == counts["claimed"] == 0
+    assert state.version == 3 and result["versions"] == [3] and result["health"][0]["version"] == 3
+    stepped = [r for r in result["records"] if r.get("stepped")]
+    assert [r["pushed_version"] for r in stepped] == [1, 2, 3]
+    checkpoints = sorted(p.parent.name for p in result["rundir"].checkpoints.glob(f"step-*/{LOOP_STATE_FILE}"))
+    assert checkpoints == ["step-000001", "step-000002", "step-000003"]  # one per version (checkpoint_every=1)
+    saved = json.loads((result["rundir"].checkpoint_dir(3) / LOOP_STATE_FILE).read_text())
+    assert saved["version"] == 3 and saved["ledger"] == state.ledger
+
+
+class CtrlC(CoinEnv):
+    """Presses Ctrl-C at its `press_at`-th episode: cancels the run's main task, as `asyncio.run` does on SIGINT."""
+
+    def __init__(self, press_at: int, main: asyncio.Task) -> None:
+        super().__init__()
+        self.press_at, self.main = press_at, main
+
+    async def run_episode(self, task: int, client):
+        if self.episodes + 1 == self.press_at:
+            self.main.cancel()
+        return await super().run_episode(task, client)
+
+
+def test_a_killed_run_resumes_in_process_without_losing_or_retraining_trajectories(tmp_path):
+    killed = config(tmp_path, "name=r", "run.steps=20", "learner.checkpoint_every=1")
+
+    async def until_ctrl_c():
+        await run_in_process(killed, CtrlC(press_at=60, main=asyncio.current_task()))
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(until_ctrl_c())
+    rundir = RunDir.for_config(killed)
+    assert rundir.latest_checkpoint() is not None, "no checkpoint before the stop"
+    store = open_store(rundir.store_address(killed), namespace=killed.name)
+    left = store.counts()
+    store.close()
+    assert left["acked"] > 0 and left["pending"] + left["claimed"] > 0  # a stop mid-way
+    assert left["running"] == 0  # stopping the episodes aborted their rollouts
+
+    result = asyncio.run(run_in_process(config(tmp_path, "name=r", "run.steps=7", "learner.checkpoint_every=1"), CoinEnv(), resume=True))
+    state, counts = result["state"], result["counts"]
+    # Everything the dead run did not acknowledge is claimed again, and nothing it did.
+    assert result["recovered"] == left["pending"] + left["claimed"]
+    assert sum(state.ledger.values()) == started(counts) and counts["acked"] == started(counts)
+    assert counts["running"] == counts["pending"] == counts["claimed"] == 0
+    assert state.version == 7 and result["versions"] == [7]
