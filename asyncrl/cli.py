@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pipeline", help="run a post-training pipeline (SFT -> RL stages -> distillation) from one file, with its evaluation matrix"
     )
     pipeline.add_argument("config", nargs="?", help="pipeline preset name (pipeline) or path to a pipeline YAML")
-    pipeline.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. stages.reasoning.config.run.steps=50")
+    pipeline.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. stages.reasoning.config.loop.steps=50")
     pipeline.add_argument("--resume", metavar="PIPELINE_DIR", default=None, help="continue a stopped pipeline at the stage and step where it stopped")
     pipeline.add_argument("--dry-run", action="store_true", help="print the resolved pipeline config and exit")
     pipeline.set_defaults(handler=cmd_pipeline)

@@ -37,5 +37,5 @@ class EnvContext(BaseModel):
             tasks=config.tasks,
             rewards=config.rewards,
             sampling=config.rollout.sampling,
-            episode_max_tokens=config.run.episode_max_tokens,
+            episode_max_tokens=config.loop.episode_max_tokens,
         )

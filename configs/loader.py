@@ -131,8 +131,15 @@ def _place(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, type[BaseM
     return ".".join(shown), section, section_others, section_picker
 
 
+RENAMED_SECTIONS = {"run": "loop"}
+"""Sections whose name changed: a config written for the old name is told the new one."""
+
+
 def _suggest(name: str, section: type[BaseModel] | None, others: dict[str, type[BaseModel]], picker: str) -> str:
-    """The hint after 'unknown key': the choice it belongs to, else the closest key of its section."""
+    """The hint after 'unknown key': the new name of a renamed section, the choice it belongs to, else
+    the closest key of its section."""
+    if section is RunConfig and name in RENAMED_SECTIONS:
+        return f" (the section is now {RENAMED_SECTIONS[name]!r})"
     owners = [tag for tag, model in others.items() if name in model.model_fields]
     if owners:
         return f" (a key of {picker}={owners[0]} only)"

@@ -5,7 +5,7 @@ and an ordered mapping of `stages`. Each stage has a kind, its own tasks (an RL 
 mix, which is also its held-out eval), the teachers of a distillation stage, and `config`: RunConfig
 sections laid over the base for that stage alone. `stage_config` resolves one stage into a validated
 RunConfig; an invalid key is reported with its full path in the pipeline file
-(`stages.reasoning.config.run.steps: ...`).
+(`stages.reasoning.config.loop.steps: ...`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class StageSpec(Section):
     teachers: dict[str, float] | None = None
     """distill: earlier RL stage name -> share of the student's prompts; unset: every earlier RL stage at 1."""
     config: dict[str, Any] = Field(default_factory=dict)
-    """RunConfig sections for this stage, laid over `base` (e.g. run.wall_budget_s, learner.lr)."""
+    """RunConfig sections for this stage, laid over `base` (e.g. loop.wall_budget_s, learner.lr)."""
 
     @model_validator(mode="after")
     def _check_kind(self) -> StageSpec:
@@ -144,7 +144,7 @@ def stage_config(pipeline: PipelineConfig, stage: str, directory: str, sections:
 
 
 def load_pipeline(source: str, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
-    """A pipeline file (or preset name) plus dotted overrides (`stages.reasoning.config.run.steps=50`),
+    """A pipeline file (or preset name) plus dotted overrides (`stages.reasoning.config.loop.steps=50`),
     validated, with every stage's RunConfig resolved once so a bad stage fails before anything runs."""
     data = read_yaml(source)
     return validate_pipeline(data, overrides)

@@ -665,7 +665,7 @@ class RunConfig(Section):
     """Metrics and progress output."""
     learner: LearnerConfig = LearnerConfig()
     """The RL learner."""
-    run: LoopConfig = LoopConfig()
+    loop: LoopConfig = LoopConfig()
     """The scheduler's loop of `asyncrl run`."""
     sandbox: SandboxConfig = ProcessSandboxConfig()
     """Where tool code runs; `backend` picks process or docker."""
@@ -674,8 +674,8 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check_loop(self) -> RunConfig:
-        if self.run.max_inflight < self.learner.group_size:
-            raise ValueError("run.max_inflight must be at least learner.group_size (groups are admitted whole)")
+        if self.loop.max_inflight < self.learner.group_size:
+            raise ValueError("loop.max_inflight must be at least learner.group_size (groups are admitted whole)")
         if self.distill.teachers and self.learner.group_size != 1:
             raise ValueError("distillation trains on single rollouts: set learner.group_size to 1 (it has no groups)")
         return self

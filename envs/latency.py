@@ -37,7 +37,7 @@ class LatencyConfig(Section):
     tail_alpha: float = Field(1.5, gt=0.0, le=100.0)
     """Pareto shape: smaller is heavier; at or below 2 the tail has infinite variance."""
     max_s: float = Field(30.0, gt=0.0, le=3600.0)
-    """Cap on any one latency (keep it below run.episode_timeout_s)."""
+    """Cap on any one latency (keep it below loop.episode_timeout_s)."""
     when: Literal["before", "after"] = "after"
     """Wait before the episode (sandbox start-up: its tokens are sampled late) or after it (a tool or
     verifier run on the answer: its tokens are sampled first and wait, so they can go stale)."""

@@ -83,6 +83,6 @@ def episode_http_client(config: RunConfig):
     import httpx2
     import openai
 
-    connections = config.run.max_inflight
+    connections = config.loop.max_inflight
     limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
     return openai.DefaultAioHttpClient(timeout=None, limits=limits)

@@ -20,7 +20,7 @@ async def heldout_scores(config: RunConfig, parts: Parts) -> dict[str, float]:
     for task, num_problems in parts.tasks.evaluated(config.eval.num_problems):
         result = await evaluate_env(
             task.env, parts.gateway, num_problems=num_problems, seed=config.eval.seed, sandboxes=task.sandboxes,
-            timeout_s=config.run.episode_timeout_s, http_client=parts.http, task_name=task.name,
+            timeout_s=config.loop.episode_timeout_s, http_client=parts.http, task_name=task.name,
         )  # fmt: skip
         scores[task.name] = result.accuracy
     return scores

@@ -1,4 +1,4 @@
-"""The scheduler loop: a few named verbs, repeated until the learner has taken `run.steps` steps.
+"""The scheduler loop: a few named verbs, repeated until the learner has taken `loop.steps` steps.
 
     admit     start GRPO groups of episodes while the admission rule allows (`sched/admission.py`:
               in-flight and staleness bounds), each group's task picked by the task mix (shares and
@@ -7,7 +7,7 @@
     train     hand complete groups to the learner (episodes keep running meanwhile), scored by their
               stages' teachers first in a distillation run (distill/); when the step returns, book
               its ledger, push weights when due, checkpoint when due
-    evaluate  each task's held-out greedy success every `run.eval_every` versions (`sched/evaluation.py`)
+    evaluate  each task's held-out greedy success every `loop.eval_every` versions (`sched/evaluation.py`)
     report    the live display
 
 Async and sync runs are this same loop with a different admission rule. The learner and the engines
@@ -46,7 +46,7 @@ class Loop:
         self.group_size, self.batch_groups = config.learner.group_size, config.learner.batch_groups
         self.groups = GroupBuffer()
         self.books = Books(state, parts.store, parts.rundir, parts.learner)
-        self.episodes = Episodes(parts.gateway, parts.http, config.run.episode_timeout_s)
+        self.episodes = Episodes(parts.gateway, parts.http, config.loop.episode_timeout_s)
         self.pending: tuple[asyncio.Future, list[Group]] | None = None  # the learner step in flight
         self.pushed = self.evaluated = state.version  # version the engines serve / last evaluated
         self.rng = random.Random(f"{config.seed}-{state.version}")
@@ -64,18 +64,18 @@ class Loop:
             await asyncio.sleep(TICK_S)
 
     def finished(self) -> bool:
-        return self.state.version >= self.config.run.steps or self.out_of_time()
+        return self.state.version >= self.config.loop.steps or self.out_of_time()
 
     def out_of_time(self) -> bool:
-        budget = self.config.run.wall_budget_s
+        budget = self.config.loop.wall_budget_s
         return budget is not None and self.books.elapsed() >= budget
 
     def admit(self) -> None:
         self.episodes.check()
-        run, taking = self.config.run, self.pending is not None
+        loop, taking = self.config.loop, self.pending is not None
         allowed = 0 if self.out_of_time() else groups_to_admit(
-            mode=run.mode, steps_left=run.steps - self.state.version - taking, in_flight=len(self.episodes),
-            max_inflight=run.max_inflight, group_size=self.group_size, batch_groups=self.batch_groups,
+            mode=loop.mode, steps_left=loop.steps - self.state.version - taking, in_flight=len(self.episodes),
+            max_inflight=loop.max_inflight, group_size=self.group_size, batch_groups=self.batch_groups,
             ahead=self.groups.rollouts, lag=self.state.version + taking - self.pushed,
             tau=self.config.learner.max_staleness, learner_idle=not taking,
         )  # fmt: skip
@@ -141,7 +141,7 @@ class Loop:
         self.pushed = version
 
     async def evaluate(self, force: bool = False) -> float | None:
-        if not force and self.pushed - self.evaluated < self.config.run.eval_every:
+        if not force and self.pushed - self.evaluated < self.config.loop.eval_every:
             return None
         scores = await heldout_scores(self.config, self.p)
         self.accuracy, self.evaluated = record_evaluation(self.p, scores, self.pushed, self.books.elapsed()), self.pushed
@@ -150,7 +150,7 @@ class Loop:
     def report(self) -> None:
         elapsed = max(self.books.elapsed(), 1e-9)
         self.p.display.update({
-            "mode": self.config.run.mode, "step": self.state.version, "steps": self.config.run.steps,
+            "mode": self.config.loop.mode, "step": self.state.version, "steps": self.config.loop.steps,
             "elapsed_s": elapsed, "reward": self.last.get("reward"), "accuracy": self.accuracy,
             "accuracy_before": self.state.eval_before, "staleness": self.last.get("staleness_mean"),
             "rollouts_per_s": self.collected / (time.monotonic() - self.t0 + 1e-9),

@@ -61,7 +61,7 @@ async def _evaluate(engine, tokenizer, columns: list[Column]) -> dict[str, float
         async with evaluation_gateway(config, [LocalEngine(engine)], tokenizer) as gateway, episode_http_client(config) as http:
             result = await evaluate_env(
                 task.env, gateway, num_problems=num_problems, seed=config.eval.seed, sandboxes=task.sandboxes,
-                timeout_s=config.run.episode_timeout_s, http_client=http, task_name=column.task,
+                timeout_s=config.loop.episode_timeout_s, http_client=http, task_name=column.task,
             )  # fmt: skip
         scores[column.task] = result.accuracy
     return scores

@@ -6,7 +6,7 @@ save the learner, write the loop state listing the rollouts about to be acknowle
 them). So a run that dies loses nothing and re-trains nothing: on resume, `recover` aborts what the
 dead run left running, finishes the acknowledgement its last checkpoint began, and claims again,
 whole groups at a time, everything else it never acknowledged. The RL wall clock
-(`run.wall_budget_s`) is carried across restarts the same way, in the loop state.
+(`loop.wall_budget_s`) is carried across restarts the same way, in the loop state.
 """
 
 from __future__ import annotations

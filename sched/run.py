@@ -2,7 +2,7 @@
 
 Start-up, in order:
 
-1. SFT warm start when `policy.path` is unset and `run.sft_first` allows it; RL starts from its
+1. SFT warm start when `policy.path` is unset and `loop.sft_first` allows it; RL starts from its
    checkpoint (a resumed run starts from its own last checkpoint instead).
 2. Ray, local: `rollout.num_workers` RolloutWorkers on `rollout.cpus_per_worker` CPUs each and the
    LearnerActor on `learner.num_cpus` CPUs, each with its own torch thread budget, so rollout and
@@ -16,7 +16,7 @@ A config with `distill.teachers` is a cross-stage distillation run (`asyncrl dis
 the task mix is the teachers' stages at their ratios and a scoring actor per teacher scores every
 batch before the learner sees it; everything else is the same run.
 
-Then `Loop.run` until `run.steps` optimizer steps (or `run.wall_budget_s`), and `Loop.close`, which
+Then `Loop.run` until `loop.steps` optimizer steps (or `loop.wall_budget_s`), and `Loop.close`, which
 leaves the ledger balanced. A crash or Ctrl-C skips `close`: `asyncrl run --resume` picks up.
 """
 
@@ -77,7 +77,7 @@ def run(
         if rundir.has_run():
             raise RunExists(f"{rundir.path} already holds a run: continue it with `asyncrl run --resume {rundir.path}`, "
                             "or pick another name= (or delete the directory)")  # fmt: skip
-        if config.policy.path is None and config.run.sft_first:
+        if config.policy.path is None and config.loop.sft_first:
             from asyncrl.sched.sft import run_sft
 
             result = run_sft(config)
@@ -145,7 +145,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
     started = sum(counts[status] for status in ("running", *TERMINAL_STATUSES))
     ledger = {**state.ledger, "started": started}
     summary = {
-        "mode": config.run.mode, "version": state.version, "eval_before": state.eval_before, "eval_after": eval_after,
+        "mode": config.loop.mode, "version": state.version, "eval_before": state.eval_before, "eval_after": eval_after,
         **eval_by_task(records, [task.name for task, _ in tasks.evaluated(config.eval.num_problems)]),
         "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions,
         "ledger": ledger, "balanced": sum(state.ledger.values()) == started,

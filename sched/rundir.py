@@ -46,7 +46,7 @@ class LoopState:
     eval_before: float | None = None
     """Held-out accuracy of the policy RL started from."""
     rl_wall_s: float = 0.0
-    """Seconds of RL loop before this process (counts against run.wall_budget_s)."""
+    """Seconds of RL loop before this process (counts against loop.wall_budget_s)."""
     acking: list[str] = field(default_factory=list)
     """Rollouts this checkpoint trained, acknowledged in the store right after it is written (redone on
     resume in case the run died in between)."""
@@ -68,7 +68,7 @@ class RunDir:
         (self.path / CONFIG_FILE).write_text(dump_config(config))
 
     def read_config(self, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-        """The run's own resolved config, with overrides (e.g. more `run.steps`) applied on top."""
+        """The run's own resolved config, with overrides (e.g. more `loop.steps`) applied on top."""
         path = self.path / CONFIG_FILE
         if not path.exists():
             raise FileNotFoundError(f"{self.path} is not a run directory (no {CONFIG_FILE})")

@@ -88,7 +88,7 @@ class HeldOut:
         async with evaluation_gateway(config, [LocalEngine(self.engine)], self.tokenizer) as gateway, episode_http_client(config) as http:
             result = await evaluate_env(
                 self.env, gateway, num_problems=config.eval.num_problems, seed=config.eval.seed,
-                timeout_s=config.run.episode_timeout_s, http_client=http,
+                timeout_s=config.loop.episode_timeout_s, http_client=http,
             )  # fmt: skip
         return result.accuracy
 

@@ -6,10 +6,10 @@ from asyncrl.envs.base import EpisodeResult
 
 TINY = [
     "policy.tiny.arch=qwen3", "policy.tiny.hidden_size=32", "policy.tiny.num_layers=2", "policy.tiny.num_heads=2",
-    "policy.tiny.intermediate_size=64", "policy.mtp.enabled=false", "run.sft_first=false",
+    "policy.tiny.intermediate_size=64", "policy.mtp.enabled=false", "loop.sft_first=false",
     "rollout.cpus_per_worker=0.5", "rollout.max_num_seqs=16", "learner.num_cpus=0.5", "learner.group_size=4",
-    "learner.batch_groups=2", "learner.lr=1e-2", "learner.checkpoint_every=2", "run.max_inflight=16",
-    "run.eval_every=2", "eval.num_problems=16", "eval.max_tokens=4", "logging.wandb=disabled", "logging.progress=false",
+    "learner.batch_groups=2", "learner.lr=1e-2", "learner.checkpoint_every=2", "loop.max_inflight=16",
+    "loop.eval_every=2", "eval.num_problems=16", "eval.max_tokens=4", "logging.wandb=disabled", "logging.progress=false",
 ]  # fmt: skip
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_sched_loop import TINY, CoinEnv, ray_session  # noqa: F401  (ray_session is a fixture; skips without Ray)
+from loop_helpers import TINY, CoinEnv
+from test_loop import ray_session  # noqa: F401  (ray_session is a fixture; skips without Ray)
 
 from asyncrl.bench.asyncloop import OVERRIDES, PRESET, AsyncBenchOptions
 from asyncrl.configs.loader import load_config
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow  # two runs, each with a rollout worker and a lear
 
 # Groups of 8 so that a batch without reward signal (every group all-equal: no optimizer step, one
 # more batch) is too rare to make the two modes' budgets differ; no evaluation or checkpoint mid-run.
-SIZE = ["learner.group_size=8", "run.steps=2", "run.max_inflight=32", "run.eval_every=1000", "learner.checkpoint_every=1000"]
+SIZE = ["learner.group_size=8", "loop.steps=2", "loop.max_inflight=32", "loop.eval_every=1000", "learner.checkpoint_every=1000"]
 
 
 def test_bench_async_runs_both_modes_on_the_same_budget(ray_session, tmp_path):
@@ -31,14 +32,14 @@ def test_bench_async_runs_both_modes_on_the_same_budget(ray_session, tmp_path):
     assert json.loads(path.read_text()) == results
     sync, async_ = results["sync"], results["async"]
     assert results["async_over_sync_samples_per_s"] == pytest.approx(async_["samples_per_s"] / sync["samples_per_s"], rel=1e-2)
-    budget = config.run.steps * config.learner.batch_groups * config.learner.group_size
+    budget = config.loop.steps * config.learner.batch_groups * config.learner.group_size
     for mode, side in (("sync", sync), ("async", async_)):
         assert results[f"learner_idle_frac_{mode}"] == side["learner_idle_frac"]
         assert 0.0 <= side["learner_idle_frac"] <= 1.0
         assert 0.0 < side["learner_busy_s"] < side["rl_wall_s"] < side["run_wall_s"]
-        assert side["optimizer_steps"] == config.run.steps and side["balanced"]
+        assert side["optimizer_steps"] == config.loop.steps and side["balanced"]
         # Each learner call takes one whole batch; a batch without signal would take no step.
-        assert side["rollouts_to_learner"] == side["learner_calls"] * budget // config.run.steps >= budget
+        assert side["rollouts_to_learner"] == side["learner_calls"] * budget // config.loop.steps >= budget
         assert 0 < side["trained"] <= side["rollouts_to_learner"]
         assert side["samples_per_s"] == pytest.approx(side["trained"] / side["rl_wall_s"], rel=1e-2)
         assert side["tool_latency_s"]["max"] <= 1.0  # the episodes waited the configured latencies

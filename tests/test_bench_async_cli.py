@@ -16,11 +16,11 @@ def dry_run(capsys, *words: str) -> dict:
 def test_the_bench_sizing_sits_between_the_preset_and_the_command(capsys):
     resolved = dry_run(capsys)
     assert resolved["name"] == "bench-async" and resolved["policy"]["tiny"]["arch"] == "qwen3"  # quickstart's policy
-    assert resolved["run"]["steps"] == 12 and resolved["learner"]["max_staleness"] == 4  # the bench's sizing
+    assert resolved["loop"]["steps"] == 12 and resolved["learner"]["max_staleness"] == 4  # the bench's sizing
     assert resolved["bench"]["latency"]["median_s"] == 0.5
 
-    resolved = dry_run(capsys, "run.steps=3", "bench.latency.median_s=2", "bench.latency.when=before")
-    assert resolved["run"]["steps"] == 3  # the command's override wins
+    resolved = dry_run(capsys, "loop.steps=3", "bench.latency.median_s=2", "bench.latency.when=before")
+    assert resolved["loop"]["steps"] == 3  # the command's override wins
     latency = resolved["bench"]["latency"]
     assert (latency["median_s"], latency["when"], latency["sigma"]) == (2.0, "before", 1.0)
 

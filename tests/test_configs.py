@@ -185,6 +185,7 @@ def test_a_dump_with_other_choices_loads_back(tmp_path) -> None:
         (["rollout.type=vllm", "rollout.sampling.top_p=0"], "rollout.sampling.top_p: Input should be greater than 0 (got 0)"),
         (["sandbox.backend=docker", "sandbox.cpus=0"], "sandbox.cpus: Input should be greater than 0 (got 0)"),
         (["rollout.mtp_draft_tokens=9"], "rollout: mtp_draft_tokens (9) exceeds mtp_max_draft_tokens (8)"),
+        (["run.steps=3"], "run: unknown key (the section is now 'loop')"),
     ],
 )
 def test_errors_in_a_section_with_choices_name_the_key_as_written(overrides: list[str], message: str) -> None:
@@ -216,7 +217,7 @@ def test_the_env_context_carries_what_plugins_read() -> None:
     overrides = [
         "seed=5",
         "rollout.sampling.temperature=0.7",
-        "run.episode_max_tokens=9",
+        "loop.episode_max_tokens=9",
         "tasks.general.max_words=2",
         "rewards.http.timeout_s=3",
     ]

@@ -1,6 +1,6 @@
 """Cross-stage distillation: the advantage, its path through the learner, teacher routing, the prompt mix.
 
-Teacher scoring against the teacher's full forward is in test_distill_scoring.py; a run end to end
+Teacher scoring against the teacher's full forward is in test_scoring.py; a run end to end
 (Ray actors, gateway, loop) in test_distill_run.py.
 """
 

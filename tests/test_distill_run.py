@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_sched_loop import TINY, check_ledger, ray_session  # noqa: F401 (module-scoped Ray fixture)
+from loop_helpers import TINY
+from test_loop import check_ledger, ray_session  # noqa: F401 (module-scoped Ray fixture)
 
 from asyncrl.configs.loader import load_config
 from asyncrl.policy.checkpoint import build_policy, save_policy
@@ -27,7 +28,7 @@ def test_distill_run_scores_each_stage_with_its_teacher_and_balances(ray_session
     student, stranger = checkpoint(policy, 0, tmp_path / "student"), checkpoint(policy, 1, tmp_path / "stranger")
     config = load_config("quickstart", [
         *TINY, f"runs_dir={tmp_path}", "name=distill", f"policy.path={student}", "learner.group_size=1",
-        "learner.batch_groups=8", "learner.lr=1e-5", "run.steps=3", "distill.cpus_per_teacher=0.25",
+        "learner.batch_groups=8", "learner.lr=1e-5", "loop.steps=3", "distill.cpus_per_teacher=0.25",
         "tasks.mix.words.env=reasoning", "tasks.mix.words.eval_problems=0",
         f"distill.teachers.self.checkpoint={student}", "distill.teachers.self.ratio=1",
         f"distill.teachers.words.checkpoint={stranger}", "distill.teachers.words.ratio=1",

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_sched_loop import TINY  # the tiny policy and loop sizes of the loop's own tests
+from loop_helpers import TINY  # the tiny policy and loop sizes of the loop's own tests
 
 from asyncrl.gateway.store import open_store
 
@@ -45,7 +45,7 @@ def test_the_installed_plugin_is_found_by_name_and_meets_the_contract(site, monk
 
 def test_asyncrl_run_trains_on_the_plugin_beside_a_builtin_task(site, tmp_path):
     mix = "tasks.mix={echo: {env: echo-digit, options: {max_tokens: 4}}, math: {env: reasoning, eval_problems: 8}}"
-    command = [sys.executable, "-m", "asyncrl", "run", "quickstart", *TINY, f"runs_dir={tmp_path}", "name=plug", "run.steps=2", mix]
+    command = [sys.executable, "-m", "asyncrl", "run", "quickstart", *TINY, f"runs_dir={tmp_path}", "name=plug", "loop.steps=2", mix]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

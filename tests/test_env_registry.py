@@ -47,7 +47,7 @@ def _dist_info(root, name: str, entry_points: str):
 
 
 def test_builtin_names_build_the_builtin_environments_from_the_run_config():
-    config = load_config("quickstart", ["run.episode_max_tokens=7", "tasks.agentic.max_turns=5"])
+    config = load_config("quickstart", ["loop.episode_max_tokens=7", "tasks.agentic.max_turns=5"])
     reasoning = load_environment("reasoning", {"max_digits": 2}, EnvContext.of(config))
     assert isinstance(reasoning, ReasoningEnv) and reasoning.max_tokens == 7 and reasoning.task.config.max_digits == 2
     agentic = load_environment("agentic", {}, EnvContext.of(config))

@@ -31,7 +31,7 @@ def test_pipeline_presets_are_not_run_presets():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("stages.reasoning.config.run.stepz=3", r"stages\.reasoning: run\.stepz: unknown key \(did you mean 'steps'\?\)"),
+        ("stages.reasoning.config.loop.stepz=3", r"stages\.reasoning: loop\.stepz: unknown key \(did you mean 'steps'\?\)"),
         ("stages.distill.config.learner.group_size=8", r"(?s)stage 'distill'.*stages\.distill: distillation trains on single rollouts: set learner\.group_size to 1"),
         ("base.learner.lr=-1", r"stages\.sft: learner\.lr: Input should be greater than 0"),
         ("stages.distill.teachers.sft=1", r"stages\.distill\.teachers\.sft: not an earlier rl stage"),
@@ -95,7 +95,7 @@ def test_matrix_table_and_heat_map(tmp_path):
 
 
 def test_cli_dry_run_and_refusals(tmp_path, capsys):
-    assert main(["pipeline", "pipeline", "stages.reasoning.config.run.steps=7", "--dry-run"]) == 0
+    assert main(["pipeline", "pipeline", "stages.reasoning.config.loop.steps=7", "--dry-run"]) == 0
     assert "steps: 7" in capsys.readouterr().out
     assert main(["pipeline"]) == 2
     assert "--resume" in capsys.readouterr().err

@@ -23,15 +23,15 @@ TINY_BASE = {
     "tasks": {"arithmetic": {"subtraction_fraction": 0.0}},
     "rollout": {"cpus_per_worker": 0.5, "max_num_seqs": 16},
     "learner": {"num_cpus": 0.5, "group_size": 4, "batch_groups": 2, "lr": 1e-3, "checkpoint_every": 2},
-    "run": {"max_inflight": 16, "eval_every": 100, "sft_first": False},
+    "loop": {"max_inflight": 16, "eval_every": 100, "sft_first": False},
     "eval": {"num_problems": 16, "max_tokens": 4},
     "logging": {"wandb": "disabled", "progress": False},
 }
 STAGES = {
     "sft": {"kind": "sft", "config": {"sft": {"max_steps": 12, "batch_size": 16, "eval_every": 6, "stop_at_accuracy": None}}},
     # A tiny untrained policy never solves arithmetic; the parity task gives its groups a signal.
-    "reasoning": {"kind": "rl", "tasks": {"reasoning": {"env": "test_sched_loop:CoinEnv"}}, "config": {"run": {"steps": 40}}},
-    "distill": {"kind": "distill", "config": {"learner": {"group_size": 1, "batch_groups": 4}, "run": {"steps": 2},
+    "reasoning": {"kind": "rl", "tasks": {"reasoning": {"env": "loop_helpers:CoinEnv"}}, "config": {"loop": {"steps": 40}}},
+    "distill": {"kind": "distill", "config": {"learner": {"group_size": 1, "batch_groups": 4}, "loop": {"steps": 2},
                                               "distill": {"cpus_per_teacher": 0.25}}},
 }  # fmt: skip
 
@@ -82,7 +82,7 @@ def test_a_pipeline_killed_mid_stage_resumes_without_redoing_finished_stages(tmp
     assert 0 < killed_at < 24
 
     # Resumed with an override for the stage it stopped in: the pipeline file is the source of truth.
-    second = start("--resume", str(pipe), "stages.reasoning.config.run.steps=24", log=tmp_path / "second.log")
+    second = start("--resume", str(pipe), "stages.reasoning.config.loop.steps=24", log=tmp_path / "second.log")
     started.append(second)
     assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
     out = (tmp_path / "second.log").read_text()
@@ -92,7 +92,7 @@ def test_a_pipeline_killed_mid_stage_resumes_without_redoing_finished_stages(tmp
     summary = json.loads((pipe / "summary.json").read_text())
     assert list(summary["stages"]) == ["sft", "reasoning", "distill"]
     assert summary["stages"]["reasoning"]["summary"]["version"] == 24
-    assert yaml.safe_load((pipe / "pipeline.yaml").read_text())["stages"]["reasoning"]["config"]["run"]["steps"] == 24
+    assert yaml.safe_load((pipe / "pipeline.yaml").read_text())["stages"]["reasoning"]["config"]["loop"]["steps"] == 24
     assert summary["stages"]["reasoning"]["summary"]["balanced"] and summary["stages"]["distill"]["summary"]["balanced"]
     assert summary["tasks"] == ["reasoning"] and list(summary["rows"]) == ["sft", "reasoning", "distill"]
     assert all(0.0 <= row["reasoning"] <= 1.0 for row in summary["rows"].values())

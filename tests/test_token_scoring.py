@@ -2,7 +2,7 @@
 `POST /v1/tokens/score` over loopback, and distillation teachers reached through it by url.
 
 The engine's scores must be the checkpoint scorer's (`NativeScorer`, tested against transformers in
-test_distill_scoring.py) and follow weight updates; the endpoint must return the same numbers, refuse
+test_scoring.py) and follow weight updates; the endpoint must return the same numbers, refuse
 bad input with a 400 that says why, and never answer a malformed request with a 5xx.
 """
 
@@ -18,8 +18,8 @@ from conftest import make_tiny_model
 from gateway_helpers import LiveGateway, make_engine, make_service
 from pydantic import ValidationError
 from test_distill import LoopbackTeacher
-from test_distill_scoring import SEQUENCES
 from test_learner_rl import _one_thread  # noqa: F401 (autouse fixture: one torch thread)
+from test_scoring import SEQUENCES
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, RunConfig, TeacherSpec
 from asyncrl.distill.teachers import HttpTeacher, TeacherError, Teachers, check_checkpoints

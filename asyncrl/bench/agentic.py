@@ -163,7 +163,7 @@ def run(config: RunConfig, json_path: str | None = None, options: AgenticBenchOp
         "episodes": options.episodes, "engines": f"{ENGINES} StubEngine (asyncio.sleep {options.engine_latency_s} s a call)",
         "environment": "agentic (envs/agentic.py): tool call, tool result, answer", "tool": "stub sandbox sleeping a drawn latency",
         "latency": options.latency.model_dump(), "gateway": "in-process uvicorn, as asyncrl run", "store": "sqlite",
-        "episode_timeout_s": config.run.episode_timeout_s, "sandbox_runs": options.sandbox_runs,
+        "episode_timeout_s": config.loop.episode_timeout_s, "sandbox_runs": options.sandbox_runs,
         "machine": platform.machine(), "python": platform.python_version(),
     }  # fmt: skip
     if json_path:
@@ -185,8 +185,8 @@ async def _episodes(config: RunConfig, options: AgenticBenchOptions, store_path:
     rng = random.Random(config.seed)
     tasks = [env.sample_task(rng) for _ in range(options.episodes)]
     store = open_store(store_path, namespace="bench-agentic")
-    # One pooled connection per episode, as `asyncrl run` sizes it to run.max_inflight.
-    http_config = config.model_copy(update={"run": config.run.model_copy(update={"max_inflight": options.episodes})})
+    # One pooled connection per episode, as `asyncrl run` sizes it to loop.max_inflight.
+    http_config = config.model_copy(update={"loop": config.loop.model_copy(update={"max_inflight": options.episodes})})
     walls: list[float] = []
     try:
         async with _stub_gateway(config, store, options.engine_latency_s) as lifecycle, episode_http_client(http_config) as http:
@@ -195,7 +195,7 @@ async def _episodes(config: RunConfig, options: AgenticBenchOptions, store_path:
             async def episode(task) -> str:
                 began = time.perf_counter()
                 _, result = await run_recorded_episode(
-                    env, task, counting, timeout_s=config.run.episode_timeout_s, http_client=http, sandboxes=sandboxes
+                    env, task, counting, timeout_s=config.loop.episode_timeout_s, http_client=http, sandboxes=sandboxes
                 )
                 walls.append(time.perf_counter() - began)
                 return result.status

@@ -1,7 +1,7 @@
 """Benchmark: the asynchronous loop against the synchronous one, on heavy-tailed episodes.
 
 One config (the quickstart preset, sized down by OVERRIDES, then the command's own overrides) runs
-twice through `asyncrl run`'s code, `run.mode=sync` and `run.mode=async`, from the same starting
+twice through `asyncrl run`'s code, `loop.mode=sync` and `loop.mode=async`, from the same starting
 checkpoint (one SFT warm start, shared; skipped when `policy.path` is set), with the same number of
 optimizer steps of the same batch. Every episode is the reasoning environment wrapped in
 `LatencyEnv` (envs/latency.py): a simulated tool latency (lognormal body, Pareto tail, seeded; the
@@ -17,7 +17,7 @@ Measured from each run's own records (metrics.jsonl), not from outside timers:
 - learner_idle_frac: 1 - (sum of `step_s`, the learner actor's time inside `train_step`) / RL phase wall.
 
     asyncrl bench async --json bench-async.json
-    asyncrl bench async quickstart run.steps=20 bench.latency.median_s=1.0 --json bench-async.json
+    asyncrl bench async quickstart loop.steps=20 bench.latency.median_s=1.0 --json bench-async.json
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from asyncrl.envs.latency import LatencyConfig, LatencyEnv
 PRESET = "quickstart"
 OVERRIDES = (
     "name=bench-async",
-    "run.steps=12",
+    "loop.steps=12",
     "learner.batch_groups=8",
     "learner.max_staleness=4",
-    "run.max_inflight=64",
-    "run.eval_every=1000000",  # no evaluation inside the RL phase
+    "loop.max_inflight=64",
+    "loop.eval_every=1000000",  # no evaluation inside the RL phase
     "learner.checkpoint_every=1000000",  # nor checkpoints: only the one at the end of the run
-    "run.wall_budget_s=900",
+    "loop.wall_budget_s=900",
     "eval.num_problems=64",
     "logging.wandb=disabled",
 )
@@ -76,8 +76,8 @@ def run(
         config = _with(config, f"runs_dir={tmp}")
         config, sft = _warm_start(config)
         for mode in options.order:
-            _say(f"bench async: {mode} run, {config.run.steps} steps of {config.learner.batch_groups} x {config.learner.group_size}")
-            side = _with(config, f"run.mode={mode}", f"name={config.name}-{mode}")
+            _say(f"bench async: {mode} run, {config.loop.steps} steps of {config.learner.batch_groups} x {config.learner.group_size}")
+            side = _with(config, f"loop.mode={mode}", f"name={config.name}-{mode}")
             summary = run_loop(side, env=LatencyEnv(env_factory(side), options.latency))
             sides[mode] = _measure(summary, Path(summary["run_dir"]))
     results = {}
@@ -86,9 +86,9 @@ def run(
     results.update({f"learner_idle_frac_{mode}": side["learner_idle_frac"] for mode, side in sides.items()})
     results.update(sides)
     results["setup"] = {
-        "preset": PRESET, "overrides": list(OVERRIDES), "steps": config.run.steps,
+        "preset": PRESET, "overrides": list(OVERRIDES), "steps": config.loop.steps,
         "batch_groups": config.learner.batch_groups, "group_size": config.learner.group_size,
-        "max_staleness": config.learner.max_staleness, "max_inflight": config.run.max_inflight,
+        "max_staleness": config.learner.max_staleness, "max_inflight": config.loop.max_inflight,
         "rollout_workers": config.rollout.num_workers, "policy": config.policy.path, "sft": sft,
         "latency": options.latency.model_dump(), "machine": platform.machine(), "python": platform.python_version(),
     }  # fmt: skip
@@ -155,7 +155,7 @@ def _tool_latencies(run_dir: Path) -> dict:
 def _warm_start(config: RunConfig) -> tuple[RunConfig, dict | None]:
     """One SFT warm start for both modes (as `asyncrl run` would do for each), or none when the policy
     is given. A policy with no reward signal (e.g. an untrained one on arithmetic) never steps."""
-    if config.policy.path is not None or not config.run.sft_first:
+    if config.policy.path is not None or not config.loop.sft_first:
         return config, None
     from asyncrl.sched.sft import run_sft
 
@@ -169,7 +169,7 @@ def _reasoning_env(config: RunConfig):
     from asyncrl.envs.reasoning import ReasoningEnv
 
     # Episodes sample at the temperature the learner scores them at (as sched/run.py's default env).
-    return ReasoningEnv(config.tasks.arithmetic, max_tokens=config.run.episode_max_tokens, temperature=config.rollout.sampling.temperature)
+    return ReasoningEnv(config.tasks.arithmetic, max_tokens=config.loop.episode_max_tokens, temperature=config.rollout.sampling.temperature)
 
 
 def _with(config: RunConfig, *overrides: str) -> RunConfig:

@@ -10,23 +10,23 @@ from asyncrl.sched.rundir import RunDir
 
 
 def test_run_dry_run_prints_the_loop_section(capsys):
-    assert main(["run", "quickstart", "run.mode=sync", "run.steps=7", "--dry-run"]) == 0
+    assert main(["run", "quickstart", "loop.mode=sync", "loop.steps=7", "--dry-run"]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
-    assert resolved["run"]["mode"] == "sync" and resolved["run"]["steps"] == 7
+    assert resolved["loop"]["mode"] == "sync" and resolved["loop"]["steps"] == 7
 
 
 def test_resume_dry_run_reads_the_run_directory(tmp_path, capsys):
-    RunDir(tmp_path / "x").write_config(load_config("quickstart", ["name=x", "run.steps=5"]))
-    assert main(["run", "--resume", str(tmp_path / "x"), "run.steps=9", "--dry-run"]) == 0
+    RunDir(tmp_path / "x").write_config(load_config("quickstart", ["name=x", "loop.steps=5"]))
+    assert main(["run", "--resume", str(tmp_path / "x"), "loop.steps=9", "--dry-run"]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
-    assert resolved["name"] == "x" and resolved["run"]["steps"] == 9
+    assert resolved["name"] == "x" and resolved["loop"]["steps"] == 9
 
 
 def test_run_refuses_without_config_and_a_run_directory_twice(tmp_path, capsys):
     assert main(["run"]) == 2
     run_dir = tmp_path / "quickstart"
     (run_dir / "checkpoints").mkdir(parents=True)
-    assert main(["run", "quickstart", f"runs_dir={tmp_path}", "run.sft_first=false"]) == 2
+    assert main(["run", "quickstart", f"runs_dir={tmp_path}", "loop.sft_first=false"]) == 2
     assert "--resume" in capsys.readouterr().err
     assert main(["run", "--resume", str(tmp_path / "nothing")]) == 2
 
@@ -37,7 +37,7 @@ def test_max_inflight_must_hold_a_group():
     from asyncrl.configs import ConfigError
 
     with pytest.raises(ConfigError, match="max_inflight must be at least learner.group_size"):
-        load_config("quickstart", ["run.max_inflight=4", "learner.group_size=8"])
+        load_config("quickstart", ["loop.max_inflight=4", "learner.group_size=8"])
 
 
 def test_summary_prints_the_ledger():

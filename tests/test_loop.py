@@ -41,7 +41,7 @@ def check_ledger(summary: dict) -> None:
 def test_async_run_pushes_weights_and_survives_a_crashing_environment(ray_session, tmp_path):
     from asyncrl.sched.run import run
 
-    summary = run(config(tmp_path, "name=a", "run.steps=3"), env=CoinEnv(crash_every=3))
+    summary = run(config(tmp_path, "name=a", "loop.steps=3"), env=CoinEnv(crash_every=3))
     check_ledger(summary)
     assert summary["version"] == 3 and summary["engine_versions"] == [3]
     assert summary["ledger"]["trained"] > 0 and summary["ledger"]["dropped_crash"] > 0
@@ -59,7 +59,7 @@ def test_async_run_pushes_weights_and_survives_a_crashing_environment(ray_sessio
 def test_sync_run_trains_on_policy(ray_session, tmp_path):
     from asyncrl.sched.run import run
 
-    summary = run(config(tmp_path, "name=s", "run.mode=sync", "run.steps=2"), env=CoinEnv())
+    summary = run(config(tmp_path, "name=s", "loop.mode=sync", "loop.steps=2"), env=CoinEnv())
     check_ledger(summary)
     assert summary["version"] == 2 and summary["engine_versions"] == [2]
     steps = [r for r in read_metrics(tmp_path / "s") if "loss" in r]
@@ -72,7 +72,7 @@ def test_a_killed_run_resumes_without_losing_or_retraining_trajectories(ray_sess
     from asyncrl.sched.run import run
 
     with pytest.raises(KeyboardInterrupt):
-        run(config(tmp_path, "name=r", "run.steps=20", "learner.checkpoint_every=1"), env=CoinEnv(stop_after=40))
+        run(config(tmp_path, "name=r", "loop.steps=20", "learner.checkpoint_every=1"), env=CoinEnv(stop_after=40))
     run_dir = tmp_path / "r"
     assert list((run_dir / "checkpoints").glob("step-*/loop_state.json")), "no checkpoint before the stop"
     store = open_store(run_dir)
@@ -80,7 +80,7 @@ def test_a_killed_run_resumes_without_losing_or_retraining_trajectories(ray_sess
     store.close()
     assert counts["acked"] > 0 and counts["running"] + counts["pending"] + counts["claimed"] > 0  # a stop mid-way
 
-    summary = run(None, resume=run_dir, overrides=["run.steps=7"], env=CoinEnv())
+    summary = run(None, resume=run_dir, overrides=["loop.steps=7"], env=CoinEnv())
     check_ledger(summary)  # acked ones were not trained again, unacked ones were not lost
     assert summary["version"] == 7
 
@@ -89,7 +89,7 @@ def test_run_with_mtp_drafting_engines_trains_and_pushes(ray_session, tmp_path):
     from asyncrl.sched.run import run
 
     drafting = ("policy.mtp.enabled=true", "rollout.mtp_drafting=true", "rollout.mtp_draft_tokens=2", "learner.mtp_loss_weight=0.5")
-    summary = run(config(tmp_path, "name=d", "run.mode=sync", "run.steps=2", *drafting), env=CoinEnv())
+    summary = run(config(tmp_path, "name=d", "loop.mode=sync", "loop.steps=2", *drafting), env=CoinEnv())
     check_ledger(summary)
     assert summary["version"] == 2 and summary["engine_versions"] == [2]
     steps = [r for r in read_metrics(tmp_path / "d") if r.get("stepped")]

@@ -74,7 +74,7 @@ def started(counts: dict) -> int:
 
 
 def test_a_sync_run_over_in_process_parts_balances_its_books(tmp_path):
-    result = asyncio.run(run_in_process(config(tmp_path, "name=s", "run.mode=sync", "run.steps=2"), CoinEnv()))
+    result = asyncio.run(run_in_process(config(tmp_path, "name=s", "loop.mode=sync", "loop.steps=2"), CoinEnv()))
     state, counts = result["state"], result["counts"]
     steps = [r for r in result["records"] if "loss" in r]  # one record per learner call
     # Sync admits one batch (2 groups x 4) per learner call and nothing is left in flight at the end.
@@ -94,7 +94,7 @@ def test_a_sync_run_over_in_process_parts_balances_its_books(tmp_path):
 
 
 def test_an_async_run_over_in_process_parts_balances_its_books(tmp_path):
-    run = config(tmp_path, "name=a", "run.steps=3", "learner.checkpoint_every=1")
+    run = config(tmp_path, "name=a", "loop.steps=3", "learner.checkpoint_every=1")
     result = asyncio.run(run_in_process(run, CoinEnv(crash_every=3)))
     state, counts = result["state"], result["counts"]
     assert sum(state.ledger.values()) == started(counts) > 0
@@ -123,7 +123,7 @@ class CtrlC(CoinEnv):
 
 
 def test_a_killed_run_resumes_in_process_without_losing_or_retraining_trajectories(tmp_path):
-    killed = config(tmp_path, "name=r", "run.steps=20", "learner.checkpoint_every=1")
+    killed = config(tmp_path, "name=r", "loop.steps=20", "learner.checkpoint_every=1")
 
     async def until_ctrl_c():
         await run_in_process(killed, CtrlC(press_at=60, main=asyncio.current_task()))
@@ -138,7 +138,7 @@ def test_a_killed_run_resumes_in_process_without_losing_or_retraining_trajectori
     assert left["acked"] > 0 and left["pending"] + left["claimed"] > 0  # a stop mid-way
     assert left["running"] == 0  # stopping the episodes aborted their rollouts
 
-    result = asyncio.run(run_in_process(config(tmp_path, "name=r", "run.steps=7", "learner.checkpoint_every=1"), CoinEnv(), resume=True))
+    result = asyncio.run(run_in_process(config(tmp_path, "name=r", "loop.steps=7", "learner.checkpoint_every=1"), CoinEnv(), resume=True))
     state, counts = result["state"], result["counts"]
     # Everything the dead run did not acknowledge is claimed again, and nothing it did.
     assert result["recovered"] == left["pending"] + left["claimed"]
