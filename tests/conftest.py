@@ -61,3 +61,12 @@ def run_to_completion(engine, requests: list[tuple[list[int], object]], session_
     while engine.has_unfinished():
         done.update((result.request_id, result) for result in engine.step())
     return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray for one test module (two logical CPUs); skips where Ray is not installed."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

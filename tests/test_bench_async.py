@@ -8,7 +8,6 @@ import json
 
 import pytest
 from loop_helpers import TINY, CoinEnv
-from test_loop import ray_session  # noqa: F401  (ray_session is a fixture; skips without Ray)
 
 from asyncrl.bench.asyncloop import OVERRIDES, PRESET, AsyncBenchOptions
 from asyncrl.configs.loader import load_config

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from loop_helpers import TINY
-from test_loop import check_ledger, ray_session  # noqa: F401 (module-scoped Ray fixture)
+from test_loop import check_ledger
 
 from asyncrl.configs.loader import load_config
 from asyncrl.policy.checkpoint import build_policy, save_policy

@@ -18,13 +18,6 @@ pytestmark = pytest.mark.slow  # one Ray start (~4 s) plus three actor processes
 PROMPT = [5, 6, 7]
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def to_sample(result, rollout: str, reward: float) -> Sample:
     n = len(result.token_ids)
     return Sample(

@@ -17,13 +17,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # Ray (~4 s) plus a worker and a learner process per run
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def config(tmp_path, *overrides: str):
     return load_config("quickstart", [*TINY, f"runs_dir={tmp_path}", *overrides])
 

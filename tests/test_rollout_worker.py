@@ -13,13 +13,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # one Ray start (~4 s) plus a worker process importing torch
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_worker_generates_and_takes_new_weights(ray_session):
     from asyncrl.rollout.worker import create_workers
 
