@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -204,9 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a stopped run from its last checkpoint")
     run.set_defaults(handler=cmd_run)
 
-    distill = sub.add_parser(
-        "distill", help="on-policy cross-stage distillation: the student (policy.path) learns from distill.teachers"
-    )
+    distill = sub.add_parser("distill", help="on-policy cross-stage distillation: the student (policy.path) learns from distill.teachers")
     _add_config_arguments(distill)
     distill.set_defaults(handler=cmd_distill)
 
@@ -215,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pipeline.add_argument("config", nargs="?", help="pipeline preset name (pipeline) or path to a pipeline YAML")
     pipeline.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. stages.reasoning.config.loop.steps=50")
-    pipeline.add_argument("--resume", metavar="PIPELINE_DIR", default=None, help="continue a stopped pipeline at the stage and step where it stopped")
+    pipeline.add_argument(
+        "--resume", metavar="PIPELINE_DIR", default=None, help="continue a stopped pipeline at the stage and step where it stopped"
+    )
     pipeline.add_argument("--dry-run", action="store_true", help="print the resolved pipeline config and exit")
     pipeline.set_defaults(handler=cmd_pipeline)
 
@@ -236,11 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(handler=cmd_generate)
 
     bench = sub.add_parser(
-        "bench", help="run a benchmark and write its results as JSON", epilog=_bench_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter
+        "bench",
+        help="run a benchmark and write its results as JSON",
+        epilog=_bench_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("name", help="benchmark name, e.g. engine")
     bench.add_argument("config", nargs="?", default=None, help="preset or YAML config (default: the benchmark's own, below)")
-    bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides; bench.KEY=VALUE sets the benchmark's own settings")
+    bench.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides; bench.KEY=VALUE sets the benchmark's own settings"
+    )
     bench.add_argument("--json", default=None, metavar="PATH", help="write results to this JSON file")
     bench.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     bench.set_defaults(handler=cmd_bench)

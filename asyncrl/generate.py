@@ -77,9 +77,19 @@ def generate_from_checkpoint(args: argparse.Namespace) -> int:
     for i, result in enumerate(results):
         text = tokenizer.decode(result.token_ids)
         if args.json:
-            print(json.dumps({"sample": i, "text": text, "prompt_token_ids": prompt, "token_ids": result.token_ids,
-                              "logprobs": result.logprobs, "versions": result.versions,
-                              "finish_reason": result.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "sample": i,
+                        "text": text,
+                        "prompt_token_ids": prompt,
+                        "token_ids": result.token_ids,
+                        "logprobs": result.logprobs,
+                        "versions": result.versions,
+                        "finish_reason": result.finish_reason,
+                    }
+                )
+            )
             continue
         console.print(f"[bold]sample {i}[/bold] [{result.finish_reason}, {len(result.token_ids)} tokens]: {text!r}")
         if args.tokens:

@@ -66,7 +66,7 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be > 0, got {self.max_tokens}")
 
     @classmethod
-    def from_dict(cls, options: dict) -> "SamplingParams":
+    def from_dict(cls, options: dict) -> SamplingParams:
         """Build from a plain mapping (JSON, Ray); unknown options are a RequestError naming them."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(options) - known)
@@ -125,7 +125,7 @@ TrajectoryStatus = Literal["running", "ok", "env_crash", "timeout", "error", "ab
 """`running` until finished or aborted; every other value is terminal."""
 
 FINISH_STATUSES: tuple[str, ...] = get_args(FinishStatus)
-TERMINAL_STATUSES: tuple[str, ...] = FINISH_STATUSES + ("aborted",)
+TERMINAL_STATUSES: tuple[str, ...] = (*FINISH_STATUSES, "aborted")
 
 
 @dataclass
@@ -173,7 +173,7 @@ class Turn:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Turn":
+    def from_dict(cls, data: dict[str, Any]) -> Turn:
         return cls(**data)
 
 
@@ -211,7 +211,7 @@ class Trajectory:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Trajectory":
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
         values = dict(data)
         values["turns"] = [Turn.from_dict(t) for t in values.get("turns", [])]
         return cls(**values)
@@ -282,5 +282,5 @@ class Account(str, Enum):
 def oldest_version(versions: Sequence[int], loss_mask: Sequence[int]) -> int | None:
     """The staleness rule's input: the oldest policy version among sampled (loss-mask 1) tokens; None
     if none was sampled."""
-    sampled = [v for v, m in zip(versions, loss_mask) if m]
+    sampled = [v for v, m in zip(versions, loss_mask, strict=True) if m]
     return min(sampled) if sampled else None

@@ -114,7 +114,7 @@ class Teachers:
         self.skip_statuses = frozenset(skip_statuses)
 
     @classmethod
-    def from_config(cls, config: RunConfig, handles: dict) -> "Teachers":
+    def from_config(cls, config: RunConfig, handles: dict) -> Teachers:
         """`handles`: the checkpoint teachers' scorers (`asyncrl run` starts them); the url teachers are
         added here."""
         skipped = ("aborted", *config.learner.crash_statuses)
@@ -138,9 +138,9 @@ class Teachers:
         scored = await asyncio.gather(*(self._score(name, [samples[i] for i in wanted[name]]) for name in names))
         out: list[Sample] = list(samples)
         metrics: dict[str, float] = {}
-        for name, logprobs in zip(names, scored):
+        for name, logprobs in zip(names, scored, strict=True):
             total, count = 0.0, 0
-            for i, teacher_logprobs in zip(wanted[name], logprobs):
+            for i, teacher_logprobs in zip(wanted[name], logprobs, strict=True):
                 out[i] = ScoredSample(**_sample_fields(samples[i]), teacher=name, teacher_logprobs=teacher_logprobs)
                 kl, n = reverse_kl(samples[i].logprobs, teacher_logprobs, samples[i].loss_mask)
                 total, count = total + kl, count + n

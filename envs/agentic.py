@@ -42,7 +42,7 @@ class AgenticEnv:
         self.temperature = temperature
 
     @classmethod
-    def from_config(cls, context: EnvContext, **options) -> "AgenticEnv":
+    def from_config(cls, context: EnvContext, **options) -> AgenticEnv:
         """`tasks.agentic` with `options` overriding its fields, sampling at the learner's temperature."""
         task = AgenticTaskConfig(**{**context.tasks.agentic.model_dump(), **options})
         return cls(task, temperature=context.sampling.temperature)

@@ -13,7 +13,7 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from asyncrl.configs.schema import ArithmeticTaskConfig
 
@@ -66,7 +66,7 @@ class Problem:
 
     def demonstration(self) -> list[dict]:
         """The prompt followed by the answer the model is taught: the bare number."""
-        return self.messages() + [{"role": "assistant", "content": str(self.answer)}]
+        return [*self.messages(), {"role": "assistant", "content": str(self.answer)}]
 
 
 def is_heldout(canonical: str, fraction: float) -> bool:
@@ -75,7 +75,14 @@ def is_heldout(canonical: str, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < fraction
 
 
-def verify(completion_text: str, problem: Problem) -> bool:
+class Answered(Protocol):
+    """A problem with one integer answer (an arithmetic problem, a tool-use problem)."""
+
+    @property
+    def answer(self) -> int: ...
+
+
+def verify(completion_text: str, problem: Answered) -> bool:
     """Exact integer match of the whole completion (surrounding whitespace and EOS stripped)."""
     from asyncrl.policy.tokenizer import EOS
 

@@ -6,8 +6,9 @@ episode's status; it never needs to know about token IDs, the store or the learn
 
 An environment that runs tools says so with `needs_sandbox = True`: the runner then opens a fresh
 sandbox for each episode, passes it as the third argument and closes it afterwards, whatever
-happens. Environments without tools may leave both the attribute and the parameter out; they are
-called as `run_episode(task, client)`.
+happens (`SandboxedEnvironment`). Environments without tools may leave both the attribute and the
+parameter out; they are called as `run_episode(task, client)` (`PlainEnvironment`). `Environment`
+is either.
 
 An environment may also offer demonstrations for the SFT warm start: `demonstration(rng)` returns one
 `Demonstration` (chat messages, with the tools they use) drawn from its training split. The SFT entry
@@ -19,7 +20,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 EpisodeStatus = Literal["ok", "env_crash", "timeout", "error"]
 """ok: the episode ran (whatever its reward); env_crash: the environment or its sandbox failed and the
@@ -48,7 +52,9 @@ class Demonstration:
 
 
 @runtime_checkable
-class Environment(Protocol):
+class PlainEnvironment(Protocol):
+    """An environment without tools: its episodes need no sandbox."""
+
     name: str
     """Registry name; the default `task` recorded with each rollout."""
 
@@ -56,10 +62,30 @@ class Environment(Protocol):
         """One task from the training split, or from the held-out evaluation split."""
         ...
 
-    async def run_episode(self, task: Any, client: Any, sandbox: Any = None) -> EpisodeResult:
-        """Play one episode of `task`; `client` is an `openai.AsyncOpenAI` bound to this rollout,
-        `sandbox` an open `asyncrl.envs.sandbox.Sandbox` when `needs_sandbox` is true."""
+    async def run_episode(self, task: Any, client: Any) -> EpisodeResult:
+        """Play one episode of `task`; `client` is an `openai.AsyncOpenAI` bound to this rollout."""
         ...
+
+
+@runtime_checkable
+class SandboxedEnvironment(Protocol):
+    """An environment that runs tools (`needs_sandbox` true): each episode gets its own sandbox."""
+
+    name: str
+    needs_sandbox: bool
+
+    def sample_task(self, rng: random.Random, split: Split = "train") -> Any:
+        """One task from the training split, or from the held-out evaluation split."""
+        ...
+
+    async def run_episode(self, task: Any, client: Any, sandbox: Any) -> EpisodeResult:
+        """Play one episode of `task` as `PlainEnvironment.run_episode`; `sandbox` is an open
+        `asyncrl.envs.sandbox.Sandbox`, closed by the runner afterwards."""
+        ...
+
+
+Environment = PlainEnvironment | SandboxedEnvironment
+"""Any environment; `needs_sandbox` tells which of the two it is."""
 
 
 @runtime_checkable
@@ -69,7 +95,7 @@ class OffersDemonstrations(Protocol):
         ...
 
 
-def needs_sandbox(env: Any) -> bool:
+def needs_sandbox(env: Any) -> TypeIs[SandboxedEnvironment]:
     """Whether the runner must open a sandbox for each of `env`'s episodes (False when undeclared)."""
     return bool(getattr(env, "needs_sandbox", False))
 

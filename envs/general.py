@@ -82,7 +82,7 @@ class Instruction:
         return " ".join(words) + (self.ending or "")
 
     def demonstration(self) -> list[dict]:
-        return self.messages() + [{"role": "assistant", "content": self.answer}]
+        return [*self.messages(), {"role": "assistant", "content": self.answer}]
 
     def check(self, completion_text: str) -> dict[str, bool]:
         """Each constraint of this instruction -> whether the answer meets it (all False for an empty answer)."""
@@ -91,7 +91,9 @@ class Instruction:
         text = completion_text.strip().removesuffix(EOS).strip()
         tokens = text.split()
         words = [t.strip(_PUNCTUATION) for t in tokens]
-        names = ["words", "case"] + [n for n, v in (("count", self.count), ("banned", self.banned), ("ending", self.ending)) if v is not None]
+        names = ["words", "case"] + [
+            n for n, v in (("count", self.count), ("banned", self.banned), ("ending", self.ending)) if v is not None
+        ]
         if not any(words):
             return dict.fromkeys(names, False)
         lowered = [w.lower() for w in words]
@@ -166,7 +168,7 @@ class GeneralEnv:
         self.temperature = temperature
 
     @classmethod
-    def from_config(cls, context: EnvContext, **options: Any) -> "GeneralEnv":
+    def from_config(cls, context: EnvContext, **options: Any) -> GeneralEnv:
         """`tasks.general` with `options` overriding its fields; its reward built with the run's `rewards` section."""
         task = GeneralTaskConfig(**{**context.tasks.general.model_dump(), **options})
         reward = load_reward(task.reward, task.reward_options, context)

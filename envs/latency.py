@@ -79,7 +79,7 @@ class LatencyEnv:
         latency = self.latency.sample()
         if self.config.when == "before":
             await asyncio.sleep(latency)
-        if self.needs_sandbox:
+        if needs_sandbox(self.env):
             result = await self.env.run_episode(task, client, sandbox)
         else:  # environments without tools may not take a sandbox parameter at all (envs/base.py)
             result = await self.env.run_episode(task, client)

@@ -24,7 +24,7 @@ class ReasoningEnv:
         self.temperature = temperature
 
     @classmethod
-    def from_config(cls, context: EnvContext, **options) -> "ReasoningEnv":
+    def from_config(cls, context: EnvContext, **options) -> ReasoningEnv:
         """`tasks.arithmetic` with `options` overriding its fields; the run's answer budget and temperature."""
         task = ArithmeticTaskConfig(**{**context.tasks.arithmetic.model_dump(), **options})
         # The learner scores tokens at rollout.sampling.temperature; episodes must sample at the same one.

@@ -48,7 +48,8 @@ class ToolProblem:
     def demonstration(self) -> list[dict]:
         """User question, assistant tool call, tool output, assistant answer."""
         call = {"type": "function", "function": {"name": "python", "arguments": {"code": self.code}}}
-        return self.messages() + [
+        return [
+            *self.messages(),
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "content": str(self.answer)},
             {"role": "assistant", "content": str(self.answer)},

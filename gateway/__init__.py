@@ -1,9 +1,11 @@
-"""The TITO (token-in, token-out) gateway: an OpenAI-compatible HTTP API in front of the engines.
+"""The TITO (token-in, token-out) gateway, a floor-1 component: an OpenAI-compatible HTTP API in front
+of the engines.
 
 `app` (HTTP routes; the two OpenAI routes as `lean_route`s) over `service` (rollouts by key; render
 with `template`, generate, parse, record) over `pool` (engines: registry, routing, heartbeats,
-retries) and `engines` (in-process, Ray and HTTP handles).
-What every call sampled is recorded (`records`) in the trajectory store with its exactly-once
-hand-off to the learner (`store`), assembled into learner samples (`samples`) and exported
-(`export`). `serve` is `asyncrl serve`; `inspect` is `asyncrl trajectories`.
+retries) and `engines` (in-process, Ray and HTTP handles over any `rollout.types.Engine`).
+What every call sampled is recorded (floor 0's `Turn`) in the trajectory store (`store`, its own
+sub-package, with its contract split by caller), and exported (`export`). `client` (HTTP) and
+`lifecycle` (in-process) are the rollout lifecycle; `serving` serves the gateway on the caller's
+event loop; `inspect` is `asyncrl trajectories`.
 """

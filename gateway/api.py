@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.records import FINISH_STATUSES, MAX_SCORE_SEQUENCES
 
-_INT64 = dict(ge=0, le=2**63 - 1)
+_INT64_MAX = 2**63 - 1
 
 
 class _Open(BaseModel):
@@ -57,7 +57,7 @@ class SamplingFields(_Open):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=2**31)
     max_tokens: int | None = Field(None, ge=1, le=2**31)
-    seed: int | None = Field(None, **_INT64)
+    seed: int | None = Field(None, ge=0, le=_INT64_MAX)
     stop: str | list[str] | None = None
     """Stop strings; each must be a single token (use stop_token_ids otherwise)."""
     stop_token_ids: list[int] | None = None
@@ -92,7 +92,7 @@ class TokenGenerateRequest(_Closed):
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=2**31)
-    seed: int | None = Field(None, **_INT64)
+    seed: int | None = Field(None, ge=0, le=_INT64_MAX)
     stop_token_ids: list[int] | None = None
 
 
@@ -223,9 +223,7 @@ def chat_response(
     """An OpenAI `chat.completion`."""
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
     if logprobs is not None:
-        choice["logprobs"] = {
-            "content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in logprobs]
-        }
+        choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in logprobs]}
     return _envelope("chat.completion", model, choice, result, prompt_tokens, reused, rollout_id, index, branch, evaluation)
 
 

@@ -64,7 +64,7 @@ class GatewayClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "GatewayClient":
+    def __enter__(self) -> GatewayClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -92,7 +92,7 @@ class AsyncGatewayClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "AsyncGatewayClient":
+    async def __aenter__(self) -> AsyncGatewayClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -204,8 +204,7 @@ class Conversation:
     def _prepared(self, branch_id, prompt, reused, source, base_messages, keys, tools_key, reason, text) -> Prepared:
         if branch_id is None and self.max_branches is not None and len(self._branches) >= self.max_branches:
             raise ConversationError(
-                f"this rollout already has {len(self._branches)} branches (max_branches); "
-                "rewriting earlier messages starts a new one"
+                f"this rollout already has {len(self._branches)} branches (max_branches); rewriting earlier messages starts a new one"
             )
         self._calls += 1
         next_id = self._next_branch if branch_id is None else branch_id

@@ -156,9 +156,7 @@ def engine_app(engine: Any):
     app = FastAPI(title="asyncrl engine")
 
     @app.post("/generate")
-    async def generate(
-        prompt_token_ids: list[int] = Body(...), sampling: dict = Body(...), session_id: str | None = Body(None)
-    ) -> dict:
+    async def generate(prompt_token_ids: list[int] = Body(...), sampling: dict = Body(...), session_id: str | None = Body(None)) -> dict:
         try:
             result = await engine.generate(prompt_token_ids, SamplingParams.from_dict(sampling), session_id=session_id)
         except RequestError as error:

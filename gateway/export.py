@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from asyncrl.records import Trajectory
 
@@ -23,9 +24,7 @@ _PAGE = 256
 _JSON_FIELDS = ("metadata", "metrics")
 
 
-def export_trajectories(
-    store: TrajectoryReader, path: str | Path, *, format: Format | None = None, status: str | None = None
-) -> int:
+def export_trajectories(store: TrajectoryReader, path: str | Path, *, format: Format | None = None, status: str | None = None) -> int:
     """Write every trajectory in `store` (or those with `status`) to `path`; returns how many.
 
     The format follows the suffix (.jsonl, .parquet) unless given.
@@ -94,8 +93,7 @@ def _pyarrow() -> tuple[Any, Any]:
         import pyarrow.parquet
     except ImportError as error:
         raise ImportError(
-            "Parquet export needs pyarrow, which is not installed: `pip install pyarrow`, "
-            "or export to a .jsonl file instead"
+            "Parquet export needs pyarrow, which is not installed: `pip install pyarrow`, or export to a .jsonl file instead"
         ) from error
     return pyarrow, pyarrow.parquet
 

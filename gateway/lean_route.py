@@ -88,4 +88,3 @@ def _validated(model: type[BaseModel], content_type: str, body: bytes) -> BaseMo
         return model.model_validate_json(body)
     except ValidationError as error:
         raise RequestValidationError(error.errors(include_url=False)) from None
-

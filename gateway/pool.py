@@ -93,10 +93,7 @@ class EnginePool:
         self.registry.expire()
 
     def describe(self) -> list[dict]:
-        return [
-            {"engine_id": e.id, "capacity": e.capacity, "in_flight": e.in_flight, "health": e.health}
-            for e in self.registry.alive()
-        ]
+        return [{"engine_id": e.id, "capacity": e.capacity, "in_flight": e.in_flight, "health": e.health} for e in self.registry.alive()]
 
     # --- requests -----------------------------------------------------------------------------
 

@@ -56,9 +56,7 @@ class HashRing:
     def _rebuild(self) -> None:
         # Points depend only on (node, index), never on insertion order, so every gateway agrees.
         self._points = sorted(
-            (stable_hash(f"{node}#{i}"), node)
-            for node, weight in self._weights.items()
-            for i in range(max(1, round(self.vnodes * weight)))
+            (stable_hash(f"{node}#{i}"), node) for node, weight in self._weights.items() for i in range(max(1, round(self.vnodes * weight)))
         )
         self._hashes = [h for h, _ in self._points]
 

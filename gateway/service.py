@@ -192,7 +192,9 @@ class GatewayService:
     async def rollout_for_key(self, key: str | None) -> Rollout:
         """The running rollout a key stands for; 401 for a key this gateway never issued, 409 for an ended rollout."""
         if not key:
-            raise GatewayError(401, "missing_api_key", "send the rollout key as `Authorization: Bearer <api_key>` (open a rollout with POST /rollouts)")
+            raise GatewayError(
+                401, "missing_api_key", "send the rollout key as `Authorization: Bearer <api_key>` (open a rollout with POST /rollouts)"
+            )
         rollout_id, _, mac = key.removeprefix("rk-").rpartition(".")
         if not key.startswith("rk-") or not rollout_id or not hmac.compare_digest(mac, self._mac(rollout_id)):
             raise GatewayError(401, "invalid_api_key", "unknown rollout key (open a rollout with POST /rollouts and use its api_key)")
@@ -245,7 +247,7 @@ class GatewayService:
         completion = _strip_eos(result.token_ids, self.tokenizer)
         completion_text = self.tokenizer.decode(completion, skip_special_tokens=False)
         if text is not None:
-            rollout.texts = (rollout.texts + [(text + completion_text, prompt + completion)])[-TEXT_HISTORY:]
+            rollout.texts = ([*rollout.texts, (text + completion_text, prompt + completion)])[-TEXT_HISTORY:]
         index = await self._record(rollout, prompt, result, sampling, 0, timings, started)
         logprobs = self._token_logprobs(result) if request.logprobs is not None else None
         evaluation = rollout.evaluation is not None
@@ -359,7 +361,9 @@ class GatewayService:
             raise
 
     def _token_logprobs(self, result: GenerationResult) -> list[tuple[str, float]]:
-        return [(self.tokenizer.decode([t], skip_special_tokens=False), lp) for t, lp in zip(result.token_ids, result.logprobs)]
+        return [
+            (self.tokenizer.decode([t], skip_special_tokens=False), lp) for t, lp in zip(result.token_ids, result.logprobs, strict=True)
+        ]
 
     def health(self) -> dict:
         engines = self.pool.describe()

@@ -55,7 +55,10 @@ class CompiledTemplate(TokenizerTemplate):
         # Looked up per call (transformers caches the compiled template), so a replaced template is used.
         compiled = _compile_jinja_template(self.tokenizer.get_chat_template(None, tools))
         return compiled.render(
-            messages=messages, tools=tools, documents=None, add_generation_prompt=generation_prompt,
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=generation_prompt,
             **self.tokenizer.special_tokens_map,
         )
 

@@ -105,9 +105,7 @@ def parse_completion(
     return _parse(pieces, tools, new_id)
 
 
-def parse_completion_text(
-    text: str, tools: Sequence[Mapping] | None = None, new_id: Callable[[], str] | None = None
-) -> ParsedCompletion:
+def parse_completion_text(text: str, tools: Sequence[Mapping] | None = None, new_id: Callable[[], str] | None = None) -> ParsedCompletion:
     """Parse decoded text (markup recognised by string); for engines that return text only."""
     pieces = [(part if part in MARKERS else None, part) for part in _MARKER_RE.split(text) if part]
     return _parse(pieces, tools, new_id)
@@ -206,9 +204,7 @@ def _parameter_types(tools: Sequence[Mapping] | None) -> dict[str, dict[str, Any
         function = tool.get("function", tool) if isinstance(tool, Mapping) else {}
         properties = (function.get("parameters") or {}).get("properties") or {}
         if isinstance(properties, Mapping):
-            types[str(function.get("name"))] = {
-                k: v.get("type") for k, v in properties.items() if isinstance(v, Mapping)
-            }
+            types[str(function.get("name"))] = {k: v.get("type") for k, v in properties.items() if isinstance(v, Mapping)}
     return types
 
 

@@ -1,1 +1,4 @@
-"""The learner: SFT warm start, held-out evaluation and the RL objectives."""
+"""The learner, a floor-1 component: the RL objectives (`objectives`, the distillation advantage among
+them), sample selection and the ledger's accounts (`selection`), micro-batches (`batch`), the RL
+learner (`rl`) and its Ray actor (`actor`), weight pushes (`publish`), and the SFT training step and
+data (`sft`, `sft_data`). It trains on floor 0's `Sample`s and imports no other component."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ray
 import torch
+from ray.actor import ActorClass
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.records import Sample
@@ -22,7 +23,6 @@ from asyncrl.records import Sample
 from .rl import RLLearner
 
 
-@ray.remote
 class LearnerActor:
     def __init__(self, config: RunConfig | dict, resume_from: str | None = None) -> None:
         """Builds the policy of `config.policy`; `resume_from` is a directory written by `save`."""
@@ -50,6 +50,11 @@ class LearnerActor:
         return self.learner.version
 
 
+LearnerActorClass: ActorClass[LearnerActor] = ray.remote(LearnerActor)
+"""LearnerActor as a Ray actor class (made by a call rather than a decorator, so that type checkers
+see the actor class and its `.options`, not the plain class)."""
+
+
 def create_learner(config: RunConfig, resume_from: str | None = None):
     """Start the LearnerActor on `config.learner.num_cpus` CPUs (call after `ray.init()`)."""
-    return LearnerActor.options(num_cpus=config.learner.num_cpus).remote(config.model_dump(), resume_from)
+    return LearnerActorClass.options(num_cpus=config.learner.num_cpus).remote(config.model_dump(), resume_from)

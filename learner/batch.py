@@ -59,7 +59,7 @@ class MicroBatch:
     temperatures: torch.Tensor
     """[B, T] temperature the log-prob of each token is taken at; 1 on padding."""
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(*(t.to(device) for t in vars(self).values()))
 
 

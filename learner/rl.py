@@ -42,6 +42,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from asyncrl.configs.schema import LearnerConfig, RunConfig
 from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
@@ -87,9 +88,9 @@ def advantages_for(selection: Selection, normalize_std: bool) -> list[float]:
     index = torch.tensor(selection.group_of)
     advantages = group_advantages(rewards, index, normalize_std=normalize_std).tolist()
     spread: dict[int, set[float]] = {}
-    for group, reward in zip(selection.group_of, rewards.tolist()):
+    for group, reward in zip(selection.group_of, rewards.tolist(), strict=True):
         spread.setdefault(group, set()).add(reward)
-    return [0.0 if len(spread[g]) == 1 else a for g, a in zip(selection.group_of, advantages)]
+    return [0.0 if len(spread[g]) == 1 else a for g, a in zip(selection.group_of, advantages, strict=True)]
 
 
 @dataclass
@@ -141,7 +142,7 @@ class RLLearner:
     def __init__(
         self,
         config: LearnerConfig,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer,
         mtp: MTPLayer | None = None,
         *,
@@ -166,15 +167,15 @@ class RLLearner:
                 if ".indexer." in name:
                     param.requires_grad_(False)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        if self._trains_mtp:
+        if (trained_mtp := self._trained_mtp) is not None:
             # The MTP layer shares the policy's embedding and head; list those only once.
             seen = {id(p) for p in self.params}
-            self.params += [p for p in self.mtp.parameters() if p.requires_grad and id(p) not in seen]
+            self.params += [p for p in trained_mtp.parameters() if p.requires_grad and id(p) not in seen]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.device = next(model.parameters()).device
 
     @classmethod
-    def from_config(cls, run: RunConfig) -> "RLLearner":
+    def from_config(cls, run: RunConfig) -> RLLearner:
         """The policy of `run.policy` (a checkpoint, or the tiny policy) at the run's sampling temperature."""
         sampling = run.rollout.sampling
         if sampling.top_p < 1.0 or sampling.top_k > 0:
@@ -217,15 +218,16 @@ class RLLearner:
         metrics = {
             "version": self.version, "stepped": grad_norm is not None, "push_due": push_due,
             "loss": stats.loss, "grad_norm": grad_norm,
-            "mtp_loss": stats.mtp_loss if self._trains_mtp else None,
+            "mtp_loss": stats.mtp_loss if self._trained_mtp is not None else None,
             **stats.metrics(),
             "trainable_tokens": trainable, "samples": len(rows), "skipped_zero_adv": len(rows) - len(computed),
         }  # fmt: skip
         return {**metrics, **_selection_metrics(samples, selection, current), "step_s": time.perf_counter() - start}
 
     @property
-    def _trains_mtp(self) -> bool:
-        return self.mtp is not None and self.config.mtp_loss_weight > 0
+    def _trained_mtp(self) -> MTPLayer | None:
+        """The MTP layer when this learner trains it (it has one and a positive loss weight), else None."""
+        return self.mtp if self.mtp is not None and self.config.mtp_loss_weight > 0 else None
 
     def _accumulate(self, rows: list[Row], total_trainable: int) -> _StepStats:
         """Forward and backward every micro-batch; gradients add up to the whole step's token mean."""
@@ -240,11 +242,11 @@ class RLLearner:
             out = self.objective(logp, batch.rollout_logprobs[:, 1:], _advantages(batch, logp, mask), mask)
             # The objective divides by this micro-batch's trainable tokens; rescale to the step's.
             loss = out.loss * (float(mask.sum()) / max(total_trainable, 1))
-            if self._trains_mtp:
+            if (trained_mtp := self._trained_mtp) is not None:
                 # Detached hidden states: the drafter follows the policy without pulling the trunk
                 # toward every sampled token (negative-advantage ones included).
                 aux = mtp_loss(
-                    self.model, self.mtp, hidden.detach(), batch.input_ids, batch.attention_mask,
+                    self.model, trained_mtp, hidden.detach(), batch.input_ids, batch.attention_mask,
                     batch.loss_mask, self.mtp_depth, float(max(computed_trainable, 1)),
                 )  # fmt: skip
                 (loss + self.config.mtp_loss_weight * aux).backward()
@@ -269,8 +271,8 @@ class RLLearner:
         engines keep drafting for the policy they serve), as CPU copies the engines can load while
         training goes on."""
         weights = {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
-        if self._trains_mtp:
-            weights.update({f"mtp.{name}": t.detach().to("cpu", copy=True) for name, t in self.mtp.state_dict().items()})
+        if (trained_mtp := self._trained_mtp) is not None:
+            weights.update({f"mtp.{name}": t.detach().to("cpu", copy=True) for name, t in trained_mtp.state_dict().items()})
         return weights
 
     def reset_optimizer(self) -> None:

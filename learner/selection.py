@@ -17,20 +17,30 @@ exactly one account, so the ledger always adds up to the rollouts seen.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from asyncrl.records import Account, oldest_version
 
 
 class Candidate(Protocol):
-    """What selection reads of a learner sample."""
+    """What selection reads of a learner sample (read-only, so a sample's lists qualify as sequences)."""
 
-    rollout_id: str
-    group_id: str
-    status: str
-    versions: Sequence[int]
-    loss_mask: Sequence[int]
+    @property
+    def rollout_id(self) -> str: ...
+
+    @property
+    def group_id(self) -> str: ...
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def versions(self) -> Sequence[int]: ...
+
+    @property
+    def loss_mask(self) -> Sequence[int]: ...
 
 
 @dataclass

@@ -20,9 +20,7 @@ def next_token_loss(
 ) -> torch.Tensor:
     """Summed cross-entropy over the tokens the mask trains (`loss_mask[:, j]` = token j), divided
     by `num_tokens` (default: this batch's trained tokens, i.e. the token mean)."""
-    per_token = F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none"
-    )
+    per_token = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
     weights = loss_mask[:, 1:].reshape(-1)
     count = weights.sum().clamp(min=1.0) if num_tokens is None else num_tokens
     return (per_token * weights).sum() / count

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -36,9 +36,7 @@ def render_demo(tokenizer, messages: list[dict], tools: list[dict] | None = None
     """
 
     def render(upto: int, generation_prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(
-            messages[:upto], tools=tools, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        return tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
     spans: list[tuple[str, int]] = []
     done = ""
@@ -96,13 +94,27 @@ class DemoStream:
         return [self.next() for _ in range(size)]
 
 
-def length_buckets(demos: list[Demo], ratio: float = 1.5) -> list[list[Demo]]:
+class Masked(Protocol):
+    """What bucketing and collation read of a row: its tokens and which of them are trained
+    (a demonstration here, a learner row in `batch.py`)."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def loss_mask(self) -> list[int]: ...
+
+
+M = TypeVar("M", bound=Masked)
+
+
+def length_buckets(demos: list[M], ratio: float = 1.5) -> list[list[M]]:
     """Demos sorted by length and cut wherever a demo is `ratio` times longer than its bucket's first.
 
     One padded batch of short arithmetic demos and long tool-call demos is mostly padding; run as
     a few micro-batches of similar lengths, the same optimizer step costs about half as much.
     """
-    buckets: list[list[Demo]] = []
+    buckets: list[list[M]] = []
     for demo in sorted(demos, key=lambda d: len(d.token_ids)):
         if not buckets or len(demo.token_ids) > ratio * len(buckets[-1][0].token_ids):
             buckets.append([])
@@ -110,7 +122,7 @@ def length_buckets(demos: list[Demo], ratio: float = 1.5) -> list[list[Demo]]:
     return buckets
 
 
-def collate(demos: list[Demo], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate(demos: Sequence[Masked], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded tensors: input_ids, attention_mask and loss_mask, all [batch, longest]."""
     longest = max(len(d.token_ids) for d in demos)
     input_ids = torch.full((len(demos), longest), pad_token_id, dtype=torch.long)

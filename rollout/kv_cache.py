@@ -50,9 +50,7 @@ class ForwardBatch:
         return cls.from_tokens(slots, tokens, starts, None if min(lengths) == width else lengths)
 
     @classmethod
-    def from_tokens(
-        cls, slots: list[int], tokens: torch.Tensor, starts: list[int], lengths: list[int] | None = None
-    ) -> ForwardBatch:
+    def from_tokens(cls, slots: list[int], tokens: torch.Tensor, starts: list[int], lengths: list[int] | None = None) -> ForwardBatch:
         """Rows already padded into tokens [B, T]; `lengths` None means every row is T long.
 
         Speculative decoding feeds its drafts this way, straight from the tensors it drew them into.
@@ -90,23 +88,18 @@ class ForwardBatch:
             slot_range=(lo, lo + len(slots)) if contiguous else None,
         )
 
-
     def next_position(self, tokens: torch.Tensor) -> ForwardBatch:
         """The same single-token rows one position further on, fed tokens [B, 1] (chained drafts)."""
         positions = self.positions + 1
         context_len = self.context_len + 1
         mask = torch.arange(context_len, device=tokens.device)[None, None, :] <= positions[:, :, None]
-        return replace(
-            self, tokens=tokens, positions=positions, mask=mask, context_len=context_len, write_positions=positions.reshape(-1)
-        )
+        return replace(self, tokens=tokens, positions=positions, mask=mask, context_len=context_len, write_positions=positions.reshape(-1))
 
 
 class KVCache:
     """Cache tensors for every layer, indexed by slot and position."""
 
-    def __init__(
-        self, layout: CacheLayout, num_slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, layout: CacheLayout, num_slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> None:
         self.num_slots = num_slots
         self.max_len = max_len
         # Zeros, not empty: masked-out positions still enter the attention matmul (weight 0), and

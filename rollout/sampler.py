@@ -89,9 +89,7 @@ def _truncate(logits: torch.Tensor, params: Sequence[SamplingParams] | SamplingR
     return final, order, keep, best_logp, best_token, rows.greedy
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]
-) -> tuple[list[int], list[float]]:
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]) -> tuple[list[int], list[float]]:
     """Tokens and log-probs for logits [B, vocab], following `SamplingParams`' log-prob semantics:
 
     temperature, then top-k, then top-p, renormalised; greedy (temperature 0) takes the argmax and
@@ -116,9 +114,7 @@ def sample(
     return tokens.tolist(), logprobs.tolist()
 
 
-def distributions(
-    logits: torch.Tensor, params: Sequence[SamplingParams] | SamplingRows
-) -> tuple[torch.Tensor, torch.Tensor]:
+def distributions(logits: torch.Tensor, params: Sequence[SamplingParams] | SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
     """What each row samples from, in token-id order: (probs [B, vocab] float64, reported log-probs [B, vocab]).
 
     Sampled rows: the truncated, renormalised distribution and its log-probs (-inf where cut).

@@ -110,9 +110,7 @@ class SpeculativeDecoder:
         logits = self.model.logits(hidden).reshape(-1, vocab)
         p, logp = distributions(logits, rows.repeat(width))
         p, logp = p.view(size, width, vocab), logp.view(size, width, vocab)
-        accepted, final = verify(
-            p, q, drafts, torch.tensor(counts, device=device), uniforms[:, depth : 2 * depth], uniforms[:, 2 * depth]
-        )
+        accepted, final = verify(p, q, drafts, torch.tensor(counts, device=device), uniforms[:, depth : 2 * depth], uniforms[:, 2 * depth])
         # Emitted tokens are the accepted drafts, then the final token at column `accepted`.
         emitted = torch.cat([drafts, final[:, None]], 1).scatter_(1, accepted[:, None], final[:, None])
         emitted_logp = logp.gather(2, emitted[:, :, None]).squeeze(2)

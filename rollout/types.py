@@ -35,9 +35,7 @@ def validate_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int
         bad = next(t for t in prompt if not 0 <= t < vocab_size)
         raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(prompt) + params.max_tokens > max_model_len:
-        raise RequestError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {max_model_len}"
-        )
+        raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {max_model_len}")
     return prompt
 
 
@@ -45,9 +43,7 @@ def validate_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int
 class Engine(Protocol):
     """The verbs every rollout engine offers (embedded torch engine, vLLM)."""
 
-    async def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, *, session_id: str | None = None
-    ) -> GenerationResult:
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, *, session_id: str | None = None) -> GenerationResult:
         """Sample a completion. `session_id` groups the turns of one rollout for prefix reuse."""
         ...
 

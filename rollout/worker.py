@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import ray
 from pydantic import TypeAdapter
+from ray.actor import ActorClass
 
 from asyncrl.configs.schema import RolloutConfig
 from asyncrl.records import GenerationResult, SamplingParams, ScoreResult
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from .vllm_engine import VLLMEngine
 
 
-@ray.remote
 class RolloutWorker:
     def __init__(self, model, config: RolloutConfig | dict, engine_id: str, version: int = 0, mtp=None) -> None:
         """`model`: a transformers causal LM (or an ObjectRef to one) or a model directory; `mtp`: its
@@ -73,12 +73,16 @@ def create_workers(model, config: RolloutConfig, *, name_prefix: str = "rollout"
     options = dict(num_cpus=config.cpus_per_worker, num_gpus=gpus)
     mtp_state = None if mtp is None else mtp if isinstance(mtp, dict) else mtp.state_dict()
     return [
-        RolloutWorker.options(**options).remote(shared, config.model_dump(), f"{name_prefix}-{i}", mtp=mtp_state)
+        RolloutWorkerActor.options(**options).remote(shared, config.model_dump(), f"{name_prefix}-{i}", mtp=mtp_state)
         for i in range(config.num_workers)
     ]
 
 
-@ray.remote
+RolloutWorkerActor: ActorClass[RolloutWorker] = ray.remote(RolloutWorker)
+"""RolloutWorker as a Ray actor class (made by a call rather than a decorator, so that type
+checkers see the actor class and its `.options`, not the plain class)."""
+
+
 class ScoringWorker:
     """A checkpoint that only scores: prefill-only log-probs (`rollout/scoring.py`) in its own actor,
     with no generation cache (a distillation teacher). Calls run one at a time: each is one batched
@@ -95,6 +99,10 @@ class ScoringWorker:
 
     def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
         return self.scorer.score(sequences, temperature)
+
+
+ScoringWorkerActor: ActorClass[ScoringWorker] = ray.remote(ScoringWorker)
+"""ScoringWorker as a Ray actor class (as `RolloutWorkerActor`)."""
 
 
 class RayScorer:

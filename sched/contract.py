@@ -208,7 +208,7 @@ class _Gateway:
         self.store = open_store(directory)
         self.service = GatewayService(self.store, tokenizer, pool, config, SamplingConfig(max_tokens=max_tokens))
 
-    async def __aenter__(self) -> "_Gateway":
+    async def __aenter__(self) -> _Gateway:
         import uvicorn
 
         from asyncrl.gateway.app import create_app

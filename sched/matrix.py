@@ -101,10 +101,10 @@ def format_matrix(rows: dict[str, dict[str, float]], tasks: list[str]) -> str:
     """The matrix as a plain-text table (rows: checkpoints, columns: held-out evals)."""
     width = max([len("checkpoint"), *map(len, rows)]) + 2
     cells = [max(len(task), 6) + 2 for task in tasks]
-    lines = ["checkpoint".ljust(width) + "".join(task.rjust(w) for task, w in zip(tasks, cells))]
+    lines = ["checkpoint".ljust(width) + "".join(task.rjust(w) for task, w in zip(tasks, cells, strict=True))]
     for stage, scores in rows.items():
         shown = ("-" if scores.get(task) is None else f"{scores[task]:.1%}" for task in tasks)
-        lines.append(stage.ljust(width) + "".join(value.rjust(w) for value, w in zip(shown, cells)))
+        lines.append(stage.ljust(width) + "".join(value.rjust(w) for value, w in zip(shown, cells, strict=True)))
     return "\n".join(lines)
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -73,7 +73,11 @@ class PipelineDir:
 
 
 def run_pipeline(
-    pipeline: PipelineConfig | None, *, resume: str | Path | None = None, overrides: list[str] = (), say: Callable[[str], None] = print
+    pipeline: PipelineConfig | None,
+    *,
+    resume: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    say: Callable[[str], None] = print,
 ) -> dict:
     """Run (or, with `resume`, continue) a pipeline; returns the summary also written to summary.json."""
     if resume is not None:
@@ -81,6 +85,8 @@ def run_pipeline(
         pipeline = directory.read_config(overrides)
         if overrides:
             directory.write_config(pipeline)  # a later resume keeps them
+    elif pipeline is None:
+        raise ValueError("run_pipeline needs a pipeline config, or a pipeline directory to resume")
     else:
         directory = PipelineDir(Path(pipeline.runs_dir) / pipeline.name)
         if directory.has_pipeline():
@@ -149,7 +155,9 @@ class Pipeline:
         sections = {
             "policy": {"path": previous},
             "tasks": {"mix": {task: spec.model_dump() for task, (_, spec, _) in plan.items()}},
-            "distill": {"teachers": {task: {"checkpoint": done[teacher]["checkpoint"], "ratio": share} for task, (teacher, _, share) in plan.items()}},
+            "distill": {"teachers": {
+                task: {"checkpoint": done[teacher]["checkpoint"], "ratio": share} for task, (teacher, _, share) in plan.items()
+            }},
         }  # fmt: skip
         return self._run(self.stage_config(name, sections), distilling=True)
 
@@ -170,7 +178,17 @@ class Pipeline:
         latest = rundir.latest_checkpoint()
         if latest is None:
             raise RuntimeError(f"{rundir.path}: the stage ended without a checkpoint")
-        keep = ("eval_before", "eval_after", "eval_before_by_task", "eval_after_by_task", "version", "rl_wall_s", "ledger", "balanced", "reverse_kl")
+        keep = (
+            "eval_before",
+            "eval_after",
+            "eval_before_by_task",
+            "eval_after_by_task",
+            "version",
+            "rl_wall_s",
+            "ledger",
+            "balanced",
+            "reverse_kl",
+        )
         return latest[0], {key: summary[key] for key in keep if key in summary}
 
     # -- the matrix -----------------------------------------------------------------------------
@@ -195,7 +213,12 @@ class Pipeline:
             for name, spec in self.pipeline.stages.items() if spec.kind == "distill"
         }  # fmt: skip
         checks = matrix_checks(rows, own, teachers)
-        return {"tasks": [column.task for column in self.columns], "rows": rows, "checks": checks, "passed": all(c["passed"] for c in checks)}
+        return {
+            "tasks": [column.task for column in self.columns],
+            "rows": rows,
+            "checks": checks,
+            "passed": all(c["passed"] for c in checks),
+        }
 
     def save(self) -> None:
         self.dir.write_json(STATE_FILE, self.state)

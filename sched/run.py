@@ -215,13 +215,13 @@ def _start_learner(config: RunConfig, checkpoint: Path | None) -> RayLearner:
 def _start_teachers(config: RunConfig) -> dict:
     """A ScoringWorker actor per teacher given as a checkpoint (refusing a missing one), behind its
     RayScorer. Teachers given as a url need no actor: `Teachers.from_config` reaches them."""
-    from asyncrl.rollout.worker import RayScorer, ScoringWorker
+    from asyncrl.rollout.worker import RayScorer, ScoringWorkerActor
 
     check_checkpoints(config)
     distill = config.distill
     options = dict(num_cpus=distill.cpus_per_teacher, num_gpus=distill.gpus_per_teacher)
     return {
-        name: RayScorer(ScoringWorker.options(**options).remote(spec.checkpoint, distill.torch_threads, distill.max_batch_tokens))
+        name: RayScorer(ScoringWorkerActor.options(**options).remote(spec.checkpoint, distill.torch_threads, distill.max_batch_tokens))
         for name, spec in distill.teachers.items()
         if spec.checkpoint
     }

@@ -108,9 +108,7 @@ def serve(config: RunConfig) -> int:
     from asyncrl.gateway.app import create_app, run_loop, settle_heap
 
     service, handles = build_service(config)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(service), host=config.gateway.host, port=config.gateway.port, log_level="warning")
-    )
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host=config.gateway.host, port=config.gateway.port, log_level="warning"))
 
     async def main() -> None:
         task = asyncio.create_task(server.serve())

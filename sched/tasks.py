@@ -53,7 +53,7 @@ class TaskMix:
             task.tokens, task.refilled_at = float(group_size), now  # each task may start one group at once
 
     @classmethod
-    def from_config(cls, config: RunConfig, env: Environment | None = None) -> "TaskMix":
+    def from_config(cls, config: RunConfig, env: Environment | None = None) -> TaskMix:
         """The configured mix (or reasoning alone); `env` given: that one environment is the whole mix."""
         if env is not None:
             tasks = [Task(env.name, env)]

@@ -12,6 +12,7 @@ per token, and the log-probs it reports are real (tiny, negative) numbers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -58,7 +59,7 @@ def scripted_model(script: list[str] = SCRIPT):
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
         embed[:, : len(ids)] = 0.0  # the script's dimensions; other tokens live in the rest
         head.zero_()
-        for dim, (token, successor) in enumerate(zip(ids, ids[1:])):
+        for dim, (token, successor) in enumerate(itertools.pairwise(ids)):
             embed[token] = 0.0
             embed[token, dim] = 1.0
             head[successor, dim] = SHARPNESS / hidden**0.5  # RMSNorm scales a one-hot row to sqrt(hidden)
@@ -89,7 +90,7 @@ class LiveGateway:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "LiveGateway":
+    def __enter__(self) -> LiveGateway:
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:

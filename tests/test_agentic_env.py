@@ -59,7 +59,7 @@ def test_an_episode_is_the_sft_demonstration_token_for_token():
     demo = render_demo(TOKENIZER, problem.demonstration(), tools=[PYTHON_TOOL])
     # The demonstration's assistant spans, in order: what a perfectly trained policy writes.
     spans, start = [], None
-    for i, trained in enumerate(demo.loss_mask + [0]):
+    for i, trained in enumerate([*demo.loss_mask, 0]):
         if trained and start is None:
             start = i
         elif not trained and start is not None:

@@ -28,7 +28,7 @@ def keys(path) -> set[str]:
 def outputs(model, mtp, ids):
     with torch.no_grad():
         hidden, logits = policy_hidden_and_logits(model.eval(), ids)
-        return [logits] + mtp_logits(model, mtp.eval(), hidden, ids, None, depth=2)
+        return [logits, *mtp_logits(model, mtp.eval(), hidden, ids, None, depth=2)]
 
 
 @pytest.mark.parametrize("arch", ["glm_moe_dsa", "qwen3"])
@@ -37,7 +37,7 @@ def test_round_trip_preserves_policy_and_mtp_outputs_bit_exactly(tmp_path, arch)
     save_policy(tmp_path, model, tokenizer, mtp, extra_config={"asyncrl": {"stage": "sft"}})
     loaded, loaded_tokenizer, loaded_mtp = load_policy(tmp_path)
     ids = torch.randint(20, 100, (2, 9))
-    for before, after in zip(outputs(model, mtp, ids), outputs(loaded, loaded_mtp, ids)):
+    for before, after in zip(outputs(model, mtp, ids), outputs(loaded, loaded_mtp, ids), strict=True):
         assert torch.equal(before, after)
     assert loaded_tokenizer.get_vocab() == tokenizer.get_vocab()
     config = json.loads((tmp_path / "config.json").read_text())
@@ -97,4 +97,4 @@ def test_build_policy_fresh_loaded_and_without_mtp(tmp_path):
     assert none is None
     # The same seed builds the same fresh policy.
     again, _, _ = build_policy(small_config(), seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))

@@ -63,7 +63,7 @@ def tool_turn(tok, conv, messages, answer="56088"):
     prepared = conv.prepare(messages, TOOLS)
     ids, returned = sample(tok, "<tool_call>python<arg_key> code </arg_key><arg_value>print(123*456)</arg_value></tool_call>" + EOS)
     conv.commit(prepared, ids, returned)
-    return prepared, messages + [json.loads(json.dumps(returned)), {"role": "tool", "tool_call_id": "x", "content": answer}]
+    return prepared, [*messages, json.loads(json.dumps(returned)), {"role": "tool", "tool_call_id": "x", "content": answer}]
 
 
 def test_first_turn_is_the_rendered_prompt(tok) -> None:
@@ -106,7 +106,7 @@ def test_completion_tokens_are_kept_even_when_text_would_tokenize_differently(to
     conv = Conversation(tok)
     prepared = conv.prepare([USER])
     # Markup spelled in characters is plain content; encoding its text would give the special token.
-    completion = chars(tok, "<tool_call>") + [tok.eos_token_id]
+    completion = [*chars(tok, "<tool_call>"), tok.eos_token_id]
     returned = parse_completion(completion, tok).message()
     assert returned == {"role": "assistant", "content": "<tool_call>"}
     conv.commit(prepared, completion, returned)
@@ -138,7 +138,7 @@ def test_edited_history_forks_fresh_and_keeps_both_branches(tok) -> None:
     conv = Conversation(tok)
     _, messages = tool_turn(tok, conv, [SYSTEM, USER])
     before = list(conv.branch(0).token_ids)
-    edited = [SYSTEM, {"role": "user", "content": "123*457"}] + messages[2:]
+    edited = [SYSTEM, {"role": "user", "content": "123*457"}, *messages[2:]]
     prepared = conv.prepare(edited, TOOLS)
     assert prepared.reused_tokens == 0 and prepared.branch_id == 1
     # Fresh means the template renders the (converted) messages: the tool call as markup again.
@@ -153,11 +153,11 @@ def test_edited_history_forks_fresh_and_keeps_both_branches(tok) -> None:
 
 def test_dropped_turns_fork_from_the_last_shared_turn(tok) -> None:
     conv = Conversation(tok)
-    first, turn2 = tool_turn(tok, conv, [SYSTEM, USER])
-    second, turn3 = tool_turn(tok, conv, turn2, answer="0")
+    _first, turn2 = tool_turn(tok, conv, [SYSTEM, USER])
+    _second, turn3 = tool_turn(tok, conv, turn2, answer="0")
     shared = conv.branch(0).marks[len(turn2) - 1]  # tokens through the first assistant message
     # The agent throws away the second turn and retries it with another tool result.
-    retry = turn2[:-1] + [{"role": "tool", "content": "56088!"}]
+    retry = [*turn2[:-1], {"role": "tool", "content": "56088!"}]
     prepared = conv.prepare(retry, TOOLS)
     assert prepared.branch_id == 1 and prepared.reused_tokens == shared
     assert prepared.prompt_token_ids[:shared] == conv.branch(0).token_ids[:shared]

@@ -89,23 +89,24 @@ def test_learner_trains_distillation_samples_on_per_token_teacher_minus_current_
     teacher = make_tiny_model("qwen3", seed=7)
     samples = [scored(learner, teacher, "a", [10, 11, 12], env=[30], more=[13]), scored(learner, teacher, "b", [20, 21])]
     for s in samples:  # rollout log-probs a little off the learner's: the advantage must use the learner's
-        s.logprobs = [lp - 0.05 if m else 0.0 for lp, m in zip(s.logprobs, s.loss_mask)]
+        s.logprobs = [lp - 0.05 if m else 0.0 for lp, m in zip(s.logprobs, s.loss_mask, strict=True)]
     expected = []
     for s in samples:  # by hand: teacher minus the student's current log-prob, on sampled tokens only
         current = model_logprobs(learner, s.token_ids)
-        expected.append([t - c if m else 0.0 for t, c, m in zip(s.teacher_logprobs, current, s.loss_mask)][1:])
+        expected.append([t - c if m else 0.0 for t, c, m in zip(s.teacher_logprobs, current, s.loss_mask, strict=True)][1:])
     seen = capture_advantages(learner)
     before = [model_logprobs(learner, s.token_ids) for s in samples]
     metrics = learner.train_step(samples)
     assert metrics["stepped"] and metrics["skipped_zero_adv"] == 0 and metrics["ledger"]["trained"] == 2
     rows = [row.tolist() for batch in seen for row in batch]  # padded to their micro-batch's width
     for e in expected:
+        # strict=False: a padded row is longer than the advantages it carries; the padding is checked to be zero.
         assert any(
-            len(row) >= len(e) and max(abs(a - b) for a, b in zip(row, e)) < 1e-5 and not any(row[len(e) :]) for row in rows
+            len(row) >= len(e) and max(abs(a - b) for a, b in zip(row, e, strict=False)) < 1e-5 and not any(row[len(e) :]) for row in rows
         ), f"no row carried the hand-computed advantages {e}: {rows}"
     # First order, a step on -sum(A * logp) raises sum(A * logp): the student moves toward the teacher.
     after = [model_logprobs(learner, s.token_ids) for s in samples]
-    gain = sum(a * (y - x) for e, b, f in zip(expected, before, after) for a, x, y in zip(e, b[1:], f[1:]))
+    gain = sum(a * (y - x) for e, b, f in zip(expected, before, after, strict=True) for a, x, y in zip(e, b[1:], f[1:], strict=True))
     assert gain > 0
 
 
@@ -147,13 +148,13 @@ def test_samples_are_scored_by_their_stages_teacher_at_the_sampling_temperature(
     models = {"math": make_tiny_model("qwen3", seed=3), "tools": make_tiny_model("qwen3", seed=4)}
     handles = {name: LoopbackTeacher(model) for name, model in models.items()}
     samples = [sample(learner, f"r{i}", f"r{i}", 0.0, [10 + i, 11]) for i in range(4)]
-    for s, task in zip(samples, ["math", "tools", "math", "tools"]):
+    for s, task in zip(samples, ["math", "tools", "math", "tools"], strict=True):
         s.task = task
     samples[2].status = "env_crash"
     out, metrics = asyncio.run(Teachers(handles, temperature=0.5).score(samples))
     assert out[2] is samples[2]  # the learner drops it: not worth a teacher forward
     assert [len(h.calls[0][0]) for h in handles.values()] == [1, 2] and all(h.calls[0][1] == 0.5 for h in handles.values())
-    for s, o in zip(samples, out):
+    for s, o in zip(samples, out, strict=True):
         if o is s:
             continue
         assert o.teacher == s.task and o.token_ids == s.token_ids and o.logprobs == s.logprobs
@@ -222,14 +223,14 @@ def test_distillation_config_refusals(tmp_path):
         RunConfig.model_validate({"distill": {"teachers": {"reasoning": {"checkpoint": str(tmp_path)}}}})
     with pytest.raises(ConfigError, match="checkpoint"):
         load_config("quickstart", ["learner.group_size=1", "distill.teachers.reasoning.ratio=2"])
-    with pytest.raises(NotADistillation, match="distill.teachers is empty"):
+    with pytest.raises(NotADistillation, match=r"distill\.teachers is empty"):
         check_distill_config(RunConfig())
     missing = distill_config(tmp_path, reasoning={"checkpoint": str(tmp_path / "nowhere")})
     with pytest.raises(NotADistillation, match="nowhere"):
         check_distill_config(missing)
     no_student = distill_config(tmp_path, reasoning={"checkpoint": str(tmp_path)})
     no_student.policy.path = None
-    with pytest.raises(NotADistillation, match="policy.path"):
+    with pytest.raises(NotADistillation, match=r"policy\.path"):
         check_distill_config(no_student)
 
 

@@ -23,7 +23,7 @@ def checkpoint(policy, seed: int, directory):
     return str(save_policy(directory, model, tokenizer))
 
 
-def test_distill_run_scores_each_stage_with_its_teacher_and_balances(ray_session, tmp_path):  # noqa: F811
+def test_distill_run_scores_each_stage_with_its_teacher_and_balances(ray_session, tmp_path):
     policy = load_config("quickstart", TINY).policy
     student, stranger = checkpoint(policy, 0, tmp_path / "student"), checkpoint(policy, 1, tmp_path / "stranger")
     config = load_config("quickstart", [

@@ -93,7 +93,7 @@ def test_other_model_types_are_refused_naming_the_supported_ones():
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
-    with pytest.raises(ValueError, match="llama.*glm_moe_dsa, qwen3"):
+    with pytest.raises(ValueError, match=r"llama.*glm_moe_dsa, qwen3"):
         engine_for(model)
 
 

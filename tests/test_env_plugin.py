@@ -25,7 +25,8 @@ def site(tmp_path_factory) -> Path:
     source, target = tmp_path_factory.mktemp("src") / "pkg", tmp_path_factory.mktemp("site")
     shutil.copytree(PACKAGE, source)  # the build writes into its source tree; keep the repository clean
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index", "--target", str(target), str(source)],
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(target), str(source)],
         check=True,
     )  # fmt: skip
     return target

@@ -18,7 +18,7 @@ from asyncrl.policy.tokenizer import ASSISTANT, EOS
 
 
 class FakeSandbox:
-    def __init__(self, backend: "FakeBackend") -> None:
+    def __init__(self, backend: FakeBackend) -> None:
         self.backend, self.closed = backend, False
 
     async def run_python(self, code: str, *, timeout_s: float | None = None) -> ToolResult:

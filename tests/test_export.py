@@ -47,7 +47,7 @@ def test_export_filters_by_status(store, tmp_path) -> None:
 def test_parquet_without_pyarrow_is_a_clear_error(store, tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` fail like a missing package
     path = tmp_path / "t.parquet"
-    with pytest.raises(ImportError, match="pip install pyarrow.*jsonl"):
+    with pytest.raises(ImportError, match=r"pip install pyarrow.*jsonl"):
         export_trajectories(store, path)
     assert not path.exists() and not list(tmp_path.glob("*.partial"))
 

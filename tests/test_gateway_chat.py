@@ -3,6 +3,7 @@ learner samples they assemble into, forks on rewritten context, text completions
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import uuid
@@ -57,7 +58,7 @@ def _tool_chat(client, messages: list[dict], turns: int) -> list[dict]:
         assert choice.finish_reason == "tool_calls"
         call = choice.message.tool_calls[0]
         assert (call.function.name, json.loads(call.function.arguments)) == ("f", {"a": "7"})
-        messages = messages + [_echo(choice.message), {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+        messages = [*messages, _echo(choice.message), {"role": "tool", "tool_call_id": call.id, "content": "42"}]
     return messages
 
 
@@ -72,7 +73,12 @@ def test_multi_turn_tool_chat_is_token_exact_and_assembles_one_masked_sample(eng
         for _ in range(3):
             reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, logprobs=True)
             replies_logprobs.append([t.logprob for t in reply.choices[0].logprobs.content])
-            assert reply.model_extra["asyncrl"] == {"rollout_id": rollout_id, "turn_index": len(replies_logprobs) - 1, "branch": 0, "engine_id": "e0"}
+            assert reply.model_extra["asyncrl"] == {
+                "rollout_id": rollout_id,
+                "turn_index": len(replies_logprobs) - 1,
+                "branch": 0,
+                "engine_id": "e0",
+            }
             call = reply.choices[0].message.tool_calls[0]
             messages += [_echo(reply.choices[0].message), {"role": "tool", "tool_call_id": call.id, "content": "42"}]
         assert gw.http.post(f"/rollouts/{rollout_id}/finish", json={"reward": 0.5, "metrics": {"steps": 3}}).status_code == 200
@@ -81,10 +87,10 @@ def test_multi_turn_tool_chat_is_token_exact_and_assembles_one_masked_sample(eng
     assert (trajectory.status, trajectory.reward, trajectory.task, trajectory.group_id) == ("ok", 0.5, "arith", "g1")
     turns = trajectory.turns
     assert [t.index for t in turns] == [0, 1, 2] and {t.branch for t in turns} == {0}
-    for earlier, later in zip(turns, turns[1:]):
+    for earlier, later in itertools.pairwise(turns):
         so_far = earlier.prompt_token_ids + earlier.completion_token_ids
         assert later.prompt_token_ids[: len(so_far)] == so_far  # bit-exact reuse of what was sampled
-    for turn, logprobs in zip(turns, replies_logprobs):
+    for turn, logprobs in zip(turns, replies_logprobs, strict=True):
         assert turn.logprobs == logprobs  # what the agent saw is what was recorded
         assert turn.engine_id == "e0" and turn.versions == [0] * len(turn.completion_token_ids)
         assert turn.finish_reason == "stop" and {"engine_call_s", "gateway_s", "total"} <= set(turn.timings)
@@ -99,10 +105,10 @@ def test_multi_turn_tool_chat_is_token_exact_and_assembles_one_masked_sample(eng
         assert sample.token_ids[start : start + len(turn.completion_token_ids)] == turn.completion_token_ids
         assert sample.logprobs[start : start + len(turn.completion_token_ids)] == turn.logprobs
     assert [i for i, m in enumerate(sample.loss_mask) if m] == sorted(sampled_positions)
-    assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.loss_mask) if not m)
+    assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.loss_mask, strict=True) if not m)
     # The tool results between turns are the environment's: rendered, never trained on.
     observation = TOKENIZER.convert_tokens_to_ids("<|observation|>")
-    assert all(m == 0 for t, m in zip(sample.token_ids, sample.loss_mask) if t == observation)
+    assert all(m == 0 for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if t == observation)
     store.close()
 
 
@@ -111,7 +117,7 @@ def test_a_context_rewrite_forks_the_trajectory(gateway) -> None:
     client = gateway.openai(key)
     start = [{"role": "user", "content": "first question"}]
     messages = _tool_chat(client, start, turns=2)
-    edited = [{"role": "user", "content": "edited question"}] + messages[1:]
+    edited = [{"role": "user", "content": "edited question"}, *messages[1:]]
     reply = client.chat.completions.create(model="policy", messages=edited, tools=TOOLS)
     assert reply.model_extra["asyncrl"]["branch"] == 1
     gateway.http.post(f"/rollouts/{rollout_id}/finish", json={"reward": 1.0}).raise_for_status()

@@ -68,7 +68,11 @@ def test_compiled_template_follows_a_replaced_template_and_a_truncating_backend(
     messages = [{"role": "user", "content": "hello there"}]
     before = fast.render(messages, None, generation_prompt=True)
     tokenizer.chat_template = CHATML
-    assert fast.render(messages, None, generation_prompt=True) == TokenizerTemplate(tokenizer).render(messages, None, generation_prompt=True) != before
+    assert (
+        fast.render(messages, None, generation_prompt=True)
+        == TokenizerTemplate(tokenizer).render(messages, None, generation_prompt=True)
+        != before
+    )
     # Another caller left truncation on the shared Rust tokenizer: the full text is still encoded.
     tokenizer._tokenizer.enable_truncation(4)
     assert fast.encode("hello there") == tokenizer.encode("hello there", add_special_tokens=False) and len(fast.encode("hello there")) == 11

@@ -34,7 +34,12 @@ CASES = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "only text parts"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]}, 400, "only assistant messages carry tool_calls"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+        400,
+        "only assistant messages carry tool_calls",
+    ),
     ("/v1/chat/completions", _chat(stream=True), 400, "stream=true is not supported"),
     ("/v1/chat/completions", _chat(n=2), 400, "n must be 1"),
     ("/v1/chat/completions", _chat(max_tokens=9), 400, "gateway.max_tokens 8"),

@@ -124,7 +124,7 @@ def test_sft_mixes_general_demonstrations_from_the_training_split_only():
         prompt, answer = text[len(USER) :].split(ASSISTANT)
         prompts.add(prompt)
         # Trained: exactly the answer the policy writes and its EOS.
-        assert TOKENIZER.decode([t for t, m in zip(demo.token_ids, demo.loss_mask) if m]) == answer
+        assert TOKENIZER.decode([t for t, m in zip(demo.token_ids, demo.loss_mask, strict=True) if m]) == answer
         assert answer.endswith(EOS)
     heldout = {t.prompt for t in GeneralEnv().heldout_tasks(300, seed=0)}
     assert len(prompts) > 300 and not heldout & prompts

@@ -42,7 +42,7 @@ def test_learner_actor_trains_and_pushes_to_rollout_workers(ray_session):
     learner = create_learner(config)
 
     params = [SamplingParams(temperature=1.0, max_tokens=5, seed=s) for s in (1, 2)]
-    first = ray.get([w.generate.remote(PROMPT, p) for w, p in zip(workers, params)])
+    first = ray.get([w.generate.remote(PROMPT, p) for w, p in zip(workers, params, strict=True)])
     assert all(r.versions == [0] * len(r.token_ids) for r in first)
     metrics = ray.get(learner.train_step.remote([to_sample(first[0], "a", 1.0), to_sample(first[1], "b", 0.0)]))
     assert metrics["version"] == 1 and metrics["push_due"] and metrics["ledger"]["trained"] == 2
@@ -50,7 +50,7 @@ def test_learner_actor_trains_and_pushes_to_rollout_workers(ray_session):
     assert metrics["masked_token_frac"] == 0.0 and metrics["abs_logp_diff"] < 1e-4
 
     assert push_weights(workers, learner.state.remote(), metrics["version"]) == [1, 1]
-    after = ray.get([w.generate.remote(PROMPT, p) for w, p in zip(workers, params)])
+    after = ray.get([w.generate.remote(PROMPT, p) for w, p in zip(workers, params, strict=True)])
     assert all(r.versions == [1] * len(r.token_ids) for r in after)
 
     # What the workers now sample with are the learner's new weights, not the old ones.

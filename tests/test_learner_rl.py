@@ -40,7 +40,7 @@ def model_logprobs(learner: RLLearner, token_ids: list[int], temperature: float 
     """The policy's current log-prob of every token given the ones before it (0.0 for token 0)."""
     with torch.no_grad():
         logits = learner.model(input_ids=torch.tensor([token_ids])).logits
-        return [0.0] + sampled_logprobs(logits, torch.tensor([token_ids]), temperature)[0].tolist()
+        return [0.0, *sampled_logprobs(logits, torch.tensor([token_ids]), temperature)[0].tolist()]
 
 
 def sample(
@@ -51,7 +51,7 @@ def sample(
     rollout log-probs are the policy's own (ratio 1) unless a test edits them."""
     token_ids = PROMPT + completion + list(env) + list(more)
     loss_mask = [0] * len(PROMPT) + [1] * len(completion) + [0] * len(env) + [1] * len(more)
-    logprobs = [lp if m else 0.0 for lp, m in zip(model_logprobs(learner, token_ids, temperature), loss_mask)]
+    logprobs = [lp if m else 0.0 for lp, m in zip(model_logprobs(learner, token_ids, temperature), loss_mask, strict=True)]
     versions = [version if m else UNSAMPLED_VERSION for m in loss_mask]
     return Sample(token_ids, loss_mask, logprobs, versions, reward, group, rollout, status)
 
@@ -126,8 +126,7 @@ def test_stale_and_crashed_rollouts_are_dropped_and_the_ledger_adds_up():
     def group(name: str, **special: dict) -> list[Sample]:
         """Four rollouts with rewards 1, 0, 1, 0 sampled at version 5 unless `special[i]` says otherwise."""
         return [
-            sample(learner, f"{name}{i}", name, i % 2 == 0, [10 + i, 11], **{"version": 5, **special.get(str(i), {})})
-            for i in range(4)
+            sample(learner, f"{name}{i}", name, i % 2 == 0, [10 + i, 11], **{"version": 5, **special.get(str(i), {})}) for i in range(4)
         ]
 
     samples = (
@@ -172,7 +171,7 @@ def test_micro_batches_give_the_step_of_one_batch():
     a, b = one.train_step(batches[0]), many.train_step(batches[1])
     assert a["micro_batches"] == 2 and b["micro_batches"] == 4  # the length buckets, then the token cap
     assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
-    for p, q in zip(one.model.parameters(), many.model.parameters()):
+    for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
@@ -249,7 +248,7 @@ def test_save_and_load_resume_version_weights_and_optimizer(tmp_path):
     learner.train_step(samples)
     resumed.train_step(samples)
     assert resumed.version == learner.version == 3
-    for p, q in zip(learner.params, resumed.params):
+    for p, q in zip(learner.params, resumed.params, strict=True):
         torch.testing.assert_close(p, q)
 
 

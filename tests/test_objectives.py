@@ -148,7 +148,7 @@ def test_group_fill_odd_size_boundaries():
 
 
 def test_ledger_adds_up_and_forks_share_an_account():
-    samples = _group(4, 4) + [FakeSample("r1")]  # r1 forked into two samples
+    samples = [*_group(4, 4), FakeSample("r1")]  # r1 forked into two samples
     samples += [FakeSample(f"s{i}", group_id="h", status="aborted" if i == 0 else "ok") for i in range(4)]
     selection = select(samples, current_version=5, max_staleness=0, group_size=4)
     assert sum(selection.ledger().values()) == 8

@@ -19,7 +19,10 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 TINY_BASE = {
-    "policy": {"tiny": {"arch": "qwen3", "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}, "mtp": {"enabled": False}},
+    "policy": {
+        "tiny": {"arch": "qwen3", "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
+        "mtp": {"enabled": False},
+    },
     "tasks": {"arithmetic": {"subtraction_fraction": 0.0}},
     "rollout": {"cpus_per_worker": 0.5, "max_num_seqs": 16},
     "learner": {"num_cpus": 0.5, "group_size": 4, "batch_groups": 2, "lr": 1e-3, "checkpoint_every": 2},
@@ -96,7 +99,10 @@ def test_a_pipeline_killed_mid_stage_resumes_without_redoing_finished_stages(tmp
     assert summary["stages"]["reasoning"]["summary"]["balanced"] and summary["stages"]["distill"]["summary"]["balanced"]
     assert summary["tasks"] == ["reasoning"] and list(summary["rows"]) == ["sft", "reasoning", "distill"]
     assert all(0.0 <= row["reasoning"] <= 1.0 for row in summary["rows"].values())
-    assert {(c["check"], c["stage"]) for c in summary["checks"]} == {("rl_raises_own_eval", "reasoning"), ("student_keeps_teacher", "distill")}
+    assert {(c["check"], c["stage"]) for c in summary["checks"]} == {
+        ("rl_raises_own_eval", "reasoning"),
+        ("student_keeps_teacher", "distill"),
+    }
     assert (pipe / "matrix.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((pipe / "matrix.json").read_text())["rows"] == summary["rows"]
     # The distillation stage's teacher was the RL stage's final checkpoint.

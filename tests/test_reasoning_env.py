@@ -91,7 +91,11 @@ class _Garbage(_Crashing):
 
 @pytest.mark.parametrize(
     ("env", "status", "reason"),
-    [(_Crashing(), "env_crash", "sandbox engine gone"), (_Hanging(), "timeout", "exceeded"), (_Garbage(), "env_crash", "not EpisodeResult")],
+    [
+        (_Crashing(), "env_crash", "sandbox engine gone"),
+        (_Hanging(), "timeout", "exceeded"),
+        (_Garbage(), "env_crash", "not EpisodeResult"),
+    ],
 )
 def test_broken_environments_end_in_one_recorded_status(gateway, env, status, reason):
     live, store = gateway

@@ -36,7 +36,7 @@ def test_max_inflight_must_hold_a_group():
 
     from asyncrl.configs import ConfigError
 
-    with pytest.raises(ConfigError, match="max_inflight must be at least learner.group_size"):
+    with pytest.raises(ConfigError, match=r"max_inflight must be at least learner\.group_size"):
         load_config("quickstart", ["loop.max_inflight=4", "learner.group_size=8"])
 
 

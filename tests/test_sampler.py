@@ -49,7 +49,7 @@ def test_logprobs_and_support_follow_the_truncated_distribution(temperature, top
     expected = truncated(LOGITS, temperature, top_k, top_p)
     tokens, logprobs = draw(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), 2000, seed=1)
     assert set(tokens) <= set(expected.nonzero().squeeze(1).tolist()), "a token outside top-k/top-p appeared"
-    for token, logprob in zip(tokens[:50], logprobs[:50]):
+    for token, logprob in zip(tokens[:50], logprobs[:50], strict=True):
         assert logprob == pytest.approx(expected[token].log().item(), abs=1e-5)
 
 

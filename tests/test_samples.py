@@ -27,7 +27,7 @@ def _trajectory(*turns: tuple[list[int], list[int], list[float], list[int]], **f
 
 
 def _sampled(sample: Sample) -> list[tuple[int, float, int]]:
-    return [(t, lp, v) for t, m, lp, v in zip(sample.token_ids, sample.loss_mask, sample.logprobs, sample.versions) if m]
+    return [(t, lp, v) for t, m, lp, v in zip(sample.token_ids, sample.loss_mask, sample.logprobs, sample.versions, strict=True) if m]
 
 
 def test_prefix_consistent_turns_merge_into_one_sample() -> None:
@@ -83,9 +83,9 @@ def test_a_rewritten_context_forks_and_later_turns_follow_their_branch() -> None
 
 def test_one_changed_token_in_the_history_is_a_fork_not_a_merge() -> None:
     p0, c0 = [10, 11], [20, 21]
-    almost = p0 + [20, 22] + TOOL  # bit-for-bit means bit for bit
+    almost = [*p0, 20, 22, *TOOL]  # bit-for-bit means bit for bit
     samples = trajectory_to_samples(_trajectory((p0, c0, [-1.0, -1.0], [0, 0]), (almost, [23], [-1.0], [0])))
-    assert [s.token_ids for s in samples] == [p0 + c0, almost + [23]]
+    assert [s.token_ids for s in samples] == [p0 + c0, [*almost, 23]]
     assert samples[1].loss_mask == [0] * len(almost) + [1]
 
 
@@ -93,14 +93,16 @@ def test_every_sample_list_is_aligned_with_its_tokens() -> None:
     p0 = [3, 4]
     trajectory = _trajectory(
         (p0, [5], [-0.25], [0]),
-        (p0 + [5] + TOOL, [], [], []),  # an aborted generation samples nothing
-        (p0 + [5] + TOOL + USER, [6, 7], [-0.5, -0.75], [1, 1]),
+        ([*p0, 5, *TOOL], [], [], []),  # an aborted generation samples nothing
+        ([*p0, 5, *TOOL, *USER], [6, 7], [-0.5, -0.75], [1, 1]),
     )
     (sample,) = trajectory_to_samples(trajectory)
     n = len(sample.token_ids)
     assert len(sample.loss_mask) == len(sample.logprobs) == len(sample.versions) == n
     assert sum(sample.loss_mask) == 3
-    assert all(lp == 0.0 and v == UNSAMPLED_VERSION for m, lp, v in zip(sample.loss_mask, sample.logprobs, sample.versions) if not m)
+    assert all(
+        lp == 0.0 and v == UNSAMPLED_VERSION for m, lp, v in zip(sample.loss_mask, sample.logprobs, sample.versions, strict=True) if not m
+    )
 
 
 def test_unfinished_and_aborted_trajectories() -> None:
@@ -116,7 +118,7 @@ def test_samples_from_a_stored_trajectory(tmp_path) -> None:
     store = open_store(tmp_path / "run.db")
     rollout_id = store.open("t", "g")
     store.append(Turn(rollout_id, [7, 8], [9, EOS], [-0.1, -0.2], [4, 4]))
-    store.append(Turn(rollout_id, [7, 8, 9, EOS] + TOOL, [10], [-0.3], [5]))
+    store.append(Turn(rollout_id, [7, 8, 9, EOS, *TOOL], [10], [-0.3], [5]))
     store.finish(rollout_id, 1.0)
     (sample,) = trajectory_to_samples(store.get(rollout_id))
     assert sample.token_ids == [7, 8, 9, EOS, 40, 41, 42, 10]
@@ -130,7 +132,7 @@ def test_each_sampled_token_carries_its_turns_temperature() -> None:
     p1, c1 = p0 + c0 + TOOL, [22]
     forked, c2 = [10, 99], [23, 24]
     trajectory = _trajectory((p0, c0, [-0.1, -0.2], [0, 0]), (p1, c1, [-0.3], [0]), (forked, c2, [-0.4, -0.5], [0, 0]))
-    for turn, temperature in zip(trajectory.turns, (0.7, 0.0, 1.3)):
+    for turn, temperature in zip(trajectory.turns, (0.7, 0.0, 1.3), strict=True):
         turn.temperature, turn.top_p, turn.top_k = temperature, 1.0, 0
     merged, fork = trajectory_to_samples(trajectory)
     assert merged.temperatures == [None, None, 0.7, 0.7, None, None, None, 0.0]

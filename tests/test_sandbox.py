@@ -46,17 +46,17 @@ def _open_once(config: SandboxConfig) -> None:
 
 
 def test_docker_engine_unreachable_is_a_sandbox_error() -> None:
-    with pytest.raises(SandboxError, match="no Docker engine answers at unix:///nonexistent/docker.sock"):
+    with pytest.raises(SandboxError, match=r"no Docker engine answers at unix:///nonexistent/docker\.sock"):
         _open_once(DockerSandboxConfig(docker_host="unix:///nonexistent/docker.sock"))
 
 
 def test_missing_interpreter_is_a_sandbox_error() -> None:
-    with pytest.raises(SandboxError, match="/nonexistent/python3 is missing|bubblewrap"):
+    with pytest.raises(SandboxError, match=r"/nonexistent/python3 is missing|bubblewrap"):
         _open_once(ProcessSandboxConfig(python="/nonexistent/python3"))
 
 
 def test_missing_docker_image_is_a_sandbox_error(docker_config) -> None:
-    with pytest.raises(SandboxError, match="asyncrl-sandbox:does-not-exist is missing: run scripts/build_sandbox_image.sh"):
+    with pytest.raises(SandboxError, match=r"asyncrl-sandbox:does-not-exist is missing: run scripts/build_sandbox_image\.sh"):
         _open_once(docker_config.model_copy(update={"docker_image": "asyncrl-sandbox:does-not-exist"}))
 
 

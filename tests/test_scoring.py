@@ -31,10 +31,10 @@ def test_scores_equal_the_teachers_full_forward(arch, temperature, glm_model, qw
     scorer = NativeScorer(model, max_rows=2, max_batch_tokens=64)
     assert isinstance(scorer, Scorer)
     scores = scorer.score(SEQUENCES, temperature)
-    for tokens, got in zip(SEQUENCES, scores):
+    for tokens, got in zip(SEQUENCES, scores, strict=True):
         expected = full_forward_logprobs(model, tokens, temperature)
         assert len(got) == len(tokens) and got[0] == 0.0
-        diff = max(abs(a - b) for a, b in zip(got, expected))
+        diff = max(abs(a - b) for a, b in zip(got, expected, strict=True))
         assert diff < TOLERANCE, f"{arch} T={temperature} len {len(tokens)}: max |diff| {diff:.2e}"
 
 
@@ -47,7 +47,7 @@ def test_scores_do_not_depend_on_what_is_batched_beside(qwen3_model):
     scorer = NativeScorer(qwen3_model)
     alone = scorer.score([SEQUENCES[1]])[0]
     together = scorer.score(SEQUENCES)[1]
-    assert max(abs(a - b) for a, b in zip(alone, together)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(alone, together, strict=True)) < 1e-5
 
 
 @pytest.mark.parametrize(

@@ -28,11 +28,11 @@ SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, mo
 def trained_text(tok, demo) -> list[str]:
     """The maximal runs of tokens the loss mask trains, decoded."""
     runs, current = [], []
-    for token, trained in zip(demo.token_ids, demo.loss_mask):
+    for token, trained in zip(demo.token_ids, demo.loss_mask, strict=True):
         if trained:
             current.append(token)
         elif current:
-            runs, current = runs + [tok.decode(current)], []
+            runs, current = [*runs, tok.decode(current)], []
     return runs + ([tok.decode(current)] if current else [])
 
 
@@ -112,7 +112,7 @@ def test_bucketed_step_has_the_gradient_of_one_padded_batch():
         model, mtp, hidden, ids, attention, mask, config.policy.mtp.train_depth
     )
     loss.backward()
-    for ours, reference in zip(bucketed, [p.grad for p in list(model.parameters()) + list(mtp.parameters())]):
+    for ours, reference in zip(bucketed, [p.grad for p in list(model.parameters()) + list(mtp.parameters())], strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-6)
 
 

@@ -104,7 +104,9 @@ def test_greedy_rows_accept_exactly_the_target_argmax():
     p = torch.tensor([[[0, 1, 0], [1, 0, 0], [0, 0, 1]]], dtype=torch.float64).expand(2, -1, -1)
     q = torch.tensor([[[0, 1, 0], [0, 0, 1]], [[0, 1, 0], [1, 0, 0]]], dtype=torch.float64)
     drafts = torch.tensor([[1, 2], [1, 0]])
-    accepted, final = verify(p, q, drafts, torch.tensor([2, 2]), torch.full((2, 2), 0.99, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    accepted, final = verify(
+        p, q, drafts, torch.tensor([2, 2]), torch.full((2, 2), 0.99, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    )
     assert accepted.tolist() == [1, 2]
     assert final.tolist() == [0, 2]  # the target's argmax at the rejected position; the bonus token
 
@@ -182,7 +184,7 @@ def test_seeded_requests_sample_the_same_tokens_whatever_the_batch(small_vocab):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=11)
     alone = run_to_completion(engine(model, mtp, mtp_drafting=True), [([1, 2, 3], params)])[0]
     others = [([4, 5, 0, 1], SamplingParams(temperature=1.0, max_tokens=9, seed=s)) for s in range(5)]
-    crowd = run_to_completion(engine(model, mtp, mtp_drafting=True), others[:2] + [([1, 2, 3], params)] + others[2:])[2]
+    crowd = run_to_completion(engine(model, mtp, mtp_drafting=True), [*others[:2], ([1, 2, 3], params), *others[2:]])[2]
     assert crowd.token_ids == alone.token_ids
     assert crowd.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
 

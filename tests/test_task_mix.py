@@ -57,7 +57,8 @@ def test_a_rate_limited_task_starts_at_most_its_rate_and_never_bursts():
 
 def test_the_mix_loads_each_task_through_the_registry(tmp_path):
     config = load_config("quickstart", [
-        "tasks.mix={math: {env: reasoning, ratio: 2, eval_problems: 0}, tools: {env: agentic, max_episodes_per_s: 3, options: {max_turns: 2}}}",
+        "tasks.mix={math: {env: reasoning, ratio: 2, eval_problems: 0},"
+        " tools: {env: agentic, max_episodes_per_s: 3, options: {max_turns: 2}}}",
     ])  # fmt: skip
     mix = TaskMix.from_config(config)
     math, tools = mix.tasks

@@ -36,7 +36,7 @@ TOLERANCE = 1e-5
 
 def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     assert [len(x) for x in a] == [len(y) for y in b]
-    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,9 @@ def gateway(teacher_model, tmp_path_factory):
 @pytest.mark.parametrize("arch", ["qwen3", "glm_moe_dsa"])
 def test_engine_scores_equal_the_checkpoint_scorer_and_follow_weight_updates(arch, tmp_path):
     make_tiny_model(arch, seed=1).save_pretrained(tmp_path)
-    engine = EmbeddedEngine.from_pretrained(str(tmp_path), EmbeddedRolloutConfig(device="cpu", torch_threads=1, max_num_seqs=4), engine_id="s")
+    engine = EmbeddedEngine.from_pretrained(
+        str(tmp_path), EmbeddedRolloutConfig(device="cpu", torch_threads=1, max_num_seqs=4), engine_id="s"
+    )
     try:
         before = asyncio.run(engine.score(SEQUENCES, 0.7)).logprobs
         assert max_diff(before, NativeScorer(str(tmp_path)).score(SEQUENCES, 0.7)) < TOLERANCE
@@ -192,8 +194,8 @@ def http_handle(engine) -> HttpEngine:
 
 
 def test_ray_and_http_engine_handles_score_as_the_engine_does(teacher_model):
-    # The RolloutWorker actor's own class, run in this process.
-    worker = RolloutWorker.__ray_metadata__.modified_class(teacher_model, EmbeddedRolloutConfig(device="cpu", torch_threads=1), "w0")
+    # The RolloutWorker actor's class, run in this process.
+    worker = RolloutWorker(teacher_model, EmbeddedRolloutConfig(device="cpu", torch_threads=1), "w0")
     refusing = CannotScore(worker.engine, "v")
     expected = NativeScorer(teacher_model).score(SEQUENCES, 0.7)
 

@@ -166,9 +166,7 @@ def test_template_messages_from_openai_wire_format() -> None:
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1, "b": "x", "c": [true]}'}}
-            ],
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1, "b": "x", "c": [true]}'}}],
         },
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
     ]

@@ -54,7 +54,7 @@ class Benchmark:
 
 def _settings(model: type[BaseModel] | None, prefix: str):
     """(dotted key, default, docstring) of every leaf field of `model`."""
-    for key, field in (model.model_fields.items() if model is not None else ()):
+    for key, field in model.model_fields.items() if model is not None else ():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             yield from _settings(annotation, f"{prefix}{key}.")

@@ -46,9 +46,7 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     threads = config.torch_threads
     torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
-    model = AutoModelForCausalLM.from_config(
-        tiny_model_config(config.policy.tiny, eos_token_id=None), dtype=torch.float32
-    ).eval()
+    model = AutoModelForCausalLM.from_config(tiny_model_config(config.policy.tiny, eos_token_id=None), dtype=torch.float32).eval()
     rollout = config.rollout.embedded().model_copy(
         update={"torch_threads": threads, "max_num_seqs": max(BATCH, config.rollout.max_num_seqs)}
     )

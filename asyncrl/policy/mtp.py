@@ -180,9 +180,7 @@ def mtp_loss(
     losses = []
     for k, logits in enumerate(mtp_logits(policy, mtp, hidden, input_ids, attention_mask, depth), start=1):
         targets, weights = input_ids[:, k + 1 :], loss_mask[:, k + 1 :]
-        per_token = F.cross_entropy(
-            logits[:, : -k - 1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-        )
+        per_token = F.cross_entropy(logits[:, : -k - 1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
         count = weights.sum().clamp(min=1.0) if num_tokens is None else num_tokens
         losses.append((per_token * weights.reshape(-1)).sum() / count)
     return torch.stack(losses).mean()

@@ -69,9 +69,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     core.decoder = decoders.Fuse()
     core.add_special_tokens(SPECIAL_TOKENS + reserved)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, eos_token=EOS, bos_token=None, unk_token=None
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS, bos_token=None, unk_token=None)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.model_max_length = 1 << 20
     return tokenizer

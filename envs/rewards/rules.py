@@ -36,7 +36,7 @@ class RuleReward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
-    def bind(self, **options: Any) -> "RuleReward":
+    def bind(self, **options: Any) -> RuleReward:
         """The same rule with keyword arguments fixed (the config's reward options)."""
         return RuleReward(functools.partial(self.fn, **options)) if options else self
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 from asyncrl.records import FINISH_STATUSES, Trajectory, Turn
 
@@ -46,9 +47,7 @@ class RolloutClosed(StoreError):
 class TrajectoryRecorder(Protocol):
     """The gateway's side: rollouts opened, their turns recorded, then finished or aborted."""
 
-    def open(
-        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None
-    ) -> str:
+    def open(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None) -> str:
         """Start a rollout; returns its id (a fresh one unless given). An id in use is a StoreError."""
         ...
 

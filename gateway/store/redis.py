@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Iterable
+from collections.abc import Iterable
 
 import redis
 
@@ -81,9 +81,7 @@ return acked
 class RedisStore:
     """`TrajectoryStore` on Redis streams and a consumer group; one key prefix per run."""
 
-    def __init__(
-        self, url: str, *, namespace: str = "default", visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S
-    ) -> None:
+    def __init__(self, url: str, *, namespace: str = "default", visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S) -> None:
         self.url = url
         self.prefix = f"asyncrl:{namespace}:"
         self.visibility_timeout_s = visibility_timeout_s
@@ -98,9 +96,7 @@ class RedisStore:
         except redis.ResponseError as error:
             if "BUSYGROUP" not in str(error):
                 raise
-        self._open, self._append, self._end, self._ack = (
-            self._r.register_script(s) for s in (_OPEN, _APPEND, _END, _ACK)
-        )
+        self._open, self._append, self._end, self._ack = (self._r.register_script(s) for s in (_OPEN, _APPEND, _END, _ACK))
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r}, prefix={self.prefix!r})"
@@ -116,9 +112,7 @@ class RedisStore:
 
     # -- the rollout lifecycle --------------------------------------------------------------------
 
-    def open(
-        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None
-    ) -> str:
+    def open(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None) -> str:
         rollout_id = rollout_id or uuid.uuid4().hex
         code, *_ = self._open(
             keys=[self._traj(rollout_id), self._order, self._counts],
@@ -129,9 +123,7 @@ class RedisStore:
         return rollout_id
 
     def append(self, turn: Turn) -> int:
-        reply = self._append(
-            keys=[self._traj(turn.rollout_id), self._turns(turn.rollout_id)], args=[turn_json(turn), turn.index]
-        )
+        reply = self._append(keys=[self._traj(turn.rollout_id), self._turns(turn.rollout_id)], args=[turn_json(turn), turn.index])
         if reply[0] == 3:
             check_index(turn, reply[1])
         self._raise_refusal(reply, turn.rollout_id, "append a turn to")
@@ -167,12 +159,15 @@ class RedisStore:
             # Block only when nothing was reclaimed: a consumer with work in hand should not wait.
             block_ms = max(1, int(block_s * 1000)) if block_s > 0 and not entries else None
             reply = self._r.xreadgroup(GROUP, consumer, {self._stream: ">"}, count=max_n - len(entries), block=block_ms)
+            if isinstance(reply, dict):  # RESP3's shape; redis-py types both, this client speaks RESP2: [[stream, entries]]
+                raise StoreError(f"Redis at {self.url} replied to XREADGROUP in RESP3; the store speaks RESP2")
             for _stream, new in reply or []:
                 entries += new
         return [self.get(fields["rid"]) for _entry, fields in entries]
 
-    def _reclaim_expired(self, consumer: str, max_n: int) -> list:
-        entries, cursor = [], "0-0"
+    def _reclaim_expired(self, consumer: str, max_n: int) -> list[tuple[str, dict[str, str]]]:
+        entries: list[tuple[str, dict[str, str]]] = []
+        cursor = "0-0"
         idle_ms = int(self.visibility_timeout_s * 1000)
         while len(entries) < max_n:
             cursor, claimed, _deleted = self._r.xautoclaim(
@@ -223,16 +218,14 @@ class RedisStore:
     ) -> list[Trajectory]:
         if status is None and group_id is None:
             stop = -1 if limit is None else offset + limit - 1
-            ids = self._r.lrange(self._order, offset, stop) if limit != 0 else []
+            ids = _decoded(self._r.lrange(self._order, offset, stop)) if limit != 0 else []
         else:
-            ids = self._r.lrange(self._order, 0, -1)
+            ids = _decoded(self._r.lrange(self._order, 0, -1))
             pipe = self._r.pipeline(transaction=False)
             for rollout_id in ids:
                 pipe.hmget(self._traj(rollout_id), "status", "group_id")
             ids = [
-                rollout_id
-                for rollout_id, (s, g) in zip(ids, pipe.execute())
-                if status in (None, s) and group_id in (None, g)
+                rollout_id for rollout_id, (s, g) in zip(ids, pipe.execute(), strict=True) if status in (None, s) and group_id in (None, g)
             ]
             ids = ids[offset:] if limit is None else ids[offset : offset + limit]
         return [self.get(rollout_id) for rollout_id in ids]
@@ -248,3 +241,8 @@ class RedisStore:
         counts["claimed"] = int(pending_info["pending"])
         counts["pending"] = terminal - counts["acked"] - counts["claimed"]
         return counts
+
+
+def _decoded(values: list[bytes | str]) -> list[str]:
+    """Replies of this store's decode_responses=True client as the strings they are (redis-py types them bytes | str)."""
+    return [value.decode() if isinstance(value, bytes) else value for value in values]

@@ -14,9 +14,9 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from asyncrl.records import Trajectory, Turn
 
@@ -122,15 +122,12 @@ class SQLiteStore:
 
     # -- the rollout lifecycle --------------------------------------------------------------------
 
-    def open(
-        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None
-    ) -> str:
+    def open(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None) -> str:
         rollout_id = rollout_id or uuid.uuid4().hex
         try:
             with self._write() as db:
                 db.execute(
-                    "INSERT INTO trajectories (rollout_id, task, group_id, metadata, status, created_at)"
-                    " VALUES (?, ?, ?, ?, 'running', ?)",
+                    "INSERT INTO trajectories (rollout_id, task, group_id, metadata, status, created_at) VALUES (?, ?, ?, ?, 'running', ?)",
                     (rollout_id, task, group_id, json.dumps(metadata or {}), time.time()),
                 )
         except sqlite3.IntegrityError:
@@ -187,8 +184,7 @@ class SQLiteStore:
                     )
                 ]
                 db.executemany(
-                    "UPDATE trajectories SET claimed_by = ?, claimed_at = ?, deliveries = deliveries + 1"
-                    " WHERE rollout_id = ?",
+                    "UPDATE trajectories SET claimed_by = ?, claimed_at = ?, deliveries = deliveries + 1 WHERE rollout_id = ?",
                     [(consumer, now, rollout_id) for rollout_id in ids],
                 )
             # Terminal trajectories never change again, so reading them outside the claim is safe.
@@ -222,7 +218,8 @@ class SQLiteStore:
     def list(
         self, *, status: str | None = None, group_id: str | None = None, limit: int | None = None, offset: int = 0
     ) -> list[Trajectory]:
-        where, params = [], []
+        where: list[str] = []
+        params: list[str | int] = []
         for column, value in (("status", status), ("group_id", group_id)):
             if value is not None:
                 where.append(f"{column} = ?")

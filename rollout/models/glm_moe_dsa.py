@@ -29,9 +29,7 @@ stays in full precision: it chooses experts, and a flipped choice is a large cha
 class GlmMoeDsaModel:
     linear_keys = LINEAR_KEYS
 
-    def __init__(
-        self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False
-    ):
+    def __init__(self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False):
         if config.hidden_act != "silu":
             raise ValueError(f"glm_moe_dsa: only silu MLPs are supported, got {config.hidden_act!r}")
         self.config = config
@@ -67,9 +65,7 @@ class GlmMoeDsaModel:
         layers = [self.layer_weights(get, i) for i in range(self.config.num_hidden_layers)]
         embed = get("model.embed_tokens.weight")
         tied = self.config.tie_word_embeddings and "lm_head.weight" not in state_dict
-        weights = dict(
-            embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=embed if tied else get("lm_head.weight")
-        )
+        weights = dict(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=embed if tied else get("lm_head.weight"))
         if self.fp8:
             quantize_weights(weights, LINEAR_KEYS)
         self.weights = weights  # swapped whole, after every tensor (and its quantization) is ready
@@ -85,9 +81,7 @@ class GlmMoeDsaModel:
         in_bias = None
         if self.config.attention_bias:
             zeros = in_proj[2:]
-            in_bias = torch.cat(
-                [get(a + "q_a_proj.bias"), get(a + "kv_a_proj_with_mqa.bias")] + [w.new_zeros(w.shape[0]) for w in zeros]
-            )
+            in_bias = torch.cat([get(a + "q_a_proj.bias"), get(a + "kv_a_proj_with_mqa.bias")] + [w.new_zeros(w.shape[0]) for w in zeros])
         w = dict(
             ln1=get(p + "input_layernorm.weight"),
             in_proj=torch.cat(in_proj),

@@ -17,9 +17,7 @@ LINEAR_KEYS = frozenset({"qkv", "o", "gate_up", "down"})
 class Qwen3Model:
     linear_keys = LINEAR_KEYS
 
-    def __init__(
-        self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False
-    ):
+    def __init__(self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False):
         if config.hidden_act != "silu":
             raise ValueError(f"qwen3: only silu MLPs are supported, got {config.hidden_act!r}")
         if getattr(config, "use_sliding_window", False) or "sliding_attention" in (config.layer_types or []):
@@ -46,9 +44,7 @@ class Qwen3Model:
         layers = [self.layer_weights(get, i) for i in range(self.config.num_hidden_layers)]
         embed = get("model.embed_tokens.weight")
         tied = self.config.tie_word_embeddings and "lm_head.weight" not in state_dict
-        weights = dict(
-            embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=embed if tied else get("lm_head.weight")
-        )
+        weights = dict(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=embed if tied else get("lm_head.weight"))
         if self.fp8:
             quantize_weights(weights, LINEAR_KEYS)
         self.weights = weights  # swapped whole, after every tensor (and its quantization) is ready
