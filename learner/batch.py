@@ -10,7 +10,7 @@ learner's log-probs compare with the engine's token by token.
 
 A sample may carry `teacher_logprobs` (aligned with its tokens, as `distill.ScoredSample` does):
 it is a distillation sample, whose advantage is per token and is computed in the learner's step
-from those log-probs (`distill/advantage.py`) instead of from its reward.
+from those log-probs (`distill_advantages` in `learner/objectives.py`) instead of from its reward.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ does not reproduce; such runs get a warning and ratios below 1 on every truncate
 Distillation samples (cross-stage distillation, `distill/`) go through the same step: selection
 (group size 1), the same objective, masks and staleness rule. They carry the teacher's log-prob of
 every token, and their advantage is per token, stop-grad(log pi_teacher - log pi_theta) with
-log pi_theta this step's own detached log-prob (`distill/advantage.py` says why), computed after the
+log pi_theta this step's own detached log-prob (`distill_advantages` in `learner/objectives.py` says why), computed after the
 forward; they are never skipped as zero-advantage.
 
 This module knows nothing of Ray or the loop: the scheduler calls `train_step`, pushes
