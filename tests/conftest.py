@@ -70,3 +70,13 @@ def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one thread for the test: learner and scorer forwards compared to 1e-4 and run beside
+    other processes on 2 cores (more threads only contend)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

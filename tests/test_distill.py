@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import make_tiny_model
-from test_learner_rl import _one_thread, make_learner, model_logprobs, sample  # noqa: F401 (autouse fixture)
+from test_learner_rl import make_learner, model_logprobs, sample
 
 from asyncrl.configs import ConfigError, load_config
 from asyncrl.configs.schema import RunConfig
@@ -21,6 +21,8 @@ from asyncrl.learner.objectives import distill_advantages, icepop_grpo_loss
 from asyncrl.rollout.scoring import NativeScorer
 from asyncrl.sched.distill import NotADistillation, check_distill_config, reverse_kl_over_time
 from asyncrl.sched.tasks import distill_task_mix
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-4, on one thread
 
 # -- the advantage -----------------------------------------------------------------------------
 

@@ -18,15 +18,9 @@ from asyncrl.policy.mtp import build_mtp
 from asyncrl.policy.tokenizer import build_tokenizer
 from asyncrl.records import UNSAMPLED_VERSION, Sample
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-4, on one thread
+
 PROMPT = [3, 4, 5]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_learner(mtp: bool = False, *, seed: int = 0, temperature: float = 1.0, **config) -> RLLearner:

@@ -28,16 +28,10 @@ from asyncrl.records import Sample
 from asyncrl.samples import trajectory_to_samples
 from asyncrl.sched.contract import ContractError, check_environment
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-4, on one thread
+
 TOLERANCE = 1e-4
 """The learner's log-prob of a sampled token against the engine's, both fp32 (seen: ~1e-6)."""
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def learner_logprobs(learner: RLLearner, samples: list[Sample]) -> list[list[float]]:

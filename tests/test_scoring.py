@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_learner_rl import _one_thread  # noqa: F401 (autouse fixture: one torch thread)
 
 from asyncrl.records import RequestError
 from asyncrl.rollout.scoring import NativeScorer, Scorer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-4, on one thread
 
 TOLERANCE = 1e-4
 """Max abs difference of per-token log-probs, native scorer vs transformers, both fp32."""

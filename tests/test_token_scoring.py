@@ -18,7 +18,6 @@ from conftest import make_tiny_model
 from gateway_helpers import LiveGateway, make_engine, make_service
 from pydantic import ValidationError
 from test_distill import LoopbackTeacher
-from test_learner_rl import _one_thread  # noqa: F401 (autouse fixture: one torch thread)
 from test_scoring import SEQUENCES
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, RunConfig, TeacherSpec
@@ -29,6 +28,8 @@ from asyncrl.records import RequestError, Sample
 from asyncrl.rollout import EmbeddedEngine
 from asyncrl.rollout.scoring import NativeScorer
 from asyncrl.rollout.worker import RolloutWorker
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-4, on one thread
 
 TOLERANCE = 1e-5
 """Max abs difference of per-token log-probs between two runs of the same native forward."""
