@@ -156,6 +156,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     source, overrides = args.config, list(args.overrides)
     if source is not None and "=" in source and not Path(source).is_file():
         source, overrides = None, [source, *overrides]  # no CONFIG given: the first word is an override
+    if args.minutes is not None:
+        overrides.append(f"bench.minutes={args.minutes}")
     config, options = BENCHMARKS[args.name].resolve(source, overrides)
     if args.dry_run:
         print(dump_config(config), end="")
@@ -180,6 +182,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from asyncrl.sched.serve import serve
 
     return serve(config)
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from asyncrl.sched.serve import run_credentials, run_directory
+
+    # A run directory (what `asyncrl serve` prints) or the config the gateway was served with.
+    given = Path(args.config)
+    run_dir = given if not args.overrides and given.is_dir() else run_directory(load_config(args.config, args.overrides))
+    try:
+        credentials = run_credentials(run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"asyncrl token: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(credentials.engine_token if args.engine else credentials.run_token)
+    return 0
 
 
 def cmd_trajectories(args: argparse.Namespace) -> int:
@@ -248,11 +265,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--json", default=None, metavar="PATH", help="write results to this JSON file")
     bench.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    bench.add_argument("--minutes", type=float, default=None, metavar="N", help="how long a timed benchmark runs (soak): bench.minutes=N")
     bench.set_defaults(handler=cmd_bench)
 
     serve = sub.add_parser("serve", help="start engines and the TITO gateway for agents to call by hand")
     _add_config_arguments(serve)
     serve.set_defaults(handler=cmd_serve)
+
+    token = sub.add_parser("token", help="print the run token (or --engine: the engine token) of the gateway `asyncrl serve CONFIG` runs")
+    token.add_argument("config", help="the config served (preset or YAML, with the same overrides), or its run directory")
+    token.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, as given to asyncrl serve")
+    token.add_argument("--engine", action="store_true", help="the engine token (engine registration) instead of the run token")
+    token.set_defaults(handler=cmd_token)
 
     traj = sub.add_parser("trajectories", help="list or show recorded trajectories token by token")
     traj_sub = traj.add_subparsers(dest="action", required=True, metavar="ACTION")

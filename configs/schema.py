@@ -10,6 +10,7 @@ library only, so any process can validate a config without pulling in torch or R
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
@@ -459,7 +460,10 @@ class GatewayConfig(Section):
     """The TITO gateway: where it listens, how it routes and watches engines, and what it refuses."""
 
     host: str = "127.0.0.1"
-    """Address to bind; the default is reachable from this machine only (rollout keys are the only auth)."""
+    """Address to bind; the default is reachable from this machine only."""
+    auth: bool = True
+    """Require the run token on lifecycle and scoring calls and the engine token on engine registration
+    (rollout keys are per rollout either way); false is refused on a non-loopback host."""
     port: int = Field(0, ge=0, le=65535)
     """TCP port; 0 picks a free one (printed at start)."""
     engines: Literal["in_process", "ray"] = "in_process"
@@ -484,6 +488,11 @@ class GatewayConfig(Section):
     """Most messages in one chat request."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest request body; bigger ones are refused with 413 before they are parsed."""
+    max_message_chars: int = Field(1_000_000, ge=1)
+    """Most characters in one message's content (and in one text prompt), checked before anything is tokenized."""
+    keep_alive_s: int = Field(75, ge=1, le=3600)
+    """How long an idle client connection stays open. Longer than clients' own keep-alive (httpx and the
+    openai SDK: 5 s), so a client never reuses a connection the gateway is closing at that moment."""
     max_branches: int = Field(64, ge=1, le=100000)
     """Most forks one rollout may have (each rewrite of earlier context starts one)."""
     sampling_overrides: Literal["allow", "refuse"] = "refuse"
@@ -496,7 +505,21 @@ class GatewayConfig(Section):
     def _check_heartbeats(self) -> GatewayConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s (else live engines expire)")
+        if not self.auth and not _is_loopback(self.host):
+            raise ValueError(
+                f"auth: false on host {self.host!r} would let anyone who reaches it register engines and finish rollouts; "
+                "bind 127.0.0.1 or keep auth"
+            )
         return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class EvalConfig(Section):
@@ -596,6 +619,8 @@ class TeacherSpec(Section):
     url: str | None = None
     """Base URL of a gateway serving the stage's final checkpoint (`asyncrl serve`), e.g. http://127.0.0.1:8000;
     the teacher is scored through its POST /v1/tokens/score. Exactly one of checkpoint and url."""
+    token_env: str | None = None
+    """Environment variable holding the run token of the gateway serving this url teacher (`asyncrl token RUN`)."""
     ratio: float = Field(1.0, gt=0.0, le=1e6)
     """Relative share of the student's prompts drawn from this stage's task (shares are ratio / sum of ratios)."""
 

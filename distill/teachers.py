@@ -18,6 +18,7 @@ is one scoring call per teacher and temperature; a run that samples at one tempe
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -56,15 +57,20 @@ class TeacherError(RuntimeError):
 
 
 class HttpTeacher:
-    """A teacher behind a gateway: the student's token IDs go to `{url}/v1/tokens/score`."""
+    """A teacher behind a gateway: the student's token IDs go to `{url}/v1/tokens/score`, with that
+    gateway's run token (`asyncrl token` of the run serving it; None for a gateway with auth off)."""
 
-    def __init__(self, name: str, url: str) -> None:
+    def __init__(self, name: str, url: str, token: str | None = None) -> None:
         self.name, self.url = name, url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def __repr__(self) -> str:  # never the token
+        return f"HttpTeacher({self.name!r}, {self.url!r})"
 
     async def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
         # A client per call: the loop that calls may differ between calls (one per asyncio.run).
         # No read timeout: the gateway's request_timeout_s bounds every call and answers a 504.
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0)) as client:
+        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0), headers=self._headers) as client:
             parts = await asyncio.gather(*(self._post(client, chunk, temperature) for chunk in _chunks(sequences)))
         return [logprobs for part in parts for logprobs in part]
 
@@ -74,6 +80,8 @@ class HttpTeacher:
             response = await client.post("/v1/tokens/score", json={"sequences": sequences, "temperature": temperature})
         except httpx.HTTPError as error:
             raise TeacherError(f"{where} is unreachable: {type(error).__name__}: {error}") from None
+        if response.status_code == 401:
+            raise TeacherError(f"{where} refused the run token ({response.text[:300]}); give the teacher the token of the run serving it")
         if response.status_code != 200:
             raise TeacherError(f"{where} answered HTTP {response.status_code}: {response.text[:500]}")
         logprobs = response.json().get("logprobs")
@@ -93,6 +101,13 @@ def _chunks(sequences: list[list[int]]) -> list[list[list[int]]]:
         chunks[-1].append(sequence)
         tokens += len(sequence)
     return chunks
+
+
+def _teacher_token(spec) -> str | None:
+    """The run token of the gateway serving a url teacher, from the environment variable the teacher's
+    `token_env` names (a token in the config file would be copied into every run directory)."""
+    variable = getattr(spec, "token_env", None)  # TeacherSpec.token_env: pending in configs/schema.py
+    return os.environ.get(variable) if variable else None
 
 
 def check_checkpoints(config: RunConfig) -> None:
@@ -118,7 +133,7 @@ class Teachers:
         """`handles`: the checkpoint teachers' scorers (`asyncrl run` starts them); the url teachers are
         added here."""
         skipped = ("aborted", *config.learner.crash_statuses)
-        remote = {name: HttpTeacher(name, spec.url) for name, spec in config.distill.teachers.items() if spec.url}
+        remote = {name: HttpTeacher(name, spec.url, _teacher_token(spec)) for name, spec in config.distill.teachers.items() if spec.url}
         return cls({**handles, **remote}, config.rollout.sampling.temperature, skipped)
 
     async def score(self, samples: Sequence[Sample]) -> tuple[list[Sample], dict[str, float]]:

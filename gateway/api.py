@@ -10,12 +10,16 @@ fully and says exactly what is wrong.
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import httpx
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from asyncrl.records import FINISH_STATUSES, MAX_SCORE_SEQUENCES
+
+from .registry import MAX_CAPACITY
 
 _INT64_MAX = 2**63 - 1
 
@@ -166,21 +170,75 @@ class RolloutInfo(_Closed):
     """Generation requests of this rollout running now on this gateway."""
 
 
+MAX_HEALTH_BYTES = 16384
+"""Largest health report an engine may send (as JSON); /health shows them all."""
+ENGINE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+
+def _bounded_health(health: dict[str, Any]) -> dict[str, Any]:
+    size = len(json.dumps(health, default=str))
+    if size > MAX_HEALTH_BYTES:
+        raise ValueError(f"the health report is {size} bytes as JSON; at most {MAX_HEALTH_BYTES}")
+    return health
+
+
+def _engine_address(address: str) -> str:
+    if address.startswith("ray:"):
+        return address
+    if not address.startswith(("http://", "https://")):
+        raise ValueError(f"engine address must start with http://, https:// or ray:, got {address[:64]!r}")
+    try:
+        host = httpx.URL(address).host
+    except httpx.InvalidURL as error:
+        raise ValueError(f"engine address is not a URL: {error}") from None
+    if not host:
+        raise ValueError("engine address has no host")
+    return address
+
+
+Health = Annotated[dict[str, Any], Field(default_factory=dict, max_length=64), AfterValidator(_bounded_health)]
+Lease = Annotated[str, Field(min_length=1, max_length=128)]
+
+
 class RegisterEngineRequest(_Closed):
-    engine_id: str = Field(min_length=1, max_length=256)
-    address: str = Field(min_length=1, max_length=2048)
+    """Needs the engine token. A new engine_id is registered to the caller, who gets its lease; a live id
+    can be registered again (new address, capacity) only with that lease (409 otherwise)."""
+
+    engine_id: str = Field(pattern=ENGINE_ID_PATTERN)
+    """1-128 characters: letters, digits, `.`, `_`, `:`, `-`; starts with a letter or digit."""
+    address: Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_engine_address)]
     """`http(s)://host:port` of an `engine_app`, or `ray:[NAMESPACE/]ACTOR` for a named RolloutWorker."""
-    capacity: float = Field(1.0, gt=0.0, le=1e6)
-    health: dict[str, Any] = Field(default_factory=dict)
+    capacity: float = Field(1.0, gt=0.0, le=MAX_CAPACITY)
+    health: Health
+    lease: Lease | None = None
+    """The lease an earlier registration of this engine_id returned, to update it while it is alive."""
+
+
+class RegisterEngineResponse(_Closed):
+    registered: bool
+    lease: str
+    """The secret that proves this engine holds its id: send it with every heartbeat, re-registration and
+    deregistration. Valid until the engine leaves or expires."""
 
 
 class HeartbeatRequest(_Closed):
-    health: dict[str, Any] = Field(default_factory=dict)
+    lease: Lease
+    """The lease POST /engines/register returned."""
+    health: Health
 
 
 class HeartbeatResponse(_Closed):
     registered: bool
     """False: the gateway dropped this engine (missed heartbeats); register again."""
+
+
+class DeregisterEngineRequest(_Closed):
+    lease: Lease
+
+
+class DeregisterEngineResponse(_Closed):
+    deregistered: bool
+    """False: the engine was not registered (it had expired, or left already)."""
 
 
 class ErrorBody(_Closed):

@@ -5,6 +5,10 @@ status whose message says what is wrong: a request can be refused, never crash t
 statuses mean the gateway's side failed (no engine, store down, timeout; 501: no engine here can
 score), never the request. 4xx answers carry `x-should-retry: false`, which the `openai` client
 honours, so an agent does not re-send a request that cannot succeed (it would otherwise retry 409s).
+
+Who may call what (`auth`): the lifecycle and scoring routes take the run token, the engine routes
+the engine token, the OpenAI and token-generation routes a rollout key; /health, /v1/models and the
+OpenAPI schema are open. With `gateway.auth: false` (loopback only) the two tokens are not checked.
 """
 
 from __future__ import annotations
@@ -19,15 +23,19 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from asyncrl.configs.schema import GatewayConfig
 from asyncrl.records import RequestError
 
 from . import api
+from .auth import refusal
 from .conversation import ConversationError
 from .engines import ScoringUnsupported, connect
 from .lean_route import LeanJSONRoute, rollout_key
 from .pool import Abandoned, EngineUnavailable, GenerationTimeout
+from .registry import EngineIdTaken, RegistryFull
 from .service import GatewayError, GatewayService
 from .store import RolloutClosed, StoreError, UnknownRollout
 from .toolcalls import MessageError
@@ -43,6 +51,8 @@ _ERRORS: list[tuple[type[Exception], int, str]] = [
     (RequestError, 400, "invalid_request"),
     (MessageError, 400, "invalid_messages"),
     (ConversationError, 400, "too_many_branches"),
+    (EngineIdTaken, 409, "engine_id_taken"),
+    (RegistryFull, 409, "too_many_engines"),
     (ScoringUnsupported, 501, "scoring_unsupported"),  # a well-formed request no engine here can serve
     (EngineUnavailable, 503, "engine_unavailable"),
     (GenerationTimeout, 504, "timeout"),
@@ -109,6 +119,43 @@ def run_loop(main: Coroutine) -> Any:
     return uvloop.run(main)
 
 
+GRACEFUL_SHUTDOWN_S = 5
+"""After SIGTERM or Ctrl-C, requests still running get this long; then the gateway exits regardless."""
+
+
+def gateway_server(app: Any, config: GatewayConfig, *, host: str | None = None, port: int | None = None, **options: Any):
+    """The uvicorn server every gateway runs on: `config`'s address (or `host`/`port`), its keep-alive, and
+    an exit within GRACEFUL_SHUTDOWN_S of a stop signal however many requests are in flight."""
+    import uvicorn
+
+    options.setdefault("log_level", "warning")
+    return uvicorn.Server(uvicorn.Config(
+        app, host=config.host if host is None else host, port=config.port if port is None else port,
+        timeout_keep_alive=config.keep_alive_s, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **options,
+    ))  # fmt: skip
+
+
+_RUN_BEARER = HTTPBearer(auto_error=False, scheme_name="RunToken", description="the run token (`asyncrl token CONFIG`)")
+_ENGINE_BEARER = HTTPBearer(auto_error=False, scheme_name="EngineToken", description="the engine token (`asyncrl token CONFIG --engine`)")
+
+
+def _token_checks(service: GatewayService) -> tuple[Any, Any]:
+    """(run token check, engine token check): route dependencies that answer 401 saying which token is needed."""
+
+    def check(needed: str, scheme: HTTPBearer, valid):
+        async def dependency(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:
+            presented = credentials.credentials if credentials else None
+            if service.config.auth and not valid(presented):
+                raise GatewayError(401, f"{needed}_token_required", refusal(needed, presented))
+
+        return Depends(dependency)
+
+    return (
+        check("run", _RUN_BEARER, service.credentials.is_run_token),
+        check("engine", _ENGINE_BEARER, service.credentials.is_engine_token),
+    )
+
+
 def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
     """The gateway app. With `heartbeats`, its lifespan runs the pool's heartbeat loop."""
 
@@ -127,6 +174,7 @@ def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
     })  # fmt: skip
     app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
     _install_errors(app)
+    run_token, engine_token = _token_checks(service)
 
     # The hot path: FastAPI's generic request handling (dependency solving, validation, response
     # encoding) cost as much as the gateway's own work on a call, so these two routes are declared as
@@ -150,38 +198,42 @@ def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
     async def tokens_generate(request: api.TokenGenerateRequest, key: str | None = Depends(rollout_key)) -> api.TokenGenerateResponse:
         return await service.generate_tokens(key, request)
 
-    @app.post("/v1/tokens/score", tags=["tokens"])
+    @app.post("/v1/tokens/score", tags=["tokens"], dependencies=[run_token])
     async def tokens_score(request: api.TokenScoreRequest) -> api.TokenScoreResponse:
         return await service.score_tokens(request)
 
-    @app.post("/rollouts", tags=["lifecycle"])
+    @app.post("/rollouts", tags=["lifecycle"], dependencies=[run_token])
     async def open_rollout(request: api.OpenRolloutRequest) -> api.OpenRolloutResponse:
         return await service.open_rollout(request)
 
-    @app.post("/rollouts/{rollout_id}/finish", tags=["lifecycle"])
+    @app.post("/rollouts/{rollout_id}/finish", tags=["lifecycle"], dependencies=[run_token])
     async def finish_rollout(rollout_id: str, request: api.FinishRolloutRequest) -> api.RolloutInfo:
         return await service.finish_rollout(rollout_id, request)
 
-    @app.post("/rollouts/{rollout_id}/abort", tags=["lifecycle"])
+    @app.post("/rollouts/{rollout_id}/abort", tags=["lifecycle"], dependencies=[run_token])
     async def abort_rollout(rollout_id: str, request: api.AbortRolloutRequest | None = None) -> api.RolloutInfo:
         return await service.abort_rollout(rollout_id, request or api.AbortRolloutRequest())
 
-    @app.get("/rollouts/{rollout_id}", tags=["lifecycle"])
+    @app.get("/rollouts/{rollout_id}", tags=["lifecycle"], dependencies=[run_token])
     async def get_rollout(rollout_id: str) -> api.RolloutInfo:
         return await service.rollout_info(rollout_id)
 
-    @app.post("/engines/register", tags=["engines"])
-    async def register_engine(request: api.RegisterEngineRequest) -> api.HeartbeatResponse:
+    @app.post("/engines/register", tags=["engines"], dependencies=[engine_token])
+    async def register_engine(request: api.RegisterEngineRequest) -> api.RegisterEngineResponse:
         try:
             handle = connect(request.address, request.engine_id)
         except ValueError as error:
             raise GatewayError(400, "invalid_engine", str(error)) from None
-        service.pool.register(handle, request.capacity, request.health)
-        return api.HeartbeatResponse(registered=True)
+        lease = service.pool.register(handle, request.capacity, request.health, holder=request.lease)
+        return api.RegisterEngineResponse(registered=True, lease=lease)
 
-    @app.post("/engines/{engine_id}/heartbeat", tags=["engines"])
-    async def engine_heartbeat(engine_id: str, request: api.HeartbeatRequest | None = None) -> api.HeartbeatResponse:
-        return api.HeartbeatResponse(registered=service.pool.heartbeat(engine_id, (request or api.HeartbeatRequest()).health))
+    @app.post("/engines/{engine_id}/heartbeat", tags=["engines"], dependencies=[engine_token])
+    async def engine_heartbeat(engine_id: str, request: api.HeartbeatRequest) -> api.HeartbeatResponse:
+        return api.HeartbeatResponse(registered=service.pool.heartbeat(engine_id, request.health, holder=request.lease))
+
+    @app.post("/engines/{engine_id}/deregister", tags=["engines"], dependencies=[engine_token])
+    async def deregister_engine(engine_id: str, request: api.DeregisterEngineRequest) -> api.DeregisterEngineResponse:
+        return api.DeregisterEngineResponse(deregistered=service.pool.leave(engine_id, request.lease))
 
     @app.get("/health", tags=["status"])
     async def health() -> dict:

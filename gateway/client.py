@@ -1,12 +1,14 @@
 """A small client for the rollout lifecycle, for whoever runs episodes (an env runner, a script).
 
-    with GatewayClient("http://127.0.0.1:8000") as gateway:
+    with GatewayClient("http://127.0.0.1:8000", token=run_token) as gateway:
         rollout_id, api_key, base_url = gateway.open_rollout(task="arith", group_id="g7")
         agent = openai.OpenAI(base_url=base_url, api_key=api_key)   # an unmodified agent
         ...
         gateway.finish(rollout_id, reward=1.0)
 
 `AsyncGatewayClient` has the same verbs for asyncio code (it implements `asyncrl.lifecycle.RolloutLifecycle`).
+`token` is the gateway's run token (`asyncrl token CONFIG` for an `asyncrl serve` run), sent on every
+call; leave it out for a gateway with `gateway.auth: false`. The rollout key goes to the agent only.
 Refusals raise `GatewayRefused` (the lifecycle's `LifecycleRefused`) with the gateway's status and message.
 `open_rollout(..., evaluation=True)` opens an evaluation rollout: sampled greedily, recorded nowhere.
 """
@@ -35,6 +37,10 @@ def _body(response: httpx.Response) -> dict:
     raise GatewayRefused(response.status_code, message)
 
 
+def _headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def _open_body(task: str, group_id: str, metadata: dict | None, evaluation: bool) -> dict:
     return {"task": task, "group_id": group_id, "metadata": metadata or {}, "evaluation": evaluation}
 
@@ -44,9 +50,9 @@ def _finish_body(reward: float, status: str, metrics: dict | None, reason: str) 
 
 
 class GatewayClient:
-    def __init__(self, url: str, *, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=_headers(token))
 
     def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
         data = _body(self._http.post("/rollouts", json=_open_body(task, group_id, metadata, evaluation)))
@@ -72,9 +78,10 @@ class GatewayClient:
 
 
 class AsyncGatewayClient:
-    def __init__(self, url: str, *, timeout: float = 30.0, **httpx_options: Any) -> None:
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0, **httpx_options: Any) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, **httpx_options)
+        headers = {**_headers(token), **httpx_options.pop("headers", {})}
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=headers, **httpx_options)
 
     async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
         data = _body(await self._http.post("/rollouts", json=_open_body(task, group_id, metadata, evaluation)))

@@ -19,13 +19,25 @@ ChatML's newline after <|im_end|>: one render keeps that text in the next prompt
 does; rendering M[:k] as well would drop it.) When the agent rewrote its context, the request's prefix match ends before
 the branch does and the conversation forks: the new branch keeps the exact tokens of the shared
 turns. Nothing matching (or a template that is not prefix-stable) starts a branch rendered fresh.
+Rendered text is kept as the template module writes it (content escaped, `template.BREAK`), so message
+text is encoded as text and markers come only from the template.
 
-Not thread-safe: the gateway calls it from one event loop, and prepare/commit do not await.
+`max_branches` holds under concurrent calls: a branch is created at commit, after the generation, so
+`prepare` reserves one for every call that may fork (one with no branch to extend, and every call
+after the first on a branch several are extending at once: all but the first to commit fork), refuses
+a call the reservations leave no room for, and `commit` checks again. A prepared turn that will not be
+committed gives its reservation back with `release`.
+
+Threads: `prepare` is `plan` (cheap: match the messages), `render` (the CPU work: render and encode;
+it only reads the branches, so it may run in a worker thread while the caller keeps other `prepare`s
+and `commit`s of this conversation waiting) and `admit` (the reservation). Everything but `render`
+runs on the caller's thread; the gateway serializes prepare and commit per rollout with a lock.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -78,6 +90,39 @@ class Branch:
 
 
 @dataclass(frozen=True)
+class Plan:
+    """A request matched against the recorded branches (`Conversation.plan`); `render` makes its prompt."""
+
+    messages: list[dict]
+    keys: tuple[MessageKey, ...]
+    tools: list[dict] | None
+    tools_key: str
+    source: Branch | None
+    """The branch whose first `reused_messages` messages are the request's (None: nothing matches)."""
+    reused_messages: int
+    new_chars: int
+    """Characters of the messages (and, for a fresh render, the tools) past the reused ones: the text to encode."""
+    chars: int
+    """Characters of all messages: what the template renders."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A rendered prompt before `admit` gives it a turn index and a reservation."""
+
+    target: int | None
+    """The branch the turn extends (None: a new branch)."""
+    prompt_token_ids: list[int]
+    reused_tokens: int
+    source: int | None
+    base_messages: int
+    keys: tuple[MessageKey, ...]
+    tools_key: str
+    reason: ForkReason
+    text: str | None
+
+
+@dataclass(frozen=True)
 class Prepared:
     """What `prepare` decided; unpacks as `branch_id, prompt_token_ids, turn_index`."""
 
@@ -100,6 +145,10 @@ class Prepared:
         return iter((self.branch_id, self.prompt_token_ids, self.turn_index))
 
 
+_FORK = (-1, -1)
+"""The claim of a prepared call with no branch to extend: it will create one."""
+
+
 class Conversation:
     """The token-exact state of one rollout. `tokenizer`: a Hugging Face tokenizer with a chat template;
     `template` renders and encodes for it (default: the tokenizer's own calls; the gateway passes
@@ -112,6 +161,10 @@ class Conversation:
         self._branches: dict[int, Branch] = {}
         self._next_branch = 0
         self._calls = 0
+        self._pending: dict[int, tuple[int, int]] = {}
+        """turn index -> claim of each prepared call not yet committed or released: _FORK, or the
+        (branch id, its message count) it extends."""
+        self._claims: Counter[tuple[int, int]] = Counter()
 
     @property
     def branches(self) -> list[Branch]:
@@ -126,11 +179,23 @@ class Conversation:
         Raises `toolcalls.MessageError` for messages it cannot render and `ConversationError` when a
         new branch would exceed `max_branches`.
         """
+        return self.admit(self.render(self.plan(messages, tools)))
+
+    def plan(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None) -> Plan:
+        """Validate and match the request: which recorded turns it reuses, how much text is new."""
         msgs, tool_defs = to_template_messages(messages), to_template_tools(tools)
         keys = tuple(message_key(m) for m in msgs)
         tools_key = json.dumps(tool_defs, sort_keys=True, ensure_ascii=False)
-        full = self.template.render(msgs, tool_defs, generation_prompt=True)
         source, k = self._longest_match(keys, tools_key)
+        sizes = [_chars(m) for m in msgs]
+        new_chars = sum(sizes[k:]) + (0 if k else len(tools_key))
+        return Plan(msgs, keys, tool_defs, tools_key, source, k, new_chars, sum(sizes))
+
+    def render(self, plan: Plan) -> Draft:
+        """Render and encode the prompt of `plan`. Reads the branches and changes nothing."""
+        msgs, tool_defs, keys, tools_key = plan.messages, plan.tools, plan.keys, plan.tools_key
+        full = self.template.render(msgs, tool_defs, generation_prompt=True)
+        source, k = plan.source, plan.reused_messages
         reason: ForkReason = "fresh" if not self._branches else "rewrite"
         if source is not None:
             end = source.text_marks.get(k)
@@ -145,14 +210,56 @@ class Conversation:
                 prompt = base + self.template.encode(suffix)
                 target = source.id if k == len(source.messages) else None  # None: a fork at mark k
                 text = None if made_from is None else made_from + suffix
-                return self._prepared(target, prompt, len(base), source.id, k, keys, tools_key, reason, text)
+                return Draft(target, prompt, len(base), source.id, k, keys, tools_key, reason, text)
             reason = "template"  # the template rewrites earlier turns (e.g. drops old reasoning)
-        return self._prepared(None, self.template.encode(full), 0, None, 0, keys, tools_key, reason, full)
+        return Draft(None, self.template.encode(full), 0, None, 0, keys, tools_key, reason, full)
+
+    def admit(self, draft: Draft) -> Prepared:
+        """Number the call and reserve the branch it may create; `ConversationError` past `max_branches`."""
+        claim = _FORK if draft.target is None else (draft.target, draft.base_messages)
+        may_fork = claim == _FORK or self._claims[claim] > 0
+        if may_fork and self.max_branches is not None and len(self._branches) + self._reserved() >= self.max_branches:
+            raise self._full()
+        self._calls += 1
+        self._pending[self._calls - 1] = claim
+        self._claims[claim] += 1
+        next_id = self._next_branch if draft.target is None else draft.target
+        return Prepared(
+            next_id, draft.prompt_token_ids, self._calls - 1, draft.reused_tokens, draft.source, draft.base_messages,
+            draft.keys, draft.tools_key, draft.reason, draft.text,
+        )  # fmt: skip
+
+    def release(self, prepared: Prepared) -> None:
+        """Give back the reservation of a prepared turn that will not be committed (no-op after `commit`)."""
+        claim = self._pending.pop(prepared.turn_index, None)
+        if claim is not None:
+            self._claims[claim] -= 1
+            if not self._claims[claim]:
+                del self._claims[claim]
+
+    def _reserved(self) -> int:
+        """Branches that calls in flight will create: every fork, and on each branch being extended all
+        calls but one while it is still unextended (once one committed, every other one forks)."""
+        reserved = 0
+        for (branch_id, base), count in self._claims.items():
+            if (branch_id, base) == _FORK:
+                reserved += count
+            else:
+                reserved += count - 1 if len(self._branches[branch_id].messages) == base else count
+        return reserved
+
+    def _full(self) -> ConversationError:
+        return ConversationError(
+            f"this rollout already has {len(self._branches)} branches and {self._reserved()} more in flight "
+            f"(max_branches {self.max_branches}); rewriting earlier messages, or calls on the same messages at once, start new ones"
+        )
 
     def commit(self, prepared: Prepared, completion_token_ids: Sequence[int], assistant_message: Mapping) -> int:
         """Record a finished turn: its completion tokens and the assistant message the gateway returned
-        (what the agent will echo back). Returns the branch id the turn landed on.
+        (what the agent will echo back). Returns the branch id the turn landed on. `ConversationError`
+        (nothing recorded) when it would create a branch past `max_branches`.
         """
+        self.release(prepared)
         (assistant,) = to_template_messages([assistant_message])
         messages = [*prepared._messages, message_key(assistant)]
         tokens = list(prepared.prompt_token_ids) + list(completion_token_ids)
@@ -161,6 +268,8 @@ class Conversation:
         if source is not None and prepared._base_messages == len(source.messages):
             target = source
         else:
+            if self.max_branches is not None and len(self._branches) >= self.max_branches:
+                raise self._full()
             reason = prepared._fork_reason if prepared.branch_id != getattr(source, "id", None) else "concurrent"
             inherited = {n: t for n, t in source.marks.items() if n <= prepared._base_messages} if source else {}
             text_marks = {n: c for n, c in source.text_marks.items() if n in inherited} if source else {}
@@ -176,7 +285,7 @@ class Conversation:
         if prepared._text is None:
             target.text, target.text_marks = None, {}
         else:
-            target.text = prepared._text + self.tokenizer.decode(list(completion_token_ids), skip_special_tokens=False)
+            target.text = prepared._text + self.template.decode(completion_token_ids)
             target.text_marks[len(messages)] = len(target.text)
             if not completion_token_ids or completion_token_ids[-1] != getattr(self.tokenizer, "eos_token_id", None):
                 target.unclosed.add(len(messages))
@@ -201,11 +310,11 @@ class Conversation:
                 best, best_rank = branch, rank
         return best, best_rank[0]
 
-    def _prepared(self, branch_id, prompt, reused, source, base_messages, keys, tools_key, reason, text) -> Prepared:
-        if branch_id is None and self.max_branches is not None and len(self._branches) >= self.max_branches:
-            raise ConversationError(
-                f"this rollout already has {len(self._branches)} branches (max_branches); rewriting earlier messages starts a new one"
-            )
-        self._calls += 1
-        next_id = self._next_branch if branch_id is None else branch_id
-        return Prepared(next_id, prompt, self._calls - 1, reused, source, base_messages, keys, tools_key, reason, text)
+
+def _chars(message: Mapping) -> int:
+    """Characters a template-form message renders (content, tool-call names and arguments)."""
+    size = len(message["content"])
+    for call in message.get("tool_calls") or ():
+        function = call["function"]
+        size += len(function["name"]) + sum(len(k) + len(v) for k, v in function["arguments"].items())
+    return size

@@ -5,7 +5,8 @@
 - `RayEngine`: a `RolloutWorker` actor (`rollout/worker.py`), by handle or by name.
 - `HttpEngine`: an engine in another process that serves `engine_app(engine)` (three routes:
   `POST /generate`, `POST /score`, `GET /health`). Remote engines announce themselves to the gateway with
-  `POST /engines/register` and keep themselves alive with `POST /engines/{id}/heartbeat`.
+  `POST /engines/register` and keep themselves alive with `POST /engines/{id}/heartbeat`, both with the
+  gateway's engine token and the lease the registration returned (`Announcement` does this).
 
 Handles keep the engine's own error split: `RequestError` is the request's fault (the client gets a
 400), `EngineFailure` is the engine's (the gateway may retry the same prompt tokens elsewhere).
@@ -14,7 +15,10 @@ Handles keep the engine's own error split: `RequestError` is the request's fault
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
@@ -147,6 +151,69 @@ def connect(address: str, engine_id: str) -> EngineHandle:
         except ValueError as error:
             raise ValueError(f"no Ray actor {address[4:]!r}: {error}") from None
     raise ValueError(f"engine address must start with http://, https:// or ray:, got {address!r}")
+
+
+class AnnouncementRefused(RuntimeError):
+    """The gateway refused a registration or heartbeat (wrong token, engine id held by another engine)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class Announcement:
+    """An engine's registration with a gateway, from the engine's side: `register`, then `heartbeat`
+    at least every gateway.heartbeat_interval_s (`run` does both), `deregister` when it stops.
+
+    `token` is the gateway's engine token. The lease the first registration returns proves this engine
+    holds `engine_id`: it goes with every later call, and after the gateway dropped the engine (missed
+    heartbeats) the next heartbeat registers again for a fresh one."""
+
+    def __init__(
+        self, gateway_url: str, engine_id: str, address: str, *, token: str | None,
+        capacity: float = 1.0, health: Callable[[], dict] = dict, interval_s: float = 1.0,
+    ) -> None:  # fmt: skip
+        self.engine_id, self.address, self.capacity, self.health, self.interval_s = engine_id, address, capacity, health, interval_s
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=gateway_url.rstrip("/"), headers=headers, timeout=10.0)
+        self.lease: str | None = None
+
+    async def register(self) -> None:
+        body = {"engine_id": self.engine_id, "address": self.address, "capacity": self.capacity, "health": self.health()}
+        self.lease = (await self._post("/engines/register", {**body, "lease": self.lease}))["lease"]
+
+    async def heartbeat(self) -> None:
+        if self.lease is not None:
+            beat = await self._post(f"/engines/{self.engine_id}/heartbeat", {"lease": self.lease, "health": self.health()})
+            if beat["registered"]:
+                return
+            self.lease = None  # the gateway dropped this engine: its old lease is void
+        await self.register()
+
+    async def deregister(self) -> None:
+        if self.lease is not None:
+            await self._post(f"/engines/{self.engine_id}/deregister", {"lease": self.lease})
+            self.lease = None
+
+    async def run(self) -> None:
+        """Register and heartbeat until cancelled; a gateway that cannot be reached is tried again."""
+        while True:
+            with contextlib.suppress(httpx.HTTPError):  # the gateway restarted or is busy; the next beat tries again
+                await self.heartbeat()
+            await asyncio.sleep(self.interval_s)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, path: str, body: dict) -> dict:
+        response = await self._http.post(path, json=body)
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:500]
+            raise AnnouncementRefused(response.status_code, message)
+        return response.json()
 
 
 def engine_app(engine: Any):

@@ -4,7 +4,8 @@ The episode runner opens and finishes rollouts through a lifecycle client; `asyn
 gateway in its own process, so those calls need no HTTP. The policy calls still go over loopback
 HTTP through the OpenAI API, as any agent's would. This skips two of the three HTTP requests of a
 one-turn episode, which on 2 cores were most of the driver's CPU (httpx's connection pool checks
-every pooled socket on each request). Same verbs and refusals as `AsyncGatewayClient`: both implement
+every pooled socket on each request). It needs no run token: it holds the service itself, which
+only code in the gateway's own process can. Same verbs and refusals as `AsyncGatewayClient`: both implement
 `asyncrl.lifecycle.RolloutLifecycle`.
 """
 

@@ -7,6 +7,11 @@ deadline. When the engine fails or leaves, the same prompt tokens go to another 
 `engine_retries` times; with 0 retries the failure is reported at once. Scoring calls (prefill-only
 log-probs, no rollout) go to the least loaded engine and fail over the same way.
 
+Engines the gateway started itself (`add_local`) are heartbeated by its own loop, with the holder
+secret of their registration; their ids are the gateway's, so no remote registration can take one,
+even while it is expired. Remote engines (`register`) keep themselves alive: the gateway never
+heartbeats them, so one that dies, or a registration nobody keeps up, expires.
+
 Everything here runs on the gateway's event loop; the registry and router are not thread-safe.
 """
 
@@ -22,7 +27,7 @@ from asyncrl.configs.schema import GatewayConfig
 from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult
 
 from .engines import EngineFailure, EngineHandle, ScoringUnsupported
-from .registry import EngineRegistry, RegistryEvent
+from .registry import EngineIdTaken, EngineRegistry, RegistryEvent
 from .routing import NoEngineError, Router
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,8 @@ class EnginePool:
         self.registry.subscribe(self.router.apply)
         self.registry.subscribe(self._on_event)
         self._polled: dict[str, tuple[EngineHandle, float]] = {}
+        self._holders: dict[str, str] = {}
+        """Holder secrets of the polled engines' registrations."""
         # Per engine: wake-up futures of the requests waiting on it, resolved when it leaves.
         self._waiting: dict[str, set[asyncio.Future]] = {}
 
@@ -55,15 +62,30 @@ class EnginePool:
 
     def add_local(self, handle: EngineHandle, capacity: float = 1.0) -> None:
         """An engine the gateway heartbeats itself (in-process or a Ray actor it started)."""
+        info = self.registry.register(handle.engine_id, handle, capacity, holder=self._holders.get(handle.engine_id))
         self._polled[handle.engine_id] = (handle, capacity)
-        self.registry.register(handle.engine_id, handle, capacity)
+        self._holders[handle.engine_id] = info.holder
 
-    def register(self, handle: EngineHandle, capacity: float = 1.0, health: dict | None = None) -> None:
-        """A remote engine that sends its own heartbeats."""
-        self.registry.register(handle.engine_id, handle, capacity, health)
+    def remove_local(self, engine_id: str, reason: str = "removed") -> bool:
+        """Stop heartbeating an engine `add_local` added and take it out of routing (its id is free then)."""
+        self._polled.pop(engine_id, None)
+        self._holders.pop(engine_id, None)
+        return self.registry.deregister(engine_id, reason)
 
-    def heartbeat(self, engine_id: str, health: dict | None = None) -> bool:
-        return self.registry.heartbeat(engine_id, health)
+    def register(self, handle: EngineHandle, capacity: float = 1.0, health: dict | None = None, *, holder: str | None = None) -> str:
+        """A remote engine that sends its own heartbeats; returns the holder secret of its registration
+        (re-registering a live id takes it). Raises EngineIdTaken, RegistryFull, ValueError."""
+        if handle.engine_id in self._polled:
+            raise EngineIdTaken(f"engine id {handle.engine_id!r} belongs to an engine this gateway runs itself; pick another engine_id")
+        return self.registry.register(handle.engine_id, handle, capacity, health, holder=holder).holder
+
+    def heartbeat(self, engine_id: str, health: dict | None = None, *, holder: str | None) -> bool:
+        """A remote engine's heartbeat, with its holder secret (EngineIdTaken otherwise)."""
+        return self.registry.heartbeat(engine_id, health, holder=holder)
+
+    def leave(self, engine_id: str, holder: str | None) -> bool:
+        """A remote engine deregistering itself, with its holder secret."""
+        return self.registry.leave(engine_id, holder)
 
     def _on_event(self, event: RegistryEvent) -> None:
         if event.kind == "deregistered":
@@ -88,8 +110,15 @@ class EnginePool:
         for (engine_id, (handle, capacity)), health in zip(polled, reports, strict=True):
             if isinstance(health, BaseException) or not health.get("alive", True):
                 continue  # no heartbeat: after heartbeat_timeout_s the registry drops the engine
-            if not self.registry.heartbeat(engine_id, health):
-                self.registry.register(engine_id, handle, capacity, health)  # it came back
+            if self._polled.get(engine_id, (None,))[0] is not handle:
+                continue  # removed (or replaced) while its health was asked
+            try:
+                if not self.registry.heartbeat(engine_id, health, holder=self._holders[engine_id]):
+                    self._holders[engine_id] = self.registry.register(engine_id, handle, capacity, health).holder  # it came back
+            except EngineIdTaken:
+                # `register` keeps polled ids out of remote hands, so this is a bug elsewhere; the
+                # gateway's heartbeats must never keep alive an entry that points somewhere else.
+                log.error("engine id %s is held by a registration this gateway did not make; not heartbeating it", engine_id)
         self.registry.expire()
 
     def describe(self) -> list[dict]:

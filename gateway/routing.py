@@ -8,7 +8,8 @@ on clockwise to the next engine. The bound is counted with the new request inclu
 is always under it; a key only leaves its home engine while that engine is overloaded.
 
 Engines may have unequal capacities: an engine's share of the ring (virtual nodes) and its load
-bound both scale with its capacity.
+bound both scale with its capacity. Changing one engine hashes only that engine's points, and no
+engine gets more than MAX_POINTS_PER_NODE, so a change costs bounded work on the event loop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from bisect import bisect_right
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from hashlib import blake2b
 from typing import Any
+
+MAX_POINTS_PER_NODE = 1 << 18
+"""Most ring points of one node: gateway.route_vnodes (at most 4096) times the largest capacity (64)."""
 
 
 class NoEngineError(LookupError):
@@ -44,21 +48,27 @@ class HashRing:
         """Add a node, or change its weight."""
         if not weight > 0:
             raise ValueError(f"weight of {node!r} must be positive, got {weight}")
+        points = max(1, round(self.vnodes * weight))
+        if points > MAX_POINTS_PER_NODE:
+            raise ValueError(f"weight {weight} of {node!r} would put {points} points on the ring; at most {MAX_POINTS_PER_NODE}")
         if self._weights.get(node) == weight:
             return  # heartbeats re-announce engines; do not rebuild the ring for nothing
+        if node in self._weights:
+            self._drop(node)
         self._weights[node] = weight
-        self._rebuild()
+        # Points depend only on (node, index), never on insertion order, so every gateway agrees.
+        # Two sorted runs: the sort merges them in linear time, and no other node is hashed again.
+        self._points = sorted(self._points + sorted((stable_hash(f"{node}#{i}"), node) for i in range(points)))
+        self._hashes = [h for h, _ in self._points]
 
     def remove(self, node: str) -> None:
-        if self._weights.pop(node, None) is not None:
-            self._rebuild()
+        if node in self._weights:
+            self._drop(node)
+            del self._weights[node]
+            self._hashes = [h for h, _ in self._points]
 
-    def _rebuild(self) -> None:
-        # Points depend only on (node, index), never on insertion order, so every gateway agrees.
-        self._points = sorted(
-            (stable_hash(f"{node}#{i}"), node) for node, weight in self._weights.items() for i in range(max(1, round(self.vnodes * weight)))
-        )
-        self._hashes = [h for h, _ in self._points]
+    def _drop(self, node: str) -> None:
+        self._points = [point for point in self._points if point[1] != node]
 
     @property
     def nodes(self) -> dict[str, float]:

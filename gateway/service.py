@@ -19,6 +19,17 @@ An evaluation rollout (opened with `evaluation: true`, for held-out evaluation) 
 but is sampled greedily whatever the request asks, and touches no store: it lives in `_live` until
 it is finished or aborted, then only its ended status is remembered. It never reaches the learner.
 
+Text is text (`template`): message content, tool results, tool-call arguments and text prompts are
+encoded as plain tokens, markers come only from the chat template; a `/v1/completions` text prompt is
+raw text too (send token ids for a prompt with special tokens). A stop string is matched against what
+the model writes: a marker token writes exactly its text, so `stop="<|user|>"` stops at that token.
+
+Bounded work before validation: every message's characters (and a text prompt's) are checked against
+`gateway.max_message_chars` before anything is rendered or tokenized, and a prompt with more than
+OFFLOAD_CHARS characters of new text is rendered and tokenized in a worker thread, so one big request
+does not hold up the others' event loop. A rollout's conversation is prepared and committed under
+its own lock (uncontended, it does not yield), so the thread never races a commit.
+
 Nothing here knows HTTP; `app.py` maps the exceptions raised here to status codes.
 """
 
@@ -29,6 +40,7 @@ import dataclasses
 import functools
 import hashlib
 import hmac
+import json
 import random
 import secrets
 import time
@@ -41,7 +53,8 @@ from asyncrl.configs.schema import GatewayConfig, SamplingConfig
 from asyncrl.records import GenerationResult, SamplingParams, Turn
 
 from . import api
-from .conversation import Conversation, ConversationError
+from .auth import Credentials
+from .conversation import Conversation, ConversationError, Prepared
 from .pool import EnginePool
 from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryRecorder, UnknownRollout
 from .template import chat_template
@@ -51,6 +64,15 @@ MAX_TOMBSTONES = 100_000
 """Ended rollouts remembered in memory (older ones are looked up in the store)."""
 TEXT_HISTORY = 8
 """Text-completion turns per rollout whose exact tokens a later prompt may reuse."""
+OFFLOAD_CHARS = 8192
+"""New prompt text (characters) above which rendering and tokenizing run in a worker thread: encoding
+takes ~0.4 µs a character on a busy core, so this keeps the event loop's stalls to a few ms."""
+OFFLOAD_RENDER_CHARS = 32 * OFFLOAD_CHARS
+"""Conversation size (characters) above which even the render alone (every turn renders it all) goes to the thread."""
+MAX_STOPS = 64
+"""Stop strings in one request (each is tokenized on the event loop)."""
+MAX_STOP_CHARS = 1024
+"""Longest stop string considered (longer ones cannot be one token)."""
 
 
 class GatewayError(Exception):
@@ -78,6 +100,8 @@ class Rollout:
     """An evaluation rollout's opening request (its task, group and metadata); None for a recorded rollout."""
     turns: int = 0
     """Turns an evaluation rollout has taken (the store counts a recorded rollout's)."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    """Held while the conversation prepares or commits a turn (preparing may run in a worker thread)."""
 
 
 class GatewayService:
@@ -97,6 +121,8 @@ class GatewayService:
         self.config, self.sampling, self.model_name = config, sampling, model_name
         self.template = chat_template(tokenizer)
         self._secret = secret or secrets.token_bytes(32)
+        self.credentials = Credentials.from_secret(self._secret)
+        """The run token (lifecycle, scoring) and the engine token (registration) of this gateway."""
         self._live: dict[str, Rollout] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
         # SQLite takes one writer at a time, and a writer that finds the lock taken sleeps in
@@ -196,7 +222,9 @@ class GatewayService:
                 401, "missing_api_key", "send the rollout key as `Authorization: Bearer <api_key>` (open a rollout with POST /rollouts)"
             )
         rollout_id, _, mac = key.removeprefix("rk-").rpartition(".")
-        if not key.startswith("rk-") or not rollout_id or not hmac.compare_digest(mac, self._mac(rollout_id)):
+        # Bytes: compare_digest refuses a str that is not ASCII, and a header may carry anything.
+        forged = not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), self._mac(rollout_id).encode())
+        if not key.startswith("rk-") or not rollout_id or forged:
             raise GatewayError(401, "invalid_api_key", "unknown rollout key (open a rollout with POST /rollouts and use its api_key)")
         rollout = self._live.get(rollout_id)
         if rollout is not None:
@@ -224,11 +252,19 @@ class GatewayService:
             raise bad_request("tool_choice that forces a tool is not supported (the policy decides); use auto or none")
         sampling = self._sampling(request, request.max_completion_tokens or request.max_tokens)
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        prepared = _render(rollout.conversation.prepare, messages, request.tools)
-        result, timings = await self._generate(rollout, prepared.prompt_token_ids, sampling)
-        parsed = parse_completion(result.token_ids, self.tokenizer, request.tools, self._call_id)
-        message = parsed.message()
-        branch = rollout.conversation.commit(prepared, result.token_ids, message)
+        for i, message in enumerate(messages):
+            self._check_chars(f"messages[{i}]", _message_chars(message))
+        conversation = rollout.conversation
+        async with rollout.lock:
+            prepared = await self._prepare(conversation, messages, request.tools)
+        try:
+            result, timings = await self._generate(rollout, prepared.prompt_token_ids, sampling)
+            parsed = parse_completion(result.token_ids, self.tokenizer, request.tools, self._call_id)
+            message = parsed.message()
+            async with rollout.lock:
+                branch = conversation.commit(prepared, result.token_ids, message)  # past max_branches: refused, not recorded
+        finally:
+            conversation.release(prepared)  # a turn that failed gives back its branch reservation
         index = await self._record(rollout, prepared.prompt_token_ids, result, sampling, branch, timings, started)
         logprobs = self._token_logprobs(result) if request.logprobs else None
         return api.chat_response(
@@ -242,7 +278,7 @@ class GatewayService:
         if request.echo or request.suffix:
             raise bad_request("echo and suffix are not supported")
         sampling = self._sampling(request, request.max_tokens)
-        text, prompt, reused = self._text_prompt(rollout, request.prompt)
+        text, prompt, reused = await self._text_prompt(rollout, request.prompt)
         result, timings = await self._generate(rollout, prompt, sampling)
         completion = _strip_eos(result.token_ids, self.tokenizer)
         completion_text = self.tokenizer.decode(completion, skip_special_tokens=False)
@@ -290,6 +326,8 @@ class GatewayService:
             raise bad_request(f"max_tokens {max_tokens} exceeds gateway.max_tokens {cap}")
         stop = getattr(request, "stop", None)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
+        if len(stops) > MAX_STOPS:
+            raise bad_request(f"{len(stops)} stop strings; at most {MAX_STOPS} (or send stop_token_ids)")
         pick = lambda value, default: default if value is None else value  # noqa: E731
         params = SamplingParams(
             temperature=pick(request.temperature, defaults.temperature), top_p=pick(request.top_p, defaults.top_p),
@@ -303,24 +341,42 @@ class GatewayService:
         return params
 
     def _stop_token(self, text: str) -> int:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(text) > MAX_STOP_CHARS:
+            raise bad_request(f"stop string of {len(text)} characters; only single-token stops are supported (or send stop_token_ids)")
+        marker = self.template.marker_id(text)
+        ids = [marker] if marker is not None else self.template.encode_text(text)
         if len(ids) != 1:
             raise bad_request(f"stop string {text!r} is {len(ids)} tokens; only single-token stops are supported (or send stop_token_ids)")
         return ids[0]
 
-    def _text_prompt(self, rollout: Rollout, prompt: Any) -> tuple[str | None, list[int], int]:
+    async def _text_prompt(self, rollout: Rollout, prompt: Any) -> tuple[str | None, list[int], int]:
         """(text or None, exact prompt tokens, tokens reused): a text prompt that extends an earlier
-        turn's text reuses that turn's exact tokens and encodes only the rest."""
+        turn's text reuses that turn's exact tokens and encodes only the rest, as plain text."""
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return None, list(prompt), 0
         if not isinstance(prompt, str):
             raise bad_request("prompt must be one string or one list of token ids (one prompt per request)")
         if not prompt:
             raise bad_request("prompt is empty")
+        self._check_chars("prompt", len(prompt))
         base_text, base = max(((t, ids) for t, ids in rollout.texts if prompt.startswith(t)), key=lambda e: len(e[0]), default=("", []))
         rest = prompt[len(base_text) :]
-        tokens = base + (self.tokenizer.encode(rest, add_special_tokens=False) if rest else [])
-        return prompt, tokens, len(base)
+        if len(rest) > OFFLOAD_CHARS:
+            return prompt, base + await asyncio.to_thread(self.template.encode_text, rest), len(base)
+        return prompt, base + self.template.encode_text(rest), len(base)
+
+    def _check_chars(self, what: str, chars: int) -> None:
+        if chars > self.config.max_message_chars:
+            raise bad_request(f"{what} has {chars} characters; gateway.max_message_chars is {self.config.max_message_chars}")
+
+    async def _prepare(self, conversation: Conversation, messages: list[dict], tools: list | None) -> Prepared:
+        """The turn's prompt, rendered and tokenized in a worker thread when it is big (the caller holds the rollout's lock)."""
+        plan = _refusing(conversation.plan, messages, tools)
+        if plan.new_chars > OFFLOAD_CHARS or plan.chars > OFFLOAD_RENDER_CHARS:
+            draft = await asyncio.to_thread(_refusing, conversation.render, plan)
+        else:
+            draft = _refusing(conversation.render, plan)
+        return conversation.admit(draft)
 
     async def _generate(self, rollout: Rollout, prompt: list[int], sampling: SamplingParams) -> tuple[GenerationResult, dict]:
         if len(prompt) > self.config.max_prompt_tokens:
@@ -375,14 +431,32 @@ class GatewayService:
         }
 
 
-def _render(prepare, messages: list[dict], tools: list | None):
-    """The conversation's prompt; rendering problems are the request's fault, never a 500."""
+def _refusing(step, *args):
+    """A step of preparing the prompt; rendering problems are the request's fault, never a 500."""
     try:
-        return prepare(messages, tools)
+        return step(*args)
     except (MessageError, ConversationError):
         raise
     except Exception as error:  # e.g. a template error on content the template cannot render
         raise bad_request(f"the messages cannot be rendered with the chat template: {type(error).__name__}: {error}") from None
+
+
+def _message_chars(message: dict) -> int:
+    """Characters a request message (as dumped from the request) would have rendered: its text and tool calls."""
+    content = message.get("content")
+    if isinstance(content, str):
+        size = len(content)
+    else:
+        size = sum(len(p["text"]) for p in content or () if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        size += len(function.get("name") or "")
+        if isinstance(arguments, str):
+            size += len(arguments)
+        elif isinstance(arguments, dict):
+            size += sum(len(str(k)) + (len(v) if isinstance(v, str) else len(json.dumps(v))) for k, v in arguments.items())
+    return size
 
 
 def _evaluation_info(rollout: Rollout, status: str, reward: float | None, metrics: dict, reason: str) -> api.RolloutInfo:

@@ -34,12 +34,9 @@ class InProcessGateway:
         self.config = config
 
     async def __aenter__(self) -> InProcessLifecycle:
-        import uvicorn
+        from asyncrl.gateway.app import create_app, gateway_server
 
-        from asyncrl.gateway.app import create_app
-
-        gateway = self.config.gateway
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.service), host=gateway.host, port=gateway.port, log_level="warning"))
+        self.server = gateway_server(create_app(self.service), self.config.gateway)
         self.task = asyncio.create_task(self.server.serve())
         while not self.server.started:
             if self.task.done():

@@ -1,4 +1,19 @@
-"""Rendering and encoding a chat prompt, once per turn, on the gateway's hot path.
+"""Rendering and encoding a chat prompt, once per turn, on the gateway's hot path; text stays text.
+
+Text is text: a marker (an added token: a role tag, tool-call markup, EOS) enters a prompt only
+where the chat template writes it, never because a message, a tool result or a tool-call argument
+spells its text. Before rendering, every string the template sees (message content, tool-call names,
+argument keys and values, tool definitions) gets a BREAK (U+FDD0, a Unicode noncharacter, reserved
+for uses like this one) after the first character of every marker text it contains; `encode` splits
+the rendered text at BREAKs and encodes the pieces separately, so no piece holds a whole marker text
+and the BREAK itself is never encoded: "<|user|>" in content is 8 plain tokens. Strings without
+marker text are passed as they are, so for nearly every request the render, the one encode and the
+ids are what they were without this. The template sees content otherwise unchanged (trimming,
+splitting on its own markers still work, though a marker spelled in content no longer splits).
+A literal U+FDD0 in content becomes U+FFFD. Assumed: a template writes markers whole, never part of
+one as plain text next to content. Markers are the added tokens that are special, or that the chat
+template writes (Qwen's non-special `<tool_call>`), of two or more characters that are not all
+whitespace; a one-character marker cannot be split and is not guarded.
 
 `apply_chat_template` and `encode` wrap their work in layers built for arbitrary callers: every
 message is walked twice and rebuilt (objects to dicts, None keys dropped, rich values made inert),
@@ -13,7 +28,9 @@ what the tokenizer's own calls return (tests compare the two). Tokenizers it can
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 try:  # transformers' cached compiler, exactly what apply_chat_template renders with
@@ -24,19 +41,164 @@ try:  # transformers' cached compiler, exactly what apply_chat_template renders 
 except ImportError:  # another transformers layout: the tokenizer's own calls are always right
     _COMPILED = False
 
+BREAK = "\ufdd0"
+"""Put inside marker texts that content spells; `encode` splits there and never encodes it."""
+_REPLACEMENT = "\ufffd"
+LARGE_TEXT = 4096
+"""Characters above which the Rust tokenizer is called through its batch API, which releases the GIL
+(its one-text call holds it: a thread encoding a big prompt would stall the event loop anyway)."""
+
+
+class Markup:
+    """A tokenizer's marker texts, and how to keep a string from spelling them (see the module doc)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.ids: dict[int, str] = _marker_ids(tokenizer)
+        texts = sorted(set(self.ids.values()))
+        firsts = {text[0] for text in texts}
+        # One leading character (the tiny tokenizer's "<"): a `str.__contains__` rules most strings out.
+        self._first = next(iter(firsts)) if len(firsts) == 1 else None
+        pattern = _trie_pattern(texts)
+        self._any = re.compile(pattern) if texts else None
+        self._starts = re.compile(f"(?=(?:{pattern}))") if texts else None
+
+    def escape(self, text: str) -> str:
+        """`text` with a BREAK after the first character of every marker text in it (overlapping ones too)."""
+        if BREAK in text:
+            text = text.replace(BREAK, _REPLACEMENT)
+        if self._any is None or (self._first is not None and self._first not in text):
+            return text
+        found = self._any.search(text)
+        if found is None or self._starts is None:
+            return text
+        cuts = [m.start() + 1 for m in self._starts.finditer(text, found.start())]
+        return BREAK.join(text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)]))
+
+    def count(self, text: str) -> int:
+        """Marker texts in `text` (non-overlapping)."""
+        if self._any is None or (self._first is not None and self._first not in text):
+            return 0
+        return len(self._any.findall(text))
+
+    def messages(self, messages: Sequence[Mapping]) -> Sequence[Mapping]:
+        """Template-form messages (`to_template_messages`) with their strings escaped; the same list when none needed it."""
+        out = None
+        for i, message in enumerate(messages):
+            escaped = self._message(message)
+            if escaped is not message:
+                out = list(messages) if out is None else out
+                out[i] = escaped
+        return messages if out is None else out
+
+    def _message(self, message: Mapping) -> Mapping:
+        content = message.get("content")
+        new_content = self.escape(content) if isinstance(content, str) else self.value(content)
+        calls = message.get("tool_calls")
+        new_calls = self.value(calls) if calls else calls
+        if new_content is content and new_calls is calls:
+            return message
+        return {**message, "content": new_content, **({"tool_calls": new_calls} if calls else {})}
+
+    def value(self, value: Any) -> Any:
+        """Any JSON value with every string in it (keys too) escaped; the same object when none needed it."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, Mapping):
+            items = [(self.value(k), self.value(v)) for k, v in value.items()]
+            same = all(new[0] is old[0] and new[1] is old[1] for new, old in zip(items, value.items(), strict=True))
+            return value if same else dict(items)
+        if isinstance(value, (list, tuple)):
+            values = [self.value(v) for v in value]
+            return value if all(new is old for new, old in zip(values, value, strict=True)) else values
+        return value
+
+
+def _marker_ids(tokenizer: Any) -> dict[int, str]:
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    template = getattr(tokenizer, "chat_template", None)
+    sources = template.values() if isinstance(template, Mapping) else [template]
+    source = "".join(s for s in sources if isinstance(s, str))
+    markers = {}
+    for token_id, token in added.items():
+        text = getattr(token, "content", str(token))
+        if len(text) > 1 and not text.isspace() and (getattr(token, "special", True) or text in source):
+            markers[token_id] = text
+    return markers
+
+
+def _trie_pattern(texts: Sequence[str]) -> str:
+    """A regex for any of `texts`, longest first, as a trie: each position is tried once, not once per text."""
+    trie: dict = {}
+    for text in texts:
+        node = trie
+        for char in text:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def walk(node: dict) -> str:
+        branches = [re.escape(char) + walk(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return walk(trie)
+
 
 class TokenizerTemplate:
-    """The tokenizer's own calls (any object with `apply_chat_template` and `encode`)."""
+    """The tokenizer's own calls (any object with `apply_chat_template` and `encode`), text kept as text."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._markup_for: tuple[Any, Markup] | None = None
+
+    @property
+    def markup(self) -> Markup:
+        """The markers for the tokenizer's current chat template (a replaced template can add some)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        cached = self._markup_for
+        if cached is None or cached[0] is not template:
+            cached = self._markup_for = (template, Markup(self.tokenizer))
+        return cached[1]
 
     def render(self, messages: Sequence[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+        """The prompt text, content escaped (`encode` reads it; it is not for showing)."""
+        markup = self.markup
+        return self._render(markup.messages(messages), markup.value(tools), generation_prompt)
+
+    def _render(self, messages: Sequence[Mapping], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
+        """Ids of rendered text: markers where the template wrote them, content as plain tokens."""
+        if BREAK not in text:
+            return self._encode(text) if text else []
+        return [token for piece in text.split(BREAK) if piece for token in self._encode(piece)]
+
+    def _encode(self, text: str) -> list[int]:
         # The template writes its own special tokens (BOS included, where a model has one) as text.
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of raw text with no markers at all (a text prompt): marker texts in it are plain tokens."""
+        return self.encode(self.markup.escape(text))
+
+    def marker_id(self, text: str) -> int | None:
+        """The id of the marker whose text is exactly `text`, if any."""
+        return next((token_id for token_id, marker in self.markup.ids.items() if marker == text), None)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Sampled tokens as `render` would write them back: marker tokens as their text, marker texts
+        the model spelled in plain tokens escaped (so an echoed reply renders to the same text)."""
+        markup, ids = self.markup, list(token_ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if BREAK not in text and markup.count(text) == sum(1 for token in ids if token in markup.ids):
+            return text  # every marker text came from a marker token
+        pieces = []
+        for is_marker, run in itertools.groupby(ids, key=markup.ids.__contains__):
+            piece = self.tokenizer.decode(list(run), skip_special_tokens=False)
+            pieces.append(piece if is_marker else markup.escape(piece))
+        return "".join(pieces)
 
 
 class CompiledTemplate(TokenizerTemplate):
@@ -51,7 +213,7 @@ class CompiledTemplate(TokenizerTemplate):
         super().__init__(tokenizer)
         self._backend = tokenizer._tokenizer
 
-    def render(self, messages: Sequence[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+    def _render(self, messages: Sequence[Mapping], tools: list[dict] | None, generation_prompt: bool) -> str:
         # Looked up per call (transformers caches the compiled template), so a replaced template is used.
         compiled = _compile_jinja_template(self.tokenizer.get_chat_template(None, tools))
         return compiled.render(
@@ -68,7 +230,14 @@ class CompiledTemplate(TokenizerTemplate):
         # another caller left them on, only that call gives the same ids.
         if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens:
             return super().encode(text)
-        return backend.encode(text, add_special_tokens=False).ids if text else []
+        if not text:
+            return []
+        pieces = [piece for piece in text.split(BREAK) if piece] if BREAK in text else [text]
+        if len(text) > LARGE_TEXT:
+            return [token for encoding in backend.encode_batch(pieces, add_special_tokens=False) for token in encoding.ids]
+        if len(pieces) == 1:
+            return backend.encode(pieces[0], add_special_tokens=False).ids
+        return [token for piece in pieces for token in backend.encode(piece, add_special_tokens=False).ids]
 
 
 def chat_template(tokenizer: Any) -> TokenizerTemplate:

@@ -209,12 +209,10 @@ class _Gateway:
         self.service = GatewayService(self.store, tokenizer, pool, config, SamplingConfig(max_tokens=max_tokens))
 
     async def __aenter__(self) -> _Gateway:
-        import uvicorn
-
-        from asyncrl.gateway.app import create_app
+        from asyncrl.gateway.app import create_app, gateway_server
         from asyncrl.gateway.client import AsyncGatewayClient
 
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.service), host="127.0.0.1", port=0, log_level="warning"))
+        self.server = gateway_server(create_app(self.service), self.service.config, host="127.0.0.1", port=0)
         self.task = asyncio.create_task(self.server.serve())
         while not self.server.started:
             if self.task.done():
@@ -222,7 +220,7 @@ class _Gateway:
                 raise RuntimeError("the gateway stopped during start-up")
             await asyncio.sleep(0.01)
         port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.client = AsyncGatewayClient(f"http://127.0.0.1:{port}")
+        self.client = AsyncGatewayClient(f"http://127.0.0.1:{port}", token=self.service.credentials.run_token)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -2,6 +2,10 @@
 
 An agent developer points an unmodified agent at the printed base URL with a rollout key from
 `POST /rollouts`, then reads what was recorded with `asyncrl trajectories show`. Runs until Ctrl-C.
+
+The lifecycle calls take the run token and engines on other machines the engine token; both derive
+from the secret kept in the run directory (mode 0600), and `asyncrl token RUN_DIR [--engine]` prints
+them. Neither is ever printed or logged by the gateway.
 """
 
 from __future__ import annotations
@@ -9,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shlex
+import signal
+import threading
 from pathlib import Path
 
 from asyncrl.configs.schema import RunConfig
@@ -42,6 +49,16 @@ def _secret(run_dir: Path) -> bytes:
     return bytes.fromhex(path.read_text().strip())
 
 
+def run_credentials(run_dir: Path):
+    """The tokens of the gateway `asyncrl serve` runs for `run_dir`, from its secret file."""
+    from asyncrl.gateway.auth import Credentials
+
+    path = Path(run_dir) / SECRET_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no gateway secret at {path}: `asyncrl serve` with this config creates it when it starts")
+    return Credentials.from_secret(bytes.fromhex(path.read_text().strip()))
+
+
 def _engines(config: RunConfig, model, mtp=None) -> list:
     from asyncrl.gateway.engines import LocalEngine, RayEngine
 
@@ -49,9 +66,9 @@ def _engines(config: RunConfig, model, mtp=None) -> list:
     if config.gateway.engines == "ray":
         import ray
 
-        from asyncrl.rollout.worker import create_workers
+        from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG, create_workers
 
-        ray.init(ignore_reinit_error=True, log_to_driver=False)
+        ray.init(ignore_reinit_error=True, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
         workers = create_workers(model, rollout, name_prefix=f"{config.name}-rollout", mtp=mtp)
         return [RayEngine(worker, f"{config.name}-rollout-{i}") for i, worker in enumerate(workers)]
     from asyncrl.rollout import EmbeddedEngine
@@ -103,12 +120,10 @@ def build_service(config: RunConfig):
 
 
 def serve(config: RunConfig) -> int:
-    import uvicorn
-
-    from asyncrl.gateway.app import create_app, run_loop, settle_heap
+    from asyncrl.gateway.app import create_app, gateway_server, run_loop, settle_heap
 
     service, handles = build_service(config)
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host=config.gateway.host, port=config.gateway.port, log_level="warning"))
+    server = gateway_server(create_app(service), config.gateway)
 
     async def main() -> None:
         task = asyncio.create_task(server.serve())
@@ -120,9 +135,15 @@ def serve(config: RunConfig) -> int:
         await task
 
     settle_heap()
+    # uvicorn stops on SIGTERM, then raises the signal again under the handler found at start: this one
+    # turns it into an exit that runs the clean-up below (the store's last writes, the engines).
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         run_loop(main())
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         service.close()
         service.store.close()
         for handle in handles:
@@ -130,17 +151,28 @@ def serve(config: RunConfig) -> int:
     return 0
 
 
+def _terminated(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _banner(config: RunConfig, url: str, engines: int, store) -> str:
     where = "in-process" if config.gateway.engines == "in_process" else "Ray"
+    token = f"asyncrl token {shlex.quote(str(run_directory(config)))}"
+    if config.gateway.auth:
+        how = [f"lifecycle calls take the run token, which `{token}` prints (engines elsewhere: `{token} --engine`)."]
+        auth = f' -H "authorization: Bearer $({token})"'
+    else:
+        how, auth = ["gateway.auth is false: lifecycle calls need no token (loopback only)."], ""
     return "\n".join([
         f"asyncrl gateway listening on {url}  ({engines} {where} engine(s), store {store!r})",
         "",
+        *how,
         "open a rollout:",
-        f"  curl -s -X POST {url}/rollouts -H 'content-type: application/json' -d '{{\"task\": \"demo\"}}'",
+        f"  curl -s -X POST {url}/rollouts{auth} -H 'content-type: application/json' -d '{{\"task\": \"demo\"}}'",
         "point an unmodified agent at it:",
         f"  openai.OpenAI(base_url=\"{url}/v1\", api_key=\"<api_key from the answer above>\")",
         "finish it:",
-        f"  curl -s -X POST {url}/rollouts/<rollout_id>/finish -H 'content-type: application/json' -d '{{\"reward\": 1.0}}'",
+        f"  curl -s -X POST {url}/rollouts/<rollout_id>/finish{auth} -H 'content-type: application/json' -d '{{\"reward\": 1.0}}'",
         "see what was recorded:",
         f"  asyncrl trajectories list {_store_argument(config)}",
         "",

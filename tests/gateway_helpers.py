@@ -19,10 +19,9 @@ import time
 import httpx
 import openai
 import torch
-import uvicorn
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, GatewayConfig, SamplingConfig, TinyModelConfig
-from asyncrl.gateway.app import create_app
+from asyncrl.gateway.app import create_app, gateway_server
 from asyncrl.gateway.engines import LocalEngine, ScoringUnsupported
 from asyncrl.gateway.pool import EnginePool
 from asyncrl.gateway.service import GatewayService
@@ -82,12 +81,16 @@ def make_service(store, handles, *, sampling: SamplingConfig | None = None, **ga
 
 
 class LiveGateway:
-    """The gateway app served by uvicorn on a free loopback port, in a background thread."""
+    """The gateway app served by uvicorn on a free loopback port, in a background thread.
+
+    `http` is the run's own client: it carries the run token, as the scheduler's would (a request with
+    its own Authorization header, e.g. a rollout key, sends that instead). `run_token` and
+    `engine_token` are the gateway's tokens, for requests that need to choose."""
 
     def __init__(self, service: GatewayService, *, heartbeats: bool = True) -> None:
         self.service = service
-        config = uvicorn.Config(create_app(service, heartbeats=heartbeats), host="127.0.0.1", port=0, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.run_token, self.engine_token = service.credentials.run_token, service.credentials.engine_token
+        self.server = gateway_server(create_app(service, heartbeats=heartbeats), service.config, host="127.0.0.1", port=0)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveGateway:
@@ -99,7 +102,7 @@ class LiveGateway:
             time.sleep(0.01)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self.http = httpx.Client(base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {self.run_token}"})
         return self
 
     def __exit__(self, *exc) -> None:

@@ -52,3 +52,17 @@ def test_sft_command_end_to_end(tmp_path, capsys):
     assert "held-out accuracy:" in out and "after 2 steps" in out
     checkpoint = tmp_path / "quickstart" / "sft" / "checkpoint"
     assert (checkpoint / "config.json").exists() and (tmp_path / "quickstart" / "sft" / "metrics.jsonl").exists()
+
+
+def test_token_prints_the_tokens_derived_from_the_served_runs_secret(tmp_path, capsys):
+    from asyncrl.gateway.auth import Credentials
+    from asyncrl.sched.serve import SECRET_FILE, _secret
+
+    overrides = [f"runs_dir={tmp_path}", "name=demo"]
+    assert main(["token", "quickstart", *overrides]) == 2  # nothing served yet: no secret to derive from
+    assert "asyncrl serve" in capsys.readouterr().err
+    expected = Credentials.from_secret(_secret(tmp_path / "demo"))  # what `asyncrl serve` keeps in the run directory
+    assert (tmp_path / "demo" / SECRET_FILE).stat().st_mode & 0o077 == 0
+    for args, token in ((["quickstart", *overrides], expected.run_token), ([str(tmp_path / "demo"), "--engine"], expected.engine_token)):
+        assert main(["token", *args]) == 0
+        assert capsys.readouterr().out == token + "\n"

@@ -217,3 +217,44 @@ def test_max_branches(tok) -> None:
     conv.prepare(messages, TOOLS)  # extending is always allowed
     with pytest.raises(ConversationError, match="max_branches"):
         conv.prepare([{"role": "user", "content": "something else"}], TOOLS)
+
+
+def test_max_branches_counts_the_branches_calls_in_flight_will_create(tok) -> None:
+    conv = Conversation(tok, max_branches=2)
+    _, messages = tool_turn(tok, conv, [USER])
+    first = conv.prepare(messages, TOOLS)  # extends branch 0
+    second = conv.prepare(messages, TOOLS)  # the same messages at once: one of the two forks at commit
+    other = [{"role": "user", "content": "something else"}]
+    for refused in (messages, other):
+        with pytest.raises(ConversationError, match="max_branches"):
+            conv.prepare(refused, TOOLS)
+    conv.release(second)  # it failed: its reservation is free again
+    conv.release(second)  # and giving it back twice changes nothing
+    fork = conv.prepare(other, TOOLS)
+    with pytest.raises(ConversationError, match="max_branches"):
+        conv.prepare(other, TOOLS)
+    assert conv.commit(fork, encode(tok, "x" + EOS), {"role": "assistant", "content": "x"}) == 1
+    assert conv.commit(first, encode(tok, "A" + EOS), {"role": "assistant", "content": "A"}) == 0
+    assert len(conv.branches) == 2
+
+
+def test_commit_checks_max_branches_again(tok) -> None:
+    conv = Conversation(tok)
+    a, b = conv.prepare([USER]), conv.prepare([{"role": "user", "content": "other"}])
+    conv.max_branches = 1  # e.g. a reservation this conversation did not see
+    assert conv.commit(a, encode(tok, "A" + EOS), {"role": "assistant", "content": "A"}) == 0
+    with pytest.raises(ConversationError, match="max_branches"):
+        conv.commit(b, encode(tok, "B" + EOS), {"role": "assistant", "content": "B"})
+    assert [branch.turns for branch in conv.branches] == [1]
+
+
+def test_a_reply_that_spells_a_marker_is_echoed_with_one_render(tok) -> None:
+    conv = Conversation(tok)
+    prepared = conv.prepare([USER])
+    completion = [*chars(tok, "<|user|>"), tok.eos_token_id]
+    returned = parse_completion(completion, tok).message()
+    conv.commit(prepared, completion, returned)
+    tok.renders = 0
+    follow_up = conv.prepare([USER, returned, {"role": "user", "content": "again"}])
+    assert tok.renders == 1  # the remembered text reads as the template renders the echoed reply
+    assert follow_up.prompt_token_ids[: len(prepared.prompt_token_ids) + len(completion)] == prepared.prompt_token_ids + completion

@@ -1,10 +1,19 @@
-"""Engine registration, heartbeats with an injected clock, in-flight leases, and the router following along."""
+"""Engine registration, heartbeats with an injected clock, in-flight leases, holder secrets, bounds, and the
+router following along."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncrl.gateway.registry import EngineRegistry, UnknownEngineError
+from asyncrl.gateway.registry import (
+    MAX_CAPACITY,
+    MAX_ENGINES,
+    MAX_TOTAL_CAPACITY,
+    EngineIdTaken,
+    EngineRegistry,
+    RegistryFull,
+    UnknownEngineError,
+)
 from asyncrl.gateway.routing import Router
 
 
@@ -43,15 +52,15 @@ def test_register_and_alive(registry: EngineRegistry) -> None:
 
 def test_silent_engine_expires_after_the_window(registry: EngineRegistry, clock: Clock) -> None:
     seen = events_of(registry)
-    registry.register("e0", None)
-    registry.register("e1", None)
+    e0 = registry.register("e0", None)
+    e1 = registry.register("e1", None)
     clock.now += 4.0
-    assert registry.heartbeat("e0", {"running": 1})
+    assert registry.heartbeat("e0", {"running": 1}, holder=e0.holder)
     clock.now += 5.0  # e0 beat 5 s ago: exactly the window, still alive; e1 silent for 9 s
     assert [e.id for e in registry.alive()] == ["e0"]
     assert registry.get("e0").health == {"running": 1}
     assert seen[-1] == ("deregistered", "e1", "heartbeat timeout")
-    assert not registry.heartbeat("e1")  # told to register again
+    assert not registry.heartbeat("e1", holder=e1.holder)  # told to register again
     clock.now += 0.001
     assert registry.expire() == ["e0"] and registry.alive() == []
 
@@ -83,14 +92,48 @@ def test_lease_from_an_expired_registration_does_not_touch_the_new_one(registry:
 
 def test_re_registering_a_live_engine_updates_it_in_place(registry: EngineRegistry) -> None:
     seen = events_of(registry)
-    registry.register("e0", "a")
+    holder = registry.register("e0", "a").holder
     lease = registry.acquire("e0")
-    registry.register("e0", "b", capacity=3.0)
+    registry.register("e0", "b", capacity=3.0, holder=holder)
     info = registry.get("e0")
-    assert (info.handle, info.capacity, info.in_flight) == ("b", 3.0, 1)
+    assert (info.handle, info.capacity, info.in_flight, info.holder) == ("b", 3.0, 1, holder)
     lease.release()
     assert info.in_flight == 0
     assert [r for _, _, r in seen] == ["registered", "updated"]
+
+
+def test_a_live_engine_id_answers_only_to_its_holder(registry: EngineRegistry, clock: Clock) -> None:
+    holder = registry.register("e0", "real").holder
+    for wrong in (None, "", "guess", holder[:-1]):
+        with pytest.raises(EngineIdTaken, match="'e0'"):
+            registry.register("e0", "fake", holder=wrong)
+        with pytest.raises(EngineIdTaken, match="'e0'"):
+            registry.heartbeat("e0", holder=wrong)
+        with pytest.raises(EngineIdTaken, match="'e0'"):
+            registry.leave("e0", wrong)
+    assert registry.get("e0").handle == "real"
+    clock.now += 6.0  # it expired: the id is free, and its old holder secret means nothing
+    assert not registry.heartbeat("e0", holder=holder)
+    fresh = registry.register("e0", "next")
+    assert fresh.holder != holder and registry.get("e0").handle == "next"
+    assert registry.leave("e0", fresh.holder) and registry.alive() == []
+
+
+def test_registrations_are_bounded(registry: EngineRegistry) -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        registry.register("big", None, capacity=MAX_CAPACITY * 2)
+    for i in range(MAX_ENGINES):
+        registry.register(f"e{i}", None)
+    with pytest.raises(RegistryFull, match=str(MAX_ENGINES)):
+        registry.register("one-more", None)
+
+
+def test_the_capacity_registered_in_all_is_bounded(registry: EngineRegistry) -> None:
+    holders = [registry.register(f"big{i}", None, capacity=MAX_CAPACITY).holder for i in range(int(MAX_TOTAL_CAPACITY // MAX_CAPACITY))]
+    with pytest.raises(RegistryFull, match="in all"):
+        registry.register("one-more", None, capacity=1.0)
+    registry.register("big0", None, capacity=MAX_CAPACITY / 2, holder=holders[0])  # shrinking frees room
+    assert registry.register("one-more", None, capacity=1.0).capacity == 1.0
 
 
 def test_deregister(registry: EngineRegistry) -> None:
@@ -115,14 +158,13 @@ def test_bad_arguments(clock: Clock) -> None:
 def test_router_follows_the_registry(registry: EngineRegistry, clock: Clock) -> None:
     router = Router(load_factor=0.0)
     registry.subscribe(router.apply)
-    for i in range(4):
-        registry.register(f"e{i}", None)
+    holders = {f"e{i}": registry.register(f"e{i}", None).holder for i in range(4)}
     keys = [f"rollout-{i}" for i in range(200)]
     homes = {k: router.route(k, registry.loads()) for k in keys}
     assert set(homes.values()) == {"e0", "e1", "e2", "e3"}
     clock.now += 4.0
     for engine in ("e0", "e1", "e3"):
-        registry.heartbeat(engine)
+        registry.heartbeat(engine, holder=holders[engine])
     clock.now += 2.0  # e2 missed the window
     loads = registry.loads()
     assert router.engines == ["e0", "e1", "e3"]

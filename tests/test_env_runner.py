@@ -117,7 +117,7 @@ def test_a_sandbox_crash_is_recorded_as_env_crash_under_the_task_name(tmp_path):
     store = open_store(tmp_path)
 
     async def go(live):
-        client = AsyncGatewayClient(live.url)
+        client = AsyncGatewayClient(live.url, token=live.run_token)
         try:
             env = ToolEnv(call_model=True)
             ok = await run_recorded_episode(env, "x", client, sandboxes=FakeBackend(), task_name="tools-a")

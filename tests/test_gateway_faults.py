@@ -129,18 +129,21 @@ def test_remote_engines_register_heartbeat_and_expire(engines, tmp_path) -> None
     remote = _EngineServer(engines[1])
     try:
         with LiveGateway(make_service(open_store(tmp_path), [], **FAST_HEARTBEATS)) as gw:
-            bad = gw.http.post("/engines/register", json={"engine_id": "r", "address": "tcp://nowhere"})
+            as_engine = {"Authorization": f"Bearer {gw.engine_token}"}
+            bad = gw.http.post("/engines/register", json={"engine_id": "r", "address": "tcp://nowhere"}, headers=as_engine)
             assert bad.status_code == 400 and "http://" in bad.json()["error"]["message"]
             register = {"engine_id": "remote-1", "address": remote.url, "capacity": 2.0}
-            assert gw.http.post("/engines/register", json=register).json() == {"registered": True}
+            registered = gw.http.post("/engines/register", json=register, headers=as_engine).json()
+            assert registered["registered"] is True and registered["lease"]
             _, key = gw.open()
             reply = gw.openai(key).chat.completions.create(model="policy", messages=USER, tools=TOOLS, max_tokens=12)
             assert reply.model_extra["asyncrl"]["engine_id"] == "e1"  # the engine's own id, as it reported it
             assert reply.choices[0].message.tool_calls[0].function.name == "f"
-            assert gw.http.post("/engines/remote-1/heartbeat", json={"health": {"load": 0}}).json() == {"registered": True}
+            beat = {"lease": registered["lease"], "health": {"load": 0}}
+            assert gw.http.post("/engines/remote-1/heartbeat", json=beat, headers=as_engine).json() == {"registered": True}
             time.sleep(0.6)  # silence past the window
             assert _live_engines(gw) == set()
-            assert gw.http.post("/engines/remote-1/heartbeat", json={}).json() == {"registered": False}
+            assert gw.http.post("/engines/remote-1/heartbeat", json=beat, headers=as_engine).json() == {"registered": False}
     finally:
         remote.stop()
 
@@ -148,9 +151,11 @@ def test_remote_engines_register_heartbeat_and_expire(engines, tmp_path) -> None
 def test_a_refused_remote_connection_is_retried_elsewhere(engines, tmp_path) -> None:
     with LiveGateway(make_service(open_store(tmp_path), [engines[0]], engine_retries=2)) as gw:
         # An engine that registered and then vanished: nothing listens on its port.
-        gw.http.post("/engines/register", json={"engine_id": "gone", "address": "http://127.0.0.1:9", "capacity": 100.0}).raise_for_status()
+        # capacity 64 (the most) makes it the home of most rollouts
+        gone = {"engine_id": "gone", "address": "http://127.0.0.1:9", "capacity": 64.0}
+        gw.http.post("/engines/register", json=gone, headers={"Authorization": f"Bearer {gw.engine_token}"}).raise_for_status()
         rollout_id, key = gw.open()
-        while _home(gw, rollout_id) != "gone":  # capacity 100 makes this rare; make it certain
+        while _home(gw, rollout_id) != "gone":  # make it certain
             rollout_id, key = gw.open()
         reply = gw.openai(key).chat.completions.create(model="policy", messages=USER)
         assert reply.model_extra["asyncrl"]["engine_id"] == "e0"

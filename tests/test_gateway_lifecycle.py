@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import openai
 import pytest
 from gateway_helpers import TOOLS, LiveGateway, Pausable, make_engine, make_service
@@ -38,7 +39,7 @@ def _refused(client, status: int, fragment: str) -> None:
 
 
 def test_client_library_round_trip(gateway) -> None:
-    with GatewayClient(gateway.url) as client:
+    with GatewayClient(gateway.url, token=gateway.run_token) as client:
         rollout = client.open_rollout(task="t", group_id="g", metadata={"seed": 3})
         assert rollout.base_url == gateway.url + "/v1"
         reply = rollout.openai(max_retries=0).chat.completions.create(model="policy", messages=USER)
@@ -61,7 +62,7 @@ def test_unknown_finished_and_aborted_keys_are_refused(gateway) -> None:
     tokens = gateway.http.post("/v1/tokens/generate", json={"prompt_token_ids": [4]}, headers={"Authorization": f"Bearer {key}"})
     assert tokens.status_code == 409
 
-    missing = gateway.http.post("/v1/chat/completions", json={"messages": USER})
+    missing = httpx.post(gateway.url + "/v1/chat/completions", json={"messages": USER})  # no credentials at all
     assert missing.status_code == 401 and "Authorization: Bearer" in missing.json()["error"]["message"]
 
 
@@ -118,7 +119,8 @@ class Recording(LocalEngine):
 def test_an_evaluation_rollout_is_sampled_greedily_and_recorded_nowhere(engine, tmp_path) -> None:
     recording, store = Recording(engine), open_store(tmp_path)
     # Overrides allowed, so that the recorded rollout below keeps the temperature it asks for.
-    with LiveGateway(make_service(store, [recording], sampling_overrides="allow")) as gw, GatewayClient(gw.url) as client:
+    service = make_service(store, [recording], sampling_overrides="allow")
+    with LiveGateway(service) as gw, GatewayClient(gw.url, token=gw.run_token) as client:
         empty = store.counts()
         rollout = client.open_rollout(task="t", group_id="g", metadata={"seed": 3}, evaluation=True)
         agent = rollout.openai(max_retries=0)

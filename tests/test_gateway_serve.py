@@ -40,7 +40,14 @@ def test_serve_records_what_an_agent_does_and_trajectories_shows_it(tmp_path, ca
         url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(banner))
         assert url, "".join(banner)
         url = url[1]
-        opened = httpx.post(url + "/rollouts", json={"task": "demo", "group_id": "g"}).json()
+        banner = "".join(banner)
+        assert f"authorization: Bearer $(asyncrl token {tmp_path / 'demo'})" in banner
+        assert main(["token", str(tmp_path / "demo")]) == 0
+        run_token = capsys.readouterr().out.strip()
+        assert run_token.startswith("rt-") and run_token not in banner  # the banner says how to get it, never what it is
+        assert httpx.post(url + "/rollouts", json={"task": "demo"}).status_code == 401
+        as_run = {"authorization": f"Bearer {run_token}"}
+        opened = httpx.post(url + "/rollouts", json={"task": "demo", "group_id": "g"}, headers=as_run).json()
         agent = openai.OpenAI(base_url=url + "/v1", api_key=opened["api_key"], max_retries=0)
         messages = [{"role": "user", "content": "hi"}]
         reply = agent.chat.completions.create(model="any", messages=messages, tools=TOOLS)
@@ -49,7 +56,7 @@ def test_serve_records_what_an_agent_does_and_trajectories_shows_it(tmp_path, ca
         agent.chat.completions.create(model="any", messages=messages, tools=TOOLS)
         health = httpx.get(url + "/health").json()
         assert len(health["engines"]) == 2 and health["rollouts_running"] == 1
-        httpx.post(f"{url}/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0}).raise_for_status()
+        httpx.post(f"{url}/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0}, headers=as_run).raise_for_status()
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(30)

@@ -36,7 +36,7 @@ def gateway(engine, tmp_path):
 
 def _run(live, env, task, **options):
     async def go():
-        client = AsyncGatewayClient(live.url)
+        client = AsyncGatewayClient(live.url, token=live.run_token)
         try:
             return await run_recorded_episode(env, task, client, group_id="g1", **options)
         finally:
@@ -110,7 +110,7 @@ def test_held_out_evaluation_goes_through_the_gateway_and_records_nothing(gatewa
     env = ReasoningEnv(ArithmeticTaskConfig())
 
     async def go():
-        async with AsyncGatewayClient(live.url) as client:
+        async with AsyncGatewayClient(live.url, token=live.run_token) as client:
             return await evaluate_env(env, client, num_problems=40, seed=6)
 
     result = asyncio.run(go())

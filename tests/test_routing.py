@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from asyncrl.gateway.routing import HashRing, NoEngineError, Router, stable_hash
+from asyncrl.gateway.routing import MAX_POINTS_PER_NODE, HashRing, NoEngineError, Router, stable_hash
 
 ENGINES = [f"engine-{i}" for i in range(8)]
 KEYS = [f"rollout-{i}" for i in range(4000)]
@@ -143,3 +143,25 @@ def test_empty_router_and_bad_arguments() -> None:
     ring = HashRing()
     ring.remove("never-added")  # harmless
     assert ring.owner("k") is None and list(ring.walk("k")) == []
+
+
+def test_a_ring_changed_one_node_at_a_time_is_the_ring_built_at_once() -> None:
+    ring = HashRing()
+    for e in ENGINES:
+        ring.add(e)
+    ring.add("engine-3", 2.5)  # re-weighted
+    ring.remove("engine-5")
+    ring.add("engine-5", 0.5)
+    fresh = HashRing()
+    for e, weight in sorted({**dict.fromkeys(ENGINES, 1.0), "engine-3": 2.5, "engine-5": 0.5}.items()):
+        fresh.add(e, weight)
+    assert ring._points == fresh._points
+    assert [ring.owner(k) for k in KEYS[:500]] == [fresh.owner(k) for k in KEYS[:500]]
+
+
+def test_a_weight_that_would_flood_the_ring_is_refused_before_any_work() -> None:
+    ring = HashRing(vnodes=128)
+    ring.add("small")
+    with pytest.raises(ValueError, match=f"at most {MAX_POINTS_PER_NODE}"):
+        ring.add("huge", 1_000_000.0)  # 128 million points: what a registration of capacity 1e6 once built
+    assert ring.nodes == {"small": 1.0}

@@ -101,9 +101,9 @@ def test_a_thousand_episodes_in_flight_as_asyncio_tasks(tmp_path):
     engine = make_engine("e0", scripted_model([ASSISTANT, "7", EOS]))
     store = open_store(tmp_path)
 
-    async def go(url: str):
+    async def go(url: str, token: str):
         env = Waiting(total)
-        gateway = AsyncGatewayClient(url, timeout=None)  # 1,000 opens queue for the pool on a busy machine
+        gateway = AsyncGatewayClient(url, token=token, timeout=None)  # 1,000 opens queue for the pool on a busy machine
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=16)) as http:
             results = await asyncio.gather(*(
                 run_recorded_episode(env, 0, gateway, group_id=f"g{i // 8}", task_name="wait", http_client=http, timeout_s=300)
@@ -114,7 +114,7 @@ def test_a_thousand_episodes_in_flight_as_asyncio_tasks(tmp_path):
 
     try:
         with LiveGateway(make_service(store, [engine])) as live:
-            peak, results = asyncio.run(go(live.url))
+            peak, results = asyncio.run(go(live.url, live.run_token))
         assert peak == total
         assert all(result.status == "ok" and result.reward == 1.0 for _, result in results)
         counts = store.counts()

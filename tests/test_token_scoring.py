@@ -246,6 +246,7 @@ def test_a_url_teacher_scores_as_the_local_teacher_does(gateway, teacher_model, 
     check_checkpoints(config)  # a url teacher has no checkpoint to check
     remote = Teachers.from_config(config, {})
     assert isinstance(remote.handles["words"], HttpTeacher)
+    remote.handles["words"] = HttpTeacher("words", gateway.url, token=gateway.run_token)  # the serving run's token
     local = Teachers({"words": LoopbackTeacher(teacher_model)}, remote.temperature, remote.skip_statuses)
     samples = student_samples()
     (out_remote, kl_remote), (out_local, kl_local) = asyncio.run(remote.score(samples)), asyncio.run(local.score(samples))
@@ -260,7 +261,7 @@ def test_a_url_teacher_splits_large_batches_and_keeps_their_order(gateway, teach
 
     monkeypatch.setattr(teachers, "HTTP_CHUNK_TOKENS", 40)  # SEQUENCES: 8 + 2 | 40 | 1 tokens: 3 requests
     assert [len(c) for c in teachers._chunks(SEQUENCES)] == [2, 1, 1]
-    got = asyncio.run(HttpTeacher("words", gateway.url).score(SEQUENCES, 1.0))
+    got = asyncio.run(HttpTeacher("words", gateway.url, token=gateway.run_token).score(SEQUENCES, 1.0))
     assert max_diff(got, NativeScorer(teacher_model).score(SEQUENCES, 1.0)) < TOLERANCE
 
 
@@ -271,7 +272,9 @@ def test_a_url_teacher_that_fails_names_itself_and_its_url(gateway):
     with pytest.raises(TeacherError, match=rf"teacher 'math' at http://127.0.0.1:{port} is unreachable"):
         asyncio.run(HttpTeacher("math", f"http://127.0.0.1:{port}").score([[5, 6]], 1.0))
     with pytest.raises(TeacherError, match=r"teacher 'words' at http://127.0.0.1:\d+ answered HTTP 400: .*outside the vocabulary"):
-        asyncio.run(HttpTeacher("words", gateway.url).score([[5, 10_000]], 1.0))
+        asyncio.run(HttpTeacher("words", gateway.url, token=gateway.run_token).score([[5, 10_000]], 1.0))
+    with pytest.raises(TeacherError, match=r"teacher 'words' at http://127.0.0.1:\d+ refused the run token .*run token"):
+        asyncio.run(HttpTeacher("words", gateway.url).score([[5, 6]], 1.0))  # no token for a gateway that checks them
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 from asyncrl.configs.schema import GatewayConfig, RedisStoreConfig, RunConfig, SamplingConfig
+from asyncrl.gateway.auth import Credentials
 from asyncrl.records import ScoreResult
 
 SESSIONS, TURNS, REPEATS = 64, 6, 3
@@ -79,6 +80,11 @@ class StubEngine:
         return {"alive": True, "max_concurrent": self.max_active}
 
 
+BENCH_SECRET = b"asyncrl bench gateway, loopback only"
+"""The bench gateway's secret, fixed so the sessions can send its run token as a scheduler would."""
+LIFECYCLE_HEADERS = {"Authorization": f"Bearer {Credentials.from_secret(BENCH_SECRET).run_token}"}
+
+
 def _completion_ids() -> list[int]:
     from asyncrl.policy.tokenizer import build_tokenizer
 
@@ -97,7 +103,9 @@ def _serve(store: str, namespace: str, latency_s: float, ports) -> None:
     pool = EnginePool(config)
     for i in range(2):
         pool.add_local(StubEngine(f"stub-{i}", _completion_ids(), latency_s))
-    service = GatewayService(open_store(store, namespace=namespace), build_tokenizer(), pool, config, SamplingConfig(max_tokens=64))
+    service = GatewayService(
+        open_store(store, namespace=namespace), build_tokenizer(), pool, config, SamplingConfig(max_tokens=64), secret=BENCH_SECRET
+    )
     _listen(create_app(service), ports)
 
 
@@ -193,7 +201,7 @@ def _pauses(index: int, turns: int, think_s: float) -> list[float]:
 async def _session(http, url: str, turns: int, think_s: float, walls: list[float], errors: list[str], index: int = 0) -> None:
     pauses = _pauses(index, turns, think_s)
     await asyncio.sleep(pauses[0])
-    async with http.post(url + "/rollouts", json={"task": "bench"}) as response:
+    async with http.post(url + "/rollouts", json={"task": "bench"}, headers=LIFECYCLE_HEADERS) as response:
         opened = await response.json()
     headers = {"Authorization": f"Bearer {opened['api_key']}"}
     messages = [{"role": "system", "content": "You run python."}, {"role": "user", "content": "What is 2+2? Check with python."}]
@@ -208,7 +216,7 @@ async def _session(http, url: str, turns: int, think_s: float, walls: list[float
         reply = json.loads(body)["choices"][0]["message"]
         messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "4"}]
         await asyncio.sleep(pauses[turn + 1])
-    async with http.post(f"{url}/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0}) as response:
+    async with http.post(f"{url}/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0}, headers=LIFECYCLE_HEADERS) as response:
         await response.read()
 
 

@@ -1,0 +1,159 @@
+"""Per-rollout limits and bounded work under concurrent and oversized requests, through a real gateway
+(uvicorn on loopback) in front of a real engine: the branch limit holds for calls on one key at once,
+a message over `max_message_chars` is refused before anything renders it, and a big prompt is rendered
+and tokenized off the event loop while other rollouts' requests go on."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+from gateway_helpers import LiveGateway, Pausable, make_engine, make_service
+
+from asyncrl.gateway.service import OFFLOAD_CHARS
+from asyncrl.gateway.store import open_store
+
+MAX_BRANCHES = 8
+CALLS = 200
+USER = [{"role": "user", "content": "go"}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = make_engine("e0")
+    yield engine
+    engine.shutdown()
+
+
+def _bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize("history", ["fresh", "extending"])
+def test_concurrent_calls_on_one_key_stay_within_max_branches(engine, tmp_path, history) -> None:
+    paused = Pausable(engine)
+    with LiveGateway(make_service(open_store(tmp_path), [paused], max_branches=MAX_BRANCHES)) as live:
+        rollout_id, key = live.open()
+        messages = USER
+        if history == "extending":  # one turn first: every call extends its branch, all but one fork at commit
+            first = live.http.post("/v1/chat/completions", json={"messages": USER}, headers=_bearer(key)).json()
+            messages = [*USER, first["choices"][0]["message"], {"role": "user", "content": "again"}]
+        paused.pause()  # no call commits until every one has been either refused or sent to the engine
+        before = paused.calls
+
+        async def calls() -> list[httpx.Response]:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            async with httpx.AsyncClient(base_url=live.url, headers=_bearer(key), timeout=120, limits=limits) as client:
+                tasks = [asyncio.create_task(client.post("/v1/chat/completions", json={"messages": messages})) for _ in range(CALLS)]
+                deadline = time.monotonic() + 120  # a hang guard, not part of the verdict
+                while paused.calls - before + sum(t.done() for t in tasks) < CALLS:
+                    assert time.monotonic() < deadline, "calls neither refused nor sent to the engine"
+                    await asyncio.sleep(0.01)
+                paused.resume()
+                return await asyncio.gather(*tasks)
+
+        responses = asyncio.run(calls())
+        answered = [r for r in responses if r.status_code == 200]
+        refused = [r for r in responses if r.status_code != 200]
+        assert answered, "no call got through"
+        for response in refused:
+            assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_branches", response.text
+            assert "max_branches" in response.json()["error"]["message"]
+        conversation = live.service._live[rollout_id].conversation
+        assert len(conversation.branches) <= MAX_BRANCHES
+        turns = live.service.store.get(rollout_id).turns
+        assert len(turns) == len(answered) + (history == "extending")  # a refused turn is not recorded
+        assert len({t.branch for t in turns}) == len(conversation.branches) <= MAX_BRANCHES
+
+
+class Spy:
+    """The gateway's template, with every render and encode it is asked for noted."""
+
+    def __init__(self, template) -> None:
+        self._template, self.calls = template, []
+
+    def __getattr__(self, name):
+        method = getattr(self._template, name)
+        if name not in ("render", "encode", "encode_text"):
+            return method
+
+        def noted(*args, **kwargs):
+            self.calls.append(name)
+            return method(*args, **kwargs)
+
+        return noted
+
+
+def test_a_5_mb_message_is_refused_before_anything_renders_it(engine, tmp_path) -> None:
+    service = make_service(open_store(tmp_path), [engine])
+    service.template = spy = Spy(service.template)
+    huge = "x" * 5_000_000
+    with LiveGateway(service) as live:
+        _, key = live.open()
+        requests = [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages[0]"),
+            ("/v1/chat/completions", {"messages": [*USER, {"role": "tool", "content": [{"type": "text", "text": huge}]}]}, "messages[1]"),
+            ("/v1/completions", {"prompt": huge}, "prompt"),
+        ]
+        for path, body, where in requests:
+            response = live.http.post(path, json=body, headers=_bearer(key))
+            assert response.status_code == 400, response.text
+            message = response.json()["error"]["message"]
+            assert "max_message_chars" in message and where in message and "5000000" in message
+        assert spy.calls == []  # refused before any rendering or tokenizing
+        assert live.http.post("/v1/chat/completions", json={"messages": USER}, headers=_bearer(key)).status_code == 200
+        assert spy.calls  # the template is the one the gateway uses
+
+
+class Held:
+    """The gateway's template, holding any encode of a big text until the test lets it go."""
+
+    def __init__(self, template) -> None:
+        self._template = template
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.released_by_test: list[bool] = []
+
+    def __getattr__(self, name):
+        return getattr(self._template, name)
+
+    def _hold(self, text: str) -> None:
+        if len(text) > OFFLOAD_CHARS:
+            self.entered.set()
+            # False: it waited this long without the test letting it go (the loop was blocked).
+            self.released_by_test.append(self.release.wait(30))
+
+    def encode(self, text: str) -> list[int]:
+        self._hold(text)
+        return self._template.encode(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        self._hold(text)
+        return self._template.encode_text(text)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_big_prompt_is_tokenized_off_the_event_loop(engine, tmp_path, path) -> None:
+    service = make_service(open_store(tmp_path), [engine], max_prompt_tokens=1000)
+    service.template = held = Held(service.template)
+    text = "y" * (2 * OFFLOAD_CHARS)
+    big_body = {"messages": [{"role": "user", "content": text}]} if path.endswith("chat/completions") else {"prompt": text}
+    with LiveGateway(service) as live:
+        _, big_key = live.open()
+        _, small_key = live.open()
+
+        async def both() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=live.url, timeout=120) as client:
+                big = asyncio.create_task(client.post(path, json=big_body, headers=_bearer(big_key)))
+                assert await asyncio.to_thread(held.entered.wait, 60), "the big prompt was never tokenized"
+                small = await client.post("/v1/chat/completions", json={"messages": USER}, headers=_bearer(small_key))
+                held.release.set()  # only now may the big prompt's tokenizing finish
+                return small, await big
+
+        small, big = asyncio.run(both())
+        assert small.status_code == 200, small.text
+        assert held.released_by_test == [True]  # the small one was answered while the big one was still being tokenized
+        # The big prompt was tokenized in full, then refused for its length (the engine's context is short).
+        assert big.status_code == 400 and "max_prompt_tokens" in big.json()["error"]["message"], big.text
