@@ -88,7 +88,7 @@ class DockerSandbox:
                 await self._discard_container()
                 return timed_out_on_host(timeout_s)
             except _docker_errors() as e:
-                raise SandboxError(f"docker exec failed: {e}") from e
+                raise SandboxError(f"docker exec failed (Docker engine at {self._backend.where}): {e}") from e
             except BaseException:
                 await asyncio.shield(self._discard_container())  # cancelled: the exec must not outlive the episode
                 raise
@@ -124,6 +124,11 @@ class DockerBackend:
         self._connect_lock = asyncio.Lock()
         self._threads = ThreadPoolExecutor(_THREADS, thread_name_prefix="asyncrl-docker")
 
+    @property
+    def where(self) -> str:
+        """The engine's address, for messages: a failure names which engine failed."""
+        return self.config.docker_host or os.environ.get("DOCKER_HOST", "the default socket")
+
     async def blocking(self, fn, *args):
         """Run a blocking SDK call on this backend's threads."""
         return await asyncio.get_running_loop().run_in_executor(self._threads, partial(fn, *args))
@@ -156,6 +161,9 @@ class DockerBackend:
             security_opt=["no-new-privileges"],
             ipc_mode="private",
             working_dir="/scratch",
+            # The reaper, as PID 1, ignores SIGTERM: a stop (a restarted dockerd stopping the containers it
+            # finds) would wait out the 10 s stop timeout first. Nothing in a sandbox needs a graceful stop.
+            stop_signal="SIGKILL",
         )
         starting = asyncio.ensure_future(self.blocking(create))
         try:
@@ -168,7 +176,7 @@ class DockerBackend:
             starting.add_done_callback(self._remove_late)
             raise
         except _docker_errors() as e:
-            raise SandboxError(f"could not start a sandbox container from {c.docker_image}: {e}") from e
+            raise SandboxError(f"could not start a sandbox container from {c.docker_image} (Docker engine at {self.where}): {e}") from e
 
     def _remove_late(self, starting: asyncio.Future) -> None:
         if not starting.cancelled() and starting.exception() is None:
@@ -199,8 +207,7 @@ class DockerBackend:
             client = docker.DockerClient(base_url=c.docker_host, **options) if c.docker_host else docker.from_env(**options)
             client.ping()
         except _docker_errors() as e:
-            where = c.docker_host or os.environ.get("DOCKER_HOST", "the default socket")
-            raise SandboxError(f"no Docker engine answers at {where}: {e}") from e
+            raise SandboxError(f"no Docker engine answers at {self.where}: {e}") from e
         try:
             client.images.get(c.docker_image)
         except docker.errors.ImageNotFound as e:

@@ -7,6 +7,12 @@ group is what makes the hand-off exactly-once: an entry stays in the group's pen
 the consumer it was delivered to, until that consumer acks it; XAUTOCLAIM hands entries whose owner
 stayed silent past the visibility timeout to the next claimer. Every check-then-write runs as a Lua
 script, so two gateways can never both append to a rollout that one of them just finished.
+
+A Redis restart (or a dropped connection) is survived: every call is retried with backoff for up to
+`reconnect_s`, then fails as `RedisUnavailable`. A write whose reply was lost may already have been
+applied, so each write carries an operation token and its script recognises its own earlier
+application (an open, a finish or an abort already done by this very call, the turn it already
+appended, the entries the claim already leased) instead of doing it twice or refusing it.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import redis
 
@@ -36,12 +43,26 @@ from .base import (
 GROUP = "learner"
 """The one consumer group: every learner process is a consumer in it and shares its entries."""
 
+DEFAULT_RECONNECT_S = 30.0
+"""How long a call keeps retrying an unreachable Redis (a restart, loading its AOF) before it fails."""
+
+_T = TypeVar("_T")
+
+
+class RedisUnavailable(ConnectionError):
+    """Redis did not answer within the store's reconnect budget; the store's side, not the caller's request."""
+
+
 # Scripts answer {0, value} on success, {1} for an unknown rollout, {2, status} for a closed one,
-# {3, index} for a turn whose own index disagrees with the next one.
+# {3, index} for a turn whose own index disagrees with the next one. ARGV[#ARGV] of the writes is the
+# call's operation token (open, finish, abort) or "1" on a retry (append): see the module docstring.
 _OPEN = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {2, redis.call('HGET', KEYS[1], 'status')} end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('HGET', KEYS[1], 'op') == ARGV[6] then return {0, 0} end
+  return {2, redis.call('HGET', KEYS[1], 'status')}
+end
 redis.call('HSET', KEYS[1], 'task', ARGV[2], 'group_id', ARGV[3], 'metadata', ARGV[4],
-           'status', 'running', 'created_at', ARGV[5])
+           'status', 'running', 'created_at', ARGV[5], 'op', ARGV[6])
 redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'running', 1)
 return {0, 0}
@@ -51,6 +72,8 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {1} end
 if status ~= 'running' then return {2, status} end
 local index = redis.call('LLEN', KEYS[2])
+-- A turn's text holds its creation time to the microsecond: equal to the last one only if it is that one.
+if ARGV[3] == '1' and index > 0 and redis.call('LINDEX', KEYS[2], -1) == ARGV[1] then return {0, index - 1} end
 if tonumber(ARGV[2]) ~= -1 and tonumber(ARGV[2]) ~= index then return {3, index} end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 return {0, index}
@@ -58,9 +81,12 @@ return {0, index}
 _END = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {1} end
-if status ~= 'running' then return {2, status} end
+if status ~= 'running' then
+  if redis.call('HGET', KEYS[1], 'end_op') == ARGV[7] then return {0, 0} end
+  return {2, status}
+end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'reward', ARGV[3], 'metrics', ARGV[4], 'reason', ARGV[5],
-           'finished_at', ARGV[6])
+           'finished_at', ARGV[6], 'end_op', ARGV[7])
 redis.call('HSET', KEYS[1], 'entry', redis.call('XADD', KEYS[2], '*', 'rid', ARGV[1]))
 redis.call('HINCRBY', KEYS[3], 'running', -1)
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
@@ -76,15 +102,55 @@ end
 if acked > 0 then redis.call('HINCRBY', KEYS[2], 'acked', acked) end
 return acked
 """
+# Leases expired entries (XAUTOCLAIM) and then new ones (XREADGROUP) in one step, and remembers the
+# rollout ids it leased under the call's token in the consumer's claim record: a retry of the same
+# call gets them back instead of leaving them leased to no one who knows. Answers {last stream id
+# (when nothing was leased, for a blocking wait), rollout ids...}.
+_CLAIM = """
+local record = redis.call('HMGET', KEYS[2], 'op', 'rids')
+if record[1] == ARGV[5] then
+  local rids = cjson.decode(record[2])
+  table.insert(rids, 1, '')
+  return rids
+end
+local n, rids, cursor = tonumber(ARGV[3]), {}, '0-0'
+repeat
+  local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[4], cursor, 'COUNT', n - #rids)
+  cursor = reply[1]
+  for _, entry in ipairs(reply[2]) do table.insert(rids, entry[2][2]) end
+until cursor == '0-0' or #rids >= n
+if #rids < n then
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n - #rids, 'STREAMS', KEYS[1], '>')
+  if reply then
+    for _, entry in ipairs(reply[1][2]) do table.insert(rids, entry[2][2]) end
+  end
+end
+redis.call('HSET', KEYS[2], 'op', ARGV[5], 'rids', #rids > 0 and cjson.encode(rids) or '[]')
+local last = ''
+if #rids == 0 then
+  local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  last = #newest > 0 and newest[1][1] or '0-0'
+end
+table.insert(rids, 1, last)
+return rids
+"""
 
 
 class RedisStore:
     """`TrajectoryStore` on Redis streams and a consumer group; one key prefix per run."""
 
-    def __init__(self, url: str, *, namespace: str = "default", visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "default",
+        visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S,
+        reconnect_s: float = DEFAULT_RECONNECT_S,
+    ) -> None:
         self.url = url
         self.prefix = f"asyncrl:{namespace}:"
         self.visibility_timeout_s = visibility_timeout_s
+        self.reconnect_s = reconnect_s
         self._r = redis.Redis.from_url(url, decode_responses=True)
         try:
             self._r.ping()
@@ -96,7 +162,8 @@ class RedisStore:
         except redis.ResponseError as error:
             if "BUSYGROUP" not in str(error):
                 raise
-        self._open, self._append, self._end, self._ack = (self._r.register_script(s) for s in (_OPEN, _APPEND, _END, _ACK))
+        scripts = (_OPEN, _APPEND, _END, _ACK, _CLAIM)
+        self._open, self._append, self._end, self._ack, self._claim = (self._r.register_script(s) for s in scripts)
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r}, prefix={self.prefix!r})"
@@ -110,20 +177,41 @@ class RedisStore:
     def close(self) -> None:
         self._r.close()
 
+    def _call(self, attempt: Callable[[bool], _T]) -> _T:
+        """`attempt(retry)` until Redis answers, for up to `reconnect_s`; `retry` is True once an earlier
+        attempt may have been applied (its reply lost with the connection)."""
+        deadline, delay, retry = time.monotonic() + self.reconnect_s, 0.05, False
+        while True:
+            try:
+                return attempt(retry)
+            except (redis.ConnectionError, redis.TimeoutError) as error:  # BusyLoadingError (AOF loading) is one
+                if time.monotonic() + delay > deadline:
+                    raise RedisUnavailable(
+                        f"Redis at {self.url} did not answer for {self.reconnect_s:g} s ({type(error).__name__}: {error})"
+                    ) from error
+            except redis.ResponseError as error:
+                if "NOGROUP" in str(error):
+                    raise StoreError(
+                        f"Redis at {self.url} no longer holds this run's data ({self.prefix}*): it restarted without "
+                        "persistence (run Redis with --appendonly yes)"
+                    ) from error
+                raise
+            time.sleep(delay)
+            delay, retry = min(delay * 2, 1.0), True
+
     # -- the rollout lifecycle --------------------------------------------------------------------
 
     def open(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None) -> str:
         rollout_id = rollout_id or uuid.uuid4().hex
-        code, *_ = self._open(
-            keys=[self._traj(rollout_id), self._order, self._counts],
-            args=[rollout_id, task, group_id, json.dumps(metadata or {}), repr(time.time())],
-        )
+        args = [rollout_id, task, group_id, json.dumps(metadata or {}), repr(time.time()), uuid.uuid4().hex]
+        code, *_ = self._call(lambda retry: self._open(keys=[self._traj(rollout_id), self._order, self._counts], args=args))
         if code:
             raise StoreError(f"rollout id {rollout_id!r} is already in use in {self!r}")
         return rollout_id
 
     def append(self, turn: Turn) -> int:
-        reply = self._append(keys=[self._traj(turn.rollout_id), self._turns(turn.rollout_id)], args=[turn_json(turn), turn.index])
+        keys, text = [self._traj(turn.rollout_id), self._turns(turn.rollout_id)], turn_json(turn)
+        reply = self._call(lambda retry: self._append(keys=keys, args=[text, turn.index, "1" if retry else "0"]))
         if reply[0] == 3:
             check_index(turn, reply[1])
         self._raise_refusal(reply, turn.rollout_id, "append a turn to")
@@ -137,10 +225,9 @@ class RedisStore:
         self._finish(rollout_id, "aborted", "", {}, reason, "abort")
 
     def _finish(self, rollout_id: str, status: str, reward: str, metrics: dict, reason: str, verb: str) -> None:
-        reply = self._end(
-            keys=[self._traj(rollout_id), self._stream, self._counts],
-            args=[rollout_id, status, reward, json.dumps(metrics), reason, repr(time.time())],
-        )
+        keys = [self._traj(rollout_id), self._stream, self._counts]
+        args = [rollout_id, status, reward, json.dumps(metrics), reason, repr(time.time()), uuid.uuid4().hex]
+        reply = self._call(lambda retry: self._end(keys=keys, args=args))
         self._raise_refusal(reply, rollout_id, verb)
 
     @staticmethod
@@ -154,49 +241,48 @@ class RedisStore:
 
     def claim(self, consumer: str, max_n: int, block_s: float = 0.0) -> list[Trajectory]:
         check_claim(consumer, max_n, block_s)
-        entries = self._reclaim_expired(consumer, max_n)
-        if len(entries) < max_n:
-            # Block only when nothing was reclaimed: a consumer with work in hand should not wait.
-            block_ms = max(1, int(block_s * 1000)) if block_s > 0 and not entries else None
-            reply = self._r.xreadgroup(GROUP, consumer, {self._stream: ">"}, count=max_n - len(entries), block=block_ms)
-            if isinstance(reply, dict):  # RESP3's shape; redis-py types both, this client speaks RESP2: [[stream, entries]]
-                raise StoreError(f"Redis at {self.url} replied to XREADGROUP in RESP3; the store speaks RESP2")
-            for _stream, new in reply or []:
-                entries += new
-        return [self.get(fields["rid"]) for _entry, fields in entries]
+        last, *rollout_ids = self._lease(consumer, max_n)
+        if not rollout_ids and block_s > 0:
+            # Wait for an entry past the newest one the lease saw (a read: nothing to lose if its reply is),
+            # then lease once more.
+            block_ms = max(1, int(block_s * 1000))
+            if self._call(lambda retry: self._r.xread({self._stream: last or "$"}, count=1, block=block_ms)):
+                _last, *rollout_ids = self._lease(consumer, max_n)
+        return [self.get(rollout_id) for rollout_id in rollout_ids]
 
-    def _reclaim_expired(self, consumer: str, max_n: int) -> list[tuple[str, dict[str, str]]]:
-        entries: list[tuple[str, dict[str, str]]] = []
-        cursor = "0-0"
-        idle_ms = int(self.visibility_timeout_s * 1000)
-        while len(entries) < max_n:
-            cursor, claimed, _deleted = self._r.xautoclaim(
-                self._stream, GROUP, consumer, idle_ms, start_id=cursor, count=max_n - len(entries)
-            )
-            entries += claimed
-            if cursor == "0-0":
-                break
-        return entries
+    def _lease(self, consumer: str, max_n: int) -> list[str]:
+        """[newest stream id when nothing was leased, else "", leased rollout ids...] (the `_CLAIM` script)."""
+        keys = [self._stream, f"{self.prefix}claim:{consumer}"]
+        args: list[str | int] = [GROUP, consumer, max_n, int(self.visibility_timeout_s * 1000), uuid.uuid4().hex]
+        return self._call(lambda retry: self._claim(keys=keys, args=args))
 
     def ack(self, consumer: str, rollout_ids: Iterable[str]) -> int:
         ids = list(rollout_ids)
         if not ids:
             return 0
-        pipe = self._r.pipeline(transaction=False)
-        for rollout_id in ids:
-            pipe.hget(self._traj(rollout_id), "entry")
-        entries = [entry for entry in pipe.execute() if entry]
-        if not entries:
+
+        def entries(retry: bool) -> list[str]:
+            pipe = self._r.pipeline(transaction=False)
+            for rollout_id in ids:
+                pipe.hget(self._traj(rollout_id), "entry")
+            return [entry for entry in pipe.execute() if entry]
+
+        found = self._call(entries)
+        if not found:
             return 0
-        return self._ack(keys=[self._stream, self._counts], args=[GROUP, consumer, *entries])
+        # Acking twice acks nothing the second time: a retry is safe (it may under-report the count).
+        return self._call(lambda retry: self._ack(keys=[self._stream, self._counts], args=[GROUP, consumer, *found]))
 
     # -- reading ----------------------------------------------------------------------------------
 
     def get(self, rollout_id: str) -> Trajectory:
-        pipe = self._r.pipeline(transaction=True)
-        pipe.hgetall(self._traj(rollout_id))
-        pipe.lrange(self._turns(rollout_id), 0, -1)
-        header, turns = pipe.execute()
+        def read(retry: bool) -> list:
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hgetall(self._traj(rollout_id))
+            pipe.lrange(self._turns(rollout_id), 0, -1)
+            return pipe.execute()
+
+        header, turns = self._call(read)
         if not header:
             raise unknown_error(rollout_id)
         return Trajectory(
@@ -218,23 +304,29 @@ class RedisStore:
     ) -> list[Trajectory]:
         if status is None and group_id is None:
             stop = -1 if limit is None else offset + limit - 1
-            ids = _decoded(self._r.lrange(self._order, offset, stop)) if limit != 0 else []
+            ids = _decoded(self._call(lambda retry: self._r.lrange(self._order, offset, stop))) if limit != 0 else []
         else:
-            ids = _decoded(self._r.lrange(self._order, 0, -1))
-            pipe = self._r.pipeline(transaction=False)
-            for rollout_id in ids:
-                pipe.hmget(self._traj(rollout_id), "status", "group_id")
-            ids = [
-                rollout_id for rollout_id, (s, g) in zip(ids, pipe.execute(), strict=True) if status in (None, s) and group_id in (None, g)
-            ]
+            ids = _decoded(self._call(lambda retry: self._r.lrange(self._order, 0, -1)))
+
+            def headers(retry: bool) -> list:
+                pipe = self._r.pipeline(transaction=False)
+                for rollout_id in ids:
+                    pipe.hmget(self._traj(rollout_id), "status", "group_id")
+                return pipe.execute()
+
+            found = zip(ids, self._call(headers), strict=True)
+            ids = [rollout_id for rollout_id, (s, g) in found if status in (None, s) and group_id in (None, g)]
             ids = ids[offset:] if limit is None else ids[offset : offset + limit]
         return [self.get(rollout_id) for rollout_id in ids]
 
     def counts(self) -> dict[str, int]:
-        pipe = self._r.pipeline(transaction=True)
-        pipe.hgetall(self._counts)
-        pipe.xpending(self._stream, GROUP)
-        stored, pending_info = pipe.execute()
+        def read(retry: bool) -> list:
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hgetall(self._counts)
+            pipe.xpending(self._stream, GROUP)
+            return pipe.execute()
+
+        stored, pending_info = self._call(read)
         counts = dict.fromkeys(COUNT_KEYS, 0)
         counts.update({key: int(value) for key, value in stored.items()})
         terminal = sum(counts[status] for status in TERMINAL_STATUSES)
