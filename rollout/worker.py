@@ -6,7 +6,13 @@ imported only when chosen, since vLLM lives in its own environment).
 Methods are async so one actor serves many concurrent `generate` calls, which the engine batches;
 `score` is prefill-only scoring with the engine's current weights (the vLLM engine refuses it).
 Weights arrive as a state dict; pass an `ObjectRef` from `ray.put` so N workers share one copy in
-the object store.
+the object store. `WorkerLauncher` starts workers of one configuration, again whenever one died
+(the scheduler's replacement, `sched/clients.py`), and `watch` lets the driver hear of a death at once.
+
+Start Ray with `RAY_SYSTEM_CONFIG`: Ray's core worker calls `nice(worker_niceness)` in every process
+it starts for tasks and actors (default 15: src/ray/common/ray_config_def.h, applied in
+core_worker.cc), which on a busy machine starved the engines until the gateway dropped them for
+missed heartbeats. 0 leaves actors at the driver's own niceness.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from .engine import EmbeddedEngine
 
 if TYPE_CHECKING:
     from .vllm_engine import VLLMEngine
+
+RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+"""`ray.init(_system_config=...)` for any Ray that runs asyncrl's actors: actors at the driver's niceness."""
 
 
 class RolloutWorker:
@@ -59,23 +68,40 @@ class RolloutWorker:
     async def version(self) -> int:
         return self.engine.version
 
+    async def watch(self) -> None:
+        """Never returns: a caller awaiting it hears that this actor died as soon as Ray knows
+        (the call fails with ActorDiedError), with no polling."""
+        await asyncio.Event().wait()
 
-def create_workers(model, config: RolloutConfig, *, name_prefix: str = "rollout", mtp=None) -> list:
-    """Start `config.num_workers` RolloutWorker actors (call after `ray.init()`).
+
+class WorkerLauncher:
+    """Starts RolloutWorker actors of one configuration (call after `ray.init()`), as many times as
+    asked: a replacement for a worker that died is started the same way as the first ones.
 
     CPU engines ask for `cpus_per_worker` (fractions allowed); GPU engines for `gpus_per_worker`,
     or one whole GPU each when it is 0 and the engine will run on CUDA.
     """
-    gpus = config.gpus_per_worker
-    if gpus == 0 and (config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)):
-        gpus = 1
-    shared = model if isinstance(model, (str, ray.ObjectRef)) else ray.put(model)
-    options = dict(num_cpus=config.cpus_per_worker, num_gpus=gpus)
-    mtp_state = None if mtp is None else mtp if isinstance(mtp, dict) else mtp.state_dict()
-    return [
-        RolloutWorkerActor.options(**options).remote(shared, config.model_dump(), f"{name_prefix}-{i}", mtp=mtp_state)
-        for i in range(config.num_workers)
-    ]
+
+    def __init__(self, model, config: RolloutConfig, mtp=None) -> None:
+        gpus = config.gpus_per_worker
+        if gpus == 0 and (config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)):
+            gpus = 1
+        # Kept in the object store for the whole run: a replacement builds its engine from it (and
+        # then loads the current weights), so it never needs the driver's copy.
+        self.model = model if isinstance(model, (str, ray.ObjectRef)) else ray.put(model)
+        self.options = dict(num_cpus=config.cpus_per_worker, num_gpus=gpus)
+        self.config = config.model_dump()
+        self.mtp = None if mtp is None else mtp if isinstance(mtp, dict) else mtp.state_dict()
+
+    def start(self, engine_id: str):
+        """One RolloutWorker actor whose engine is `engine_id`; its handle, returned before it is up."""
+        return RolloutWorkerActor.options(**self.options).remote(self.model, self.config, engine_id, mtp=self.mtp)
+
+
+def create_workers(model, config: RolloutConfig, *, name_prefix: str = "rollout", mtp=None) -> list:
+    """Start `config.num_workers` RolloutWorker actors named `<name_prefix>-<i>` (see `WorkerLauncher`)."""
+    launcher = WorkerLauncher(model, config, mtp)
+    return [launcher.start(f"{name_prefix}-{i}") for i in range(config.num_workers)]
 
 
 RolloutWorkerActor: ActorClass[RolloutWorker] = ray.remote(RolloutWorker)

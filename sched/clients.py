@@ -5,54 +5,262 @@ the weights leave the learner as one ObjectRef that every worker reads (`learner
 they never pass through the driver. `LocalLearner` and `LocalWorkers` hold an `RLLearner` and
 `EmbeddedEngine`s in this process: the learner steps on a thread, so episodes run on meanwhile as
 they do beside the actors, and the loop is the same loop without Ray.
+
+`RayWorkers` keeps its engines serving when a worker dies: each worker has a `watch` call parked on
+it, which fails the moment Ray learns the actor died. The dead engine then leaves the gateway's
+routing (its requests fail over or fail) and the pushes; a replacement starts from the same launcher,
+loads the latest pushed weights and version under the push lock (so no push slips in between), and
+only then joins routing, under a new engine id, so every recorded turn names the process that
+sampled it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.gateway.engines import EngineHandle, LocalEngine, RayEngine
 from asyncrl.records import Sample
 
-from .parts import Weights
+from .parts import LearnerDied, Routing, Weights
 
 if TYPE_CHECKING:
+    from asyncrl.gateway.pool import EnginePool
     from asyncrl.learner.rl import RLLearner
     from asyncrl.rollout.engine import EmbeddedEngine
+    from asyncrl.rollout.worker import WorkerLauncher
+
+REPLACEMENT_STARTS = 3
+"""Replacement actors tried for one dead worker (each one that dies while starting counts) before the run stops."""
+
+
+def _remote(method, *args) -> asyncio.Future:
+    """A Ray actor call as an asyncio future."""
+    return asyncio.wrap_future(method.remote(*args).future())
+
+
+def _died(error: BaseException, actor: Any) -> bool:
+    """Whether `error` says that `actor` itself is gone (not, say, the learner whose weights it was handed)."""
+    import ray
+
+    return isinstance(error, ray.exceptions.RayActorError) and getattr(error, "actor_id", None) in (None, actor._actor_id.hex())
 
 
 class RayLearner:
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-        """The LearnerActor handle (`learner/actor.py`)."""
+    def __init__(self, start: Callable[[str | None], Any], checkpoint: str | None = None) -> None:
+        """`start(checkpoint)` starts a LearnerActor (`learner/actor.py`) from a checkpoint directory or None."""
+        self.start = start
+        self.actor = start(checkpoint)
 
     async def train_step(self, samples: list[Sample]) -> dict:
-        return await asyncio.wrap_future(self.actor.train_step.remote(samples).future())
+        return await self._call(self.actor.train_step, samples)
 
     async def weights(self) -> Weights:
         return self.actor.state.remote()  # the ObjectRef: the workers fetch the weights, not the driver
 
     async def save(self, directory: str) -> None:
-        await self.actor.save.remote(directory)
+        await self._call(self.actor.save, directory)
+
+    async def check(self) -> None:
+        await self._call(self.actor.version)
+
+    async def restart(self, checkpoint: str | None) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor)  # dead already; a half-alive one must not train beside its replacement
+        self.actor = self.start(checkpoint)
+        await self.check()  # up, with the checkpoint loaded
+
+    async def _call(self, method, *args):
+        import ray
+
+        try:
+            return await _remote(method, *args)
+        except ray.exceptions.RayActorError as error:
+            if not _died(error, self.actor):
+                raise
+            raise LearnerDied(f"the learner actor died: {type(error).__name__}") from error
+
+
+class PoolRouting:
+    """`Routing` over the in-process gateway's engine pool (`gateway/pool.py`)."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    def join(self, handle: EngineHandle) -> None:
+        self.pool.add_local(handle)
+
+    def leave(self, engine_id: str, reason: str) -> None:
+        self.pool.remove_local(engine_id, reason)
 
 
 class RayWorkers:
-    def __init__(self, workers: list, name_prefix: str) -> None:
-        """`workers`: RolloutWorker handles, each engine named `<name_prefix>-<i>` (as `create_workers` names them)."""
-        self.actors = workers
-        self.engines: list[EngineHandle] = [RayEngine(worker, f"{name_prefix}-{i}") for i, worker in enumerate(workers)]
+    def __init__(self, launcher: WorkerLauncher, name_prefix: str, count: int) -> None:
+        """`count` RolloutWorker actors from `launcher`, engines named `<name_prefix>-<i>`; a replacement
+        of `<name_prefix>-<i>` is `<name_prefix>-<i>-r<n>`."""
+        self.launcher = launcher
+        ids = [f"{name_prefix}-{i}" for i in range(count)]
+        self.members: dict[str, Any] = {engine_id: launcher.start(engine_id) for engine_id in ids}
+        self.engines: list[EngineHandle] = [RayEngine(actor, engine_id) for engine_id, actor in self.members.items()]
+        self.latest: tuple[Weights, int] | None = None
+        """The last push, which a replacement loads (so the object store keeps these weights until the next push)."""
+        self._slot = {engine_id: engine_id for engine_id in ids}
+        self._generation = itertools.count(1)
+        self._lock = asyncio.Lock()
+        self._pushed = asyncio.Event()
+        self._routing: Routing | None = None
+        self._watching: dict[str, asyncio.Task] = {}
+        self._done: list[dict] = []
+        self._failure: BaseException | None = None
+
+    @property
+    def actors(self) -> list:
+        """The live RolloutWorker handles (replacements included, the dead left out)."""
+        return list(self.members.values())
 
     async def update_weights(self, weights: Weights, version: int) -> list[int]:
-        from asyncrl.learner.publish import push_weights
+        async with self._lock:
+            members = list(self.members.values())
+            results = await asyncio.gather(*(_remote(actor.update_weights, weights, version) for actor in members), return_exceptions=True)
+            versions = []
+            for actor, result in zip(members, results, strict=True):
+                if isinstance(result, BaseException):
+                    if _died(result, actor):
+                        continue  # its watcher replaces it, and the replacement loads these weights
+                    raise result
+                versions.append(result)
+            if any(v != version for v in versions):
+                raise RuntimeError(f"pushed version {version} but workers report {versions}")
+            self.latest = weights, version
+            self._pushed.set()
+            self._pushed = asyncio.Event()
+            return versions
 
-        return await asyncio.to_thread(push_weights, self.actors, weights, version)
+    async def ready(self) -> None:
+        """Wait until every worker's engine is built (a gateway heartbeating them sooner would drop them)."""
+        await asyncio.gather(*(_remote(actor.version) for actor in self.members.values()))
 
     async def versions(self) -> list[int]:
-        return list(await asyncio.gather(*(worker.version.remote() for worker in self.actors)))
+        return await self._ask_all("version")
 
     async def health(self) -> list[dict]:
-        return list(await asyncio.gather(*(worker.health.remote() for worker in self.actors)))
+        return await self._ask_all("health")
+
+    async def _ask_all(self, verb: str) -> list:
+        members = list(self.members.values())
+        results = await asyncio.gather(*(_remote(getattr(actor, verb)) for actor in members), return_exceptions=True)
+        for actor, result in zip(members, results, strict=True):
+            if isinstance(result, BaseException) and not _died(result, actor):
+                raise result
+        return [result for result in results if not isinstance(result, BaseException)]
+
+    # -- replacing the dead ---------------------------------------------------------------------
+
+    def attach(self, routing: Routing) -> None:
+        self._routing = routing
+        for engine_id, actor in self.members.items():
+            self._watch(engine_id, actor)
+
+    def serving(self) -> int:
+        return len(self.members)
+
+    def replaced(self) -> list[dict]:
+        done, self._done = self._done, []
+        return done
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"a rollout worker died and could not be replaced: {self._failure!r}") from self._failure
+
+    async def close(self) -> None:
+        watching = list(self._watching.values())
+        self._watching.clear()
+        for task in watching:
+            task.cancel()
+        await asyncio.gather(*watching, return_exceptions=True)
+
+    def _watch(self, engine_id: str, actor: Any) -> None:
+        self._watching[engine_id] = asyncio.ensure_future(self._supervise(engine_id, actor))
+
+    async def _supervise(self, engine_id: str, actor: Any) -> None:
+        import ray
+
+        try:
+            await _remote(actor.watch)
+        except ray.exceptions.RayActorError as error:
+            reason = f"its Ray actor died ({type(error).__name__})"
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the watch itself broke: treat the worker as lost
+            reason = f"its Ray actor could not be watched ({error!r})"
+        died_at = time.time()
+        self._watching.pop(engine_id, None)
+        self.members.pop(engine_id, None)
+        assert self._routing is not None
+        self._routing.leave(engine_id, reason)
+        with contextlib.suppress(Exception):
+            ray.kill(actor)  # a worker that only looked dead must not serve on beside its replacement
+        try:
+            await self._replace(engine_id, died_at)
+        except asyncio.CancelledError:
+            raise
+        except Exception as failure:  # the loop raises it (`check`)
+            self._failure = failure
+
+    async def _replace(self, dead_id: str, died_at: float) -> None:
+        import ray
+
+        slot, began = self._slot.pop(dead_id), time.monotonic()
+        for _ in range(REPLACEMENT_STARTS):
+            new_id = f"{slot}-r{next(self._generation)}"
+            actor = self.launcher.start(new_id)
+            try:
+                await _remote(actor.version)  # its engine is built
+                version = await self._join(new_id, actor)
+            except asyncio.CancelledError:
+                ray.kill(actor)
+                raise
+            except ray.exceptions.RayActorError as error:
+                if not _died(error, actor):
+                    raise
+                continue  # it died while starting: another one
+            break
+        else:
+            raise RuntimeError(f"{REPLACEMENT_STARTS} replacements of {dead_id} died while starting")
+        self._slot[new_id] = slot
+        self._done.append({
+            "engine_id": dead_id, "replacement": new_id, "version": version, "died_at": died_at,
+            "serving_at": time.time(), "recovery_s": time.monotonic() - began,
+        })  # fmt: skip
+        self._watch(new_id, actor)
+
+    async def _join(self, engine_id: str, actor: Any) -> int | None:
+        """Load the latest push into `actor`, then add it to the members and routing, with no push in
+        between; returns the version it serves (None before the first push)."""
+        import ray
+
+        while True:
+            async with self._lock:
+                weights, version = self.latest or (None, None)
+                try:
+                    if weights is not None:
+                        await _remote(actor.update_weights, weights, version)
+                except ray.exceptions.RayActorError as error:
+                    if _died(error, actor):
+                        raise
+                    next_push = self._pushed  # these weights died with their learner; the loop pushes others
+                else:
+                    self.members[engine_id] = actor
+                    assert self._routing is not None
+                    self._routing.join(RayEngine(actor, engine_id))
+                    return version
+            await next_push.wait()
 
 
 class LocalLearner:
@@ -67,6 +275,14 @@ class LocalLearner:
 
     async def save(self, directory: str) -> None:
         await asyncio.to_thread(self.learner.save, directory)
+
+    async def check(self) -> None:
+        return None  # it lives and dies with this process
+
+    async def restart(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            raise RuntimeError("an in-process learner restarts from a checkpoint only")
+        await asyncio.to_thread(self.learner.load, checkpoint)
 
 
 class LocalWorkers:
@@ -87,3 +303,20 @@ class LocalWorkers:
 
     async def health(self) -> list[dict]:
         return [engine.health() for engine in self.local]
+
+    # In-process engines live and die with this process: there is nothing to replace.
+
+    def attach(self, routing: Routing) -> None:
+        return None
+
+    def serving(self) -> int:
+        return len(self.local)
+
+    def replaced(self) -> list[dict]:
+        return []
+
+    def check(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

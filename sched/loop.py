@@ -15,6 +15,11 @@ are reached through two small clients (`sched/parts.py`): Ray actors in `asyncrl
 this process (`sched/clients.py`). Trajectories are acknowledged in the store only at a checkpoint,
 so a run that dies loses nothing and re-trains nothing (`recover`, `sched/resume.py`); `close` ends
 a run with every rollout in exactly one account of the ledger.
+
+Parts that die mid-run: a rollout worker is replaced by its worker group (the loop admits nothing
+while no engine serves, and notes each replacement); a learner is restarted from the last
+checkpoint by `restart_learner`, which is a resume without leaving the process. Each recovery is a
+record in the metrics (`event`) and in `recoveries`, with how long it took.
 """
 
 from __future__ import annotations
@@ -32,12 +37,15 @@ from .admission import groups_to_admit
 from .episodes import Episodes
 from .evaluation import heldout_scores, record_evaluation
 from .groups import Group, GroupBuffer, group_samples
-from .parts import Parts
+from .parts import LearnerDied, Parts
 from .resume import CONSUMER, Books, abort_running
 from .rundir import LoopState
 
 TICK_S = 0.05
 """Pause between rounds of the loop; episodes and the learner run on without it."""
+
+LEARNER_RESTARTS = 3
+"""Learner deaths one run process recovers from; the next one ends the run (`asyncrl run --resume` goes on)."""
 
 
 class Loop:
@@ -53,14 +61,19 @@ class Loop:
         self.t0, self.collected = time.monotonic(), 0
         self.last: dict = {}  # the last step's record
         self.accuracy = state.eval_before
+        self.recoveries: list[dict] = []  # every part that died and came back, in order
+        self.restarts = 0
 
     async def run(self) -> None:
         while not self.finished():
-            self.admit()
-            await self.collect()
-            await self.train()
-            await self.evaluate()
-            self.report()
+            try:
+                self.admit()
+                await self.collect()
+                await self.train()
+                await self.evaluate()
+                self.report()
+            except LearnerDied as died:
+                await self.restart_learner(died)
             await asyncio.sleep(TICK_S)
 
     def finished(self) -> bool:
@@ -72,6 +85,9 @@ class Loop:
 
     def admit(self) -> None:
         self.episodes.check()
+        self.p.workers.check()
+        if not self.p.workers.serving():
+            return  # the only engine is being replaced: new episodes would fail at their first call
         loop, taking = self.config.loop, self.pending is not None
         allowed = 0 if self.out_of_time() else groups_to_admit(
             mode=loop.mode, steps_left=loop.steps - self.state.version - taking, in_flight=len(self.episodes),
@@ -137,17 +153,29 @@ class Loop:
     async def push(self) -> None:
         """Weights to every engine; the loop waits (no admission meanwhile), the episodes do not."""
         version = self.state.version
-        await self.p.workers.update_weights(await self.p.learner.weights(), version)
+        weights = await self.p.learner.weights()
+        try:
+            await self.p.workers.update_weights(weights, version)
+        except Exception:
+            await self.p.learner.check()  # weights that never came, because the learner died: LearnerDied
+            raise
         self.pushed = version
 
     async def evaluate(self, force: bool = False) -> float | None:
         if not force and self.pushed - self.evaluated < self.config.loop.eval_every:
             return None
+        if not self.p.workers.serving():  # the only engine is being replaced: evaluate once its replacement serves
+            if not force:
+                return None
+            while not self.p.workers.serving():
+                self.p.workers.check()
+                await asyncio.sleep(TICK_S)
         scores = await heldout_scores(self.config, self.p)
         self.accuracy, self.evaluated = record_evaluation(self.p, scores, self.pushed, self.books.elapsed()), self.pushed
         return self.accuracy
 
     def report(self) -> None:
+        self.note_replacements()
         elapsed = max(self.books.elapsed(), 1e-9)
         self.p.display.update({
             "mode": self.config.loop.mode, "step": self.state.version, "steps": self.config.loop.steps,
@@ -158,6 +186,63 @@ class Loop:
             "ahead": self.groups.rollouts, "ledger": self.state.ledger,
         })  # fmt: skip
 
+    # -- parts that die ------------------------------------------------------------------------
+
+    def note_replacements(self) -> None:
+        """Record the rollout workers the worker group replaced since the last look."""
+        for replaced in self.p.workers.replaced():
+            self._recovered({"event": "worker_replaced", **replaced})
+            self.p.display.say(f"rollout worker {replaced['engine_id']} died; {replaced['replacement']} serves version "
+                               f"{replaced['version']} after {replaced['recovery_s']:.1f} s")  # fmt: skip
+
+    async def restart_learner(self, died: LearnerDied) -> None:
+        """A learner that died is restarted from the last checkpoint, the run's commit point, and the run
+        goes on as `--resume` would have it: the books go back to that checkpoint's, the episodes in
+        flight are aborted, and every rollout not acknowledged (trained by the dead learner since the
+        checkpoint, in its lost step, waiting in groups, just aborted) is claimed again, whole groups,
+        and trained once by the new learner. Raises `died` when it cannot (no way to reclaim, or
+        `LEARNER_RESTARTS` already used)."""
+        while True:
+            if self.p.reclaim_store is None or self.restarts >= LEARNER_RESTARTS:
+                raise died
+            self.restarts += 1
+            detected_at, began = time.time(), time.monotonic()
+            try:
+                checkpoint, recovered = await self._restart_learner()
+            except LearnerDied as again:
+                died = again
+                continue
+            break
+        self._recovered({
+            "event": "learner_restarted", "checkpoint": checkpoint, "recovered": recovered, "died": str(died),
+            "detected_at": detected_at, "serving_at": time.time(), "recovery_s": time.monotonic() - began,
+        })  # fmt: skip
+        self.p.display.say(f"the learner died; restarted from {checkpoint or 'the starting policy'} at version "
+                           f"{self.state.version}, {recovered} trajectories claimed again")  # fmt: skip
+
+    async def _restart_learner(self) -> tuple[str | None, int]:
+        assert self.p.reclaim_store is not None
+        self.pending = None  # the step in flight died with the learner; its groups are claimed again below
+        await self.episodes.stop()
+        latest = self.p.rundir.latest_checkpoint()
+        checkpoint, saved = latest if latest else (None, LoopState(eval_before=self.state.eval_before))
+        self.books.rewind(saved)
+        self.groups = GroupBuffer()
+        await self.p.learner.restart(None if checkpoint is None else str(checkpoint))
+        await self.push()
+        self.evaluated = min(self.evaluated, self.pushed)
+        reclaim = self.p.reclaim_store()
+        try:
+            recovered = await self.recover(reclaim)
+        finally:
+            reclaim.close()
+        return None if checkpoint is None else str(checkpoint), recovered
+
+    def _recovered(self, record: dict) -> None:
+        record = {**record, "step": self.state.version}
+        self.recoveries.append(record)
+        self.p.metrics.record(record)
+
     # -- the ends of a run ---------------------------------------------------------------------
 
     async def recover(self, reclaim_store: TrajectoryStore) -> int:
@@ -166,7 +251,16 @@ class Loop:
 
     async def close(self) -> float | None:
         """End with balanced books: finish the learner's step, abort the episodes still running, push
-        and evaluate the final weights, count what was never trained as aborted, checkpoint."""
+        and evaluate the final weights, count what was never trained as aborted, checkpoint. A learner
+        that dies meanwhile is restarted and the run goes on to its end again."""
+        while True:
+            try:
+                return await self._close()
+            except LearnerDied as died:
+                await self.restart_learner(died)
+                await self.run()
+
+    async def _close(self) -> float | None:
         if self.pending is not None:
             await self._finish_step()
         await self.episodes.stop()
@@ -178,4 +272,5 @@ class Loop:
         await self.collect()
         self.books.book_untrained(self.groups.drain())
         await self.books.checkpoint()
+        self.note_replacements()
         return accuracy

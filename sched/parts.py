@@ -1,14 +1,22 @@
 """What the loop drives, as types: two small clients (the learner, the rollout engines) and `Parts`.
 
-    LearnerClient  train_step, weights (what a push sends), save
-    WorkerGroup    engines (the gateway's handles), update_weights, versions, health
+    LearnerClient  train_step, weights (what a push sends), save, and after a death: check, restart
+    WorkerGroup    engines (the gateway's handles), update_weights, versions, health, and the
+                   replacement of engines that die: attach (to the gateway's routing), serving,
+                   replaced, check, close
 
 `sched/clients.py` implements both over Ray actors (`asyncrl run`) and over objects in this
 process (the same loop without Ray); `sched/run.py` builds the Parts.
+
+A dead rollout worker is the group's own business: it leaves routing and pushes at once and a
+replacement joins routing once it serves the current weights; the loop only reads what happened
+(`replaced`). A dead learner is the loop's: its clients raise `LearnerDied`, and the loop restarts
+it from the last checkpoint (`Loop.restart_learner`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,6 +40,10 @@ Weights = Any
 """The learner's weights in transit: a state dict, or a Ray ObjectRef to one (never fetched by the driver)."""
 
 
+class LearnerDied(RuntimeError):
+    """The learner's process is gone: its weights and optimizer state since the last checkpoint with it."""
+
+
 class LearnerClient(Protocol):
     async def train_step(self, samples: list[Sample]) -> dict:
         """One optimizer step on complete groups; its metrics, with `version`, `push_due` and `ledger`."""
@@ -45,10 +57,31 @@ class LearnerClient(Protocol):
         """A checkpoint of the policy, optimizer and version in `directory`."""
         ...
 
+    async def check(self) -> None:
+        """Raise LearnerDied if the learner is gone (to tell a failed push's cause)."""
+        ...
+
+    async def restart(self, checkpoint: str | None) -> None:
+        """Replace a dead learner by a fresh one from `checkpoint` (None: the policy the run started from)."""
+        ...
+
+
+class Routing(Protocol):
+    """The gateway's side of the engines that serve: what a worker group keeps in step with its members."""
+
+    def join(self, handle: EngineHandle) -> None:
+        """Route new requests to this engine too (it already serves the current weights)."""
+        ...
+
+    def leave(self, engine_id: str, reason: str) -> None:
+        """Route nothing more to this engine; requests waiting on it fail over to another."""
+        ...
+
 
 class WorkerGroup(Protocol):
     engines: list[EngineHandle]
-    """One handle per rollout engine, for the gateway."""
+    """One handle per rollout engine the group started with, for the gateway (replacements join it
+    through the routing given to `attach`)."""
 
     async def update_weights(self, weights: Weights, version: int) -> list[int]:
         """Every engine serves `weights` as `version` once this returns; raises if any refused them."""
@@ -60,6 +93,27 @@ class WorkerGroup(Protocol):
 
     async def health(self) -> list[dict]:
         """Each engine's health record (`EmbeddedEngine.health`)."""
+        ...
+
+    def attach(self, routing: Routing) -> None:
+        """Start watching the engines (after the first push): one that dies leaves `routing`, pushes and
+        `versions`; its replacement loads the latest pushed weights and version, then joins `routing`."""
+        ...
+
+    def serving(self) -> int:
+        """Engines serving now (0 while the only one is being replaced: nothing can be admitted)."""
+        ...
+
+    def replaced(self) -> list[dict]:
+        """Records of the replacements finished since the last call (what died, when, how long it took)."""
+        ...
+
+    def check(self) -> None:
+        """Raise why an engine that died could not be replaced, if one could not."""
+        ...
+
+    async def close(self) -> None:
+        """Stop watching (before the run kills its actors: those deaths are not to be replaced)."""
         ...
 
 
@@ -79,3 +133,6 @@ class Parts:
     display: Display
     teachers: Teachers | None = None
     """A distillation run's teachers score every batch before the learner sees it; None in RL."""
+    reclaim_store: Callable[[], TrajectoryStore] | None = None
+    """Opens this run's store with no visibility timeout (every lease counts as expired), to take back
+    what a dead learner held; None: a learner that dies ends the run."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -57,6 +59,15 @@ class Books:
         """Rollouts the run ends without training: aborted."""
         self.state.ledger["aborted"] += len(leftovers)
         self.unacked += [t.rollout_id for t in leftovers]
+
+    def rewind(self, saved: LoopState) -> None:
+        """Back to a checkpoint's books (a learner restarts from it in this process): what was booked
+        since is unacknowledged, so it is claimed and booked again. The wall clock runs on."""
+        elapsed = self.elapsed()
+        for field in dataclasses.fields(LoopState):
+            setattr(self.state, field.name, copy.deepcopy(getattr(saved, field.name)))
+        self.state.rl_wall_s, self.started_at = elapsed, time.monotonic()
+        self.unacked = []
 
     async def checkpoint(self) -> None:
         """Save the learner, then acknowledge what it trained (the loop state lists them first, so a

@@ -18,6 +18,11 @@ batch before the learner sees it; everything else is the same run.
 
 Then `Loop.run` until `loop.steps` optimizer steps (or `loop.wall_budget_s`), and `Loop.close`, which
 leaves the ledger balanced. A crash or Ctrl-C skips `close`: `asyncrl run --resume` picks up.
+
+Ray starts its actors at niceness 15 unless told otherwise (`rollout/worker.py` RAY_SYSTEM_CONFIG):
+a run's actors run at the driver's niceness. A rollout worker or the learner that dies is replaced
+while the run goes on (`sched/clients.py`, `Loop.restart_learner`); `summary.json` lists every such
+recovery (`recoveries`) and, for a resumed run, how long the resume took (`resumed`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from asyncrl.gateway.serving import InProcessGateway, episode_http_client
 from asyncrl.gateway.store import open_store
 from asyncrl.records import TERMINAL_STATUSES
 
-from .clients import RayLearner, RayWorkers
+from .clients import PoolRouting, RayLearner, RayWorkers
 from .display import Display
 from .loop import Loop
 from .parts import Parts
@@ -91,6 +96,7 @@ def run(
 
 
 async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environment | None) -> dict:
+    began = time.monotonic()
     latest = rundir.latest_checkpoint() if resumed else None
     checkpoint, state = latest if latest else (None, LoopState())
     distilling = bool(config.distill.teachers)
@@ -99,39 +105,53 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
     # First: a bad environment reference fails before anything starts.
     tasks = distill_task_mix(config) if distilling else TaskMix.from_config(config, env)
     await tasks.check_sandboxes()
-    started_ray = _start_ray(config)
+    started_ray = start_ray(config)
     display = Display(config.logging.progress)
-    actors: list = []
+    actors: list = []  # besides the workers' and the learner's, which change when one dies
+    workers: RayWorkers | None = None
+    learner: RayLearner | None = None
+    resumption = None
+
+    def every_actor() -> list:
+        return [*actors, *(workers.actors if workers else []), *([learner.actor] if learner else [])]
+
     async with AsyncExitStack() as stack:
-        stack.callback(_stop_ray, actors, started_ray)
+        stack.callback(lambda: _stop_ray(every_actor(), started_ray))
         stack.callback(display.close)
         store = _open_store(config, rundir)
         stack.callback(store.close)
         if not resumed and any(store.counts()[status] for status in ("running", *TERMINAL_STATUSES)):
             raise RunExists(f"the trajectory store {store!r} already holds rollouts; use another store.namespace")
         workers, tokenizer = _start_workers(config)
+        stack.push_async_callback(workers.close)  # before the actors are killed: those deaths are not replaced
         learner = _start_learner(config, checkpoint)
-        actors += [*workers.actors, learner.actor]
         teachers = None
         if distilling:
             handles = _start_teachers(config)
             actors += [handle.actor for handle in handles.values()]
             teachers = Teachers.from_config(config, handles)
-        gateway = await stack.enter_async_context(InProcessGateway(config, store, workers.engines, tokenizer))
+        await workers.ready()
+        served = InProcessGateway(config, store, workers.engines, tokenizer)
+        gateway = await stack.enter_async_context(served)
         metrics = rundir.metrics(config, resume=resumed)
         stack.callback(metrics.close)
         http = await stack.enter_async_context(episode_http_client(config))
         parts = Parts(
             store=store, gateway=gateway, http=http, tasks=tasks, learner=learner, workers=workers,
             tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
+            reclaim_store=lambda: _open_store(config, rundir, visibility_timeout_s=1e-6),
         )  # fmt: skip
         loop = Loop(config, parts, state)
         stack.push_async_callback(loop.episodes.stop)  # on a crash, before the gateway goes
         await loop.push()  # the engines serve exactly the learner's weights, at its version
+        workers.attach(PoolRouting(served.service.pool))
         if resumed:
             reclaim = _open_store(config, rundir, visibility_timeout_s=1e-6)
             recovered = await loop.recover(reclaim)
             reclaim.close()
+            resumption = {"version": state.version, "checkpoint": str(checkpoint), "recovered": recovered,
+                          "serving_at": time.time(), "restart_s": time.monotonic() - began}  # fmt: skip
+            metrics.record({"event": "resumed", "step": state.version, **resumption})
             display.say(f"resumed at version {state.version} from {checkpoint}; {recovered} trajectories claimed again")
         if state.eval_before is None:
             state.eval_before = await loop.evaluate(force=True)
@@ -149,7 +169,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         **eval_by_task(records, [task.name for task, _ in tasks.evaluated(config.eval.num_problems)]),
         "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions,
         "ledger": ledger, "balanced": sum(state.ledger.values()) == started,
-        "run_dir": str(rundir.path),
+        "recoveries": loop.recoveries, "resumed": resumption, "run_dir": str(rundir.path),
     }  # fmt: skip
     return summary
 
@@ -170,13 +190,19 @@ def eval_by_task(records: list[dict], names: list[str]) -> dict:
     return {"eval_before_by_task": by_task(evals[0]), "eval_after_by_task": by_task(evals[-1])}
 
 
-def _start_ray(config: RunConfig) -> bool:
-    """Local Ray sized so every actor fits (logical CPUs; real cores are bounded by torch threads)."""
+def start_ray(config: RunConfig) -> bool:
+    """Local Ray sized so every actor fits (logical CPUs; real cores are bounded by torch threads), its
+    actors at this process's niceness; False when Ray was already started (by a caller who owns it)."""
+    from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
+
     if ray.is_initialized():
         return False  # a caller (a test, a notebook) owns the session
     needed = config.rollout.num_workers * config.rollout.cpus_per_worker + config.learner.num_cpus
     needed += len(config.distill.teachers) * config.distill.cpus_per_teacher
-    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False, log_to_driver=False,
+        _system_config=RAY_SYSTEM_CONFIG,
+    )  # fmt: skip
     return True
 
 
@@ -195,21 +221,22 @@ def _open_store(config: RunConfig, rundir: RunDir, visibility_timeout_s: float |
 
 def _start_workers(config: RunConfig) -> tuple[RayWorkers, PreTrainedTokenizerBase]:
     from asyncrl.policy.checkpoint import build_policy
-    from asyncrl.rollout.worker import create_workers
+    from asyncrl.rollout.worker import WorkerLauncher
 
     # The engines need the policy's MTP layer only to draft with it; the policy's weights are
     # replaced by the first push (and the MTP layer's by every push while RL trains it).
     drafting = config.rollout.mtp_drafting
     policy = config.policy.model_copy(update={"mtp": config.policy.mtp.model_copy(update={"enabled": drafting})})
     model, tokenizer, mtp = build_policy(policy, config.seed)
-    prefix = f"{config.name}-rollout"
-    return RayWorkers(create_workers(model, config.rollout, name_prefix=prefix, mtp=mtp if drafting else None), prefix), tokenizer
+    launcher = WorkerLauncher(model, config.rollout, mtp if drafting else None)
+    return RayWorkers(launcher, f"{config.name}-rollout", config.rollout.num_workers), tokenizer
 
 
 def _start_learner(config: RunConfig, checkpoint: Path | None) -> RayLearner:
+    """The LearnerActor from `checkpoint` (None: the run's starting policy); a restart starts it the same way."""
     from asyncrl.learner.actor import create_learner
 
-    return RayLearner(create_learner(config, resume_from=str(checkpoint) if checkpoint else None))
+    return RayLearner(lambda directory: create_learner(config, resume_from=directory), str(checkpoint) if checkpoint else None)
 
 
 def _start_teachers(config: RunConfig) -> dict:

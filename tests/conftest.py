@@ -67,7 +67,9 @@ def run_to_completion(engine, requests: list[tuple[list[int], object]], session_
 def ray_session():
     """A local Ray for one test module (two logical CPUs); skips where Ray is not installed."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     yield
     ray.shutdown()
 

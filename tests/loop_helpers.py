@@ -1,8 +1,24 @@
-"""What the loop's tests share: a tiny run config and an environment whose random policy has signal."""
+"""What the loop's tests share: a tiny run config, an environment whose random policy has signal, and
+the real loop run over in-process parts (no Ray)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from asyncrl.configs.loader import load_config
 from asyncrl.envs.base import EpisodeResult
+from asyncrl.gateway.serving import InProcessGateway, episode_http_client
+from asyncrl.gateway.store import open_store
+from asyncrl.learner.rl import RLLearner
+from asyncrl.policy.checkpoint import build_policy
+from asyncrl.records import TERMINAL_STATUSES
+from asyncrl.rollout.engine import EmbeddedEngine
+from asyncrl.sched.clients import LocalLearner, LocalWorkers
+from asyncrl.sched.display import Display
+from asyncrl.sched.loop import Loop
+from asyncrl.sched.parts import Parts
+from asyncrl.sched.rundir import LoopState, RunDir
+from asyncrl.sched.tasks import TaskMix
 
 TINY = [
     "policy.tiny.arch=qwen3", "policy.tiny.hidden_size=32", "policy.tiny.num_layers=2", "policy.tiny.num_heads=2",
@@ -15,19 +31,21 @@ TINY = [
 
 class CoinEnv:
     """Rewards the parity of what the policy wrote, so a random policy's groups have signal;
-    crashes on every `crash_every`-th task, and raises KeyboardInterrupt (a Ctrl-C) after `stop_after` episodes."""
+    crashes on every `crash_every`-th task, and raises KeyboardInterrupt (a Ctrl-C) in the first episode
+    that starts once `stop_when()` holds."""
 
     name = "coin"
 
-    def __init__(self, crash_every: int = 0, stop_after: int = 0) -> None:
-        self.crash_every, self.stop_after, self.episodes = crash_every, stop_after, 0
+    def __init__(self, crash_every: int = 0, stop_when: Callable[[], bool] | None = None) -> None:
+        self.crash_every, self.stop_when, self.episodes = crash_every, stop_when, 0
 
     def sample_task(self, rng, split="train") -> int:
         return rng.randrange(1_000_000)
 
     async def run_episode(self, task: int, client) -> EpisodeResult:
         self.episodes += 1
-        if self.stop_after and self.episodes == self.stop_after:
+        if self.stop_when is not None and self.stop_when():
+            self.stop_when = None
             raise KeyboardInterrupt
         reply = await client.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": str(task)}], max_tokens=4, temperature=1.0
@@ -35,3 +53,52 @@ class CoinEnv:
         if self.crash_every and task % self.crash_every == 0:
             raise RuntimeError("the sandbox died")
         return EpisodeResult(reward=float(sum(map(ord, reply.choices[0].message.content or "")) % 2))
+
+
+def run_config(tmp_path, *overrides: str):
+    """The quickstart preset made tiny (TINY), its run directory under `tmp_path`."""
+    return load_config("quickstart", [*TINY, f"runs_dir={tmp_path}", *overrides])
+
+
+async def run_in_process(config, env, *, resume: bool = False) -> dict:
+    """What `asyncrl run` does after start-up (sched/run.py), over in-process parts; with `resume`, it
+    continues the run in `config`'s run directory from its last checkpoint."""
+    rundir = RunDir.for_config(config)
+    checkpoint, state = rundir.latest_checkpoint() if resume else (None, LoopState())
+    if not resume:
+        rundir.write_config(config)
+    store = open_store(rundir.store_address(config), namespace=config.name)
+    model, tokenizer, _ = build_policy(config.policy, config.seed)
+    workers = LocalWorkers([EmbeddedEngine(model, config.rollout, engine_id="local-0")])
+    policy = RLLearner.from_config(config)
+    if checkpoint is not None:
+        policy.load(checkpoint)
+    metrics, result = rundir.metrics(config, resume=resume), {"state": state, "rundir": rundir}
+    try:
+        async with InProcessGateway(config, store, workers.engines, tokenizer) as gateway, episode_http_client(config) as http:
+            parts = Parts(
+                store=store, gateway=gateway, http=http, tasks=TaskMix.from_config(config, env), learner=LocalLearner(policy),
+                workers=workers, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=Display(progress=False),
+            )  # fmt: skip
+            loop = Loop(config, parts, state)
+            try:
+                await loop.push()
+                if resume:
+                    reclaim = open_store(rundir.store_address(config), namespace=config.name, visibility_timeout_s=1e-6)
+                    result["recovered"] = await loop.recover(reclaim)
+                    reclaim.close()
+                if state.eval_before is None:
+                    state.eval_before = await loop.evaluate(force=True)
+                await loop.run()
+                result["eval_after"] = await loop.close()
+            finally:
+                await loop.episodes.stop()
+        result.update(counts=store.counts(), versions=await workers.versions(), health=await workers.health(), records=metrics.read())
+    finally:
+        metrics.close()
+        store.close()
+    return result
+
+
+def started(counts: dict) -> int:
+    return sum(counts[status] for status in ("running", *TERMINAL_STATUSES))

@@ -8,69 +8,11 @@ import asyncio
 import json
 
 import pytest
-from loop_helpers import TINY, CoinEnv
+from loop_helpers import CoinEnv, run_in_process, started
+from loop_helpers import run_config as config
 
-from asyncrl.configs.loader import load_config
-from asyncrl.gateway.serving import InProcessGateway, episode_http_client
 from asyncrl.gateway.store import open_store
-from asyncrl.learner.rl import RLLearner
-from asyncrl.policy.checkpoint import build_policy
-from asyncrl.records import TERMINAL_STATUSES
-from asyncrl.rollout.engine import EmbeddedEngine
-from asyncrl.sched.clients import LocalLearner, LocalWorkers
-from asyncrl.sched.display import Display
-from asyncrl.sched.loop import Loop
-from asyncrl.sched.parts import Parts
-from asyncrl.sched.rundir import LOOP_STATE_FILE, LoopState, RunDir
-from asyncrl.sched.tasks import TaskMix
-
-
-def config(tmp_path, *overrides: str):
-    return load_config("quickstart", [*TINY, f"runs_dir={tmp_path}", *overrides])
-
-
-async def run_in_process(config, env, *, resume: bool = False) -> dict:
-    """What `asyncrl run` does after start-up (sched/run.py), over in-process parts; with `resume`, it
-    continues the run in `config`'s run directory from its last checkpoint."""
-    rundir = RunDir.for_config(config)
-    checkpoint, state = rundir.latest_checkpoint() if resume else (None, LoopState())
-    if not resume:
-        rundir.write_config(config)
-    store = open_store(rundir.store_address(config), namespace=config.name)
-    model, tokenizer, _ = build_policy(config.policy, config.seed)
-    workers = LocalWorkers([EmbeddedEngine(model, config.rollout, engine_id="local-0")])
-    policy = RLLearner.from_config(config)
-    if checkpoint is not None:
-        policy.load(checkpoint)
-    metrics, result = rundir.metrics(config, resume=resume), {"state": state, "rundir": rundir}
-    try:
-        async with InProcessGateway(config, store, workers.engines, tokenizer) as gateway, episode_http_client(config) as http:
-            parts = Parts(
-                store=store, gateway=gateway, http=http, tasks=TaskMix.from_config(config, env), learner=LocalLearner(policy),
-                workers=workers, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=Display(progress=False),
-            )  # fmt: skip
-            loop = Loop(config, parts, state)
-            try:
-                await loop.push()
-                if resume:
-                    reclaim = open_store(rundir.store_address(config), namespace=config.name, visibility_timeout_s=1e-6)
-                    result["recovered"] = await loop.recover(reclaim)
-                    reclaim.close()
-                if state.eval_before is None:
-                    state.eval_before = await loop.evaluate(force=True)
-                await loop.run()
-                result["eval_after"] = await loop.close()
-            finally:
-                await loop.episodes.stop()
-        result.update(counts=store.counts(), versions=await workers.versions(), health=await workers.health(), records=metrics.read())
-    finally:
-        metrics.close()
-        store.close()
-    return result
-
-
-def started(counts: dict) -> int:
-    return sum(counts[status] for status in ("running", *TERMINAL_STATUSES))
+from asyncrl.sched.rundir import LOOP_STATE_FILE, RunDir
 
 
 def test_a_sync_run_over_in_process_parts_balances_its_books(tmp_path):

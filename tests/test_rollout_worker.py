@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 from conftest import make_tiny_model
+from loop_helpers import TINY
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig
 from asyncrl.records import RequestError, SamplingParams
@@ -72,3 +77,95 @@ def test_gateway_routes_openai_calls_to_ray_workers(ray_session, tmp_path):
     # Consistent hashing keeps every turn of a rollout on one engine.
     assert turns[0].engine_id == turns[1].engine_id and turns[0].engine_id in {"gw-0", "gw-1"}
     assert all(len(t.logprobs) == 4 and all(lp <= 0 for lp in t.logprobs) for t in turns)
+
+
+NICENESS_PROBE = """
+import json, os, sys
+import ray
+from asyncrl.configs.loader import load_config
+from asyncrl.policy.checkpoint import build_policy
+from asyncrl.rollout.worker import create_workers
+from asyncrl.sched.run import start_ray
+
+os.nice(3)  # neither 0 nor Ray's 15: the actor must take its driver's, whatever it is
+config = load_config("quickstart", sys.argv[1:])
+assert start_ray(config)
+model, _, _ = build_policy(config.policy, config.seed)
+(worker,) = create_workers(model, config.rollout)
+priority = lambda _: os.getpriority(os.PRIO_PROCESS, 0)
+print(json.dumps({"driver": priority(None), "worker": ray.get(worker.__ray_call__.remote(priority))}))
+ray.shutdown()
+"""
+
+
+def test_a_run_starts_its_rollout_workers_at_the_drivers_niceness():
+    """Ray's core worker renices every actor process to its `worker_niceness` (15 by default), which
+    starved engines on a busy machine until the gateway dropped them; `asyncrl run` starts Ray so that
+    actors keep the driver's niceness. In a fresh process: this module's tests share one Ray."""
+    probe = subprocess.run([sys.executable, "-c", NICENESS_PROBE, *TINY], capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    niceness = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert niceness == {"driver": 3, "worker": 3}
+
+
+def test_a_dead_worker_leaves_routing_and_its_replacement_joins_serving_the_latest_push(ray_session):
+    """`RayWorkers` (sched/clients.py) over real actors: a worker that dies leaves routing and pushes;
+    its replacement joins routing only once it serves the latest push; a push whose weights died with
+    the learner that made them fails without taking any worker out."""
+    import asyncio
+
+    from asyncrl.gateway.engines import RayEngine
+    from asyncrl.rollout.worker import WorkerLauncher
+    from asyncrl.sched.clients import RayWorkers
+
+    class Routing:
+        def __init__(self) -> None:
+            self.events: list[tuple[str, str]] = []
+            self.joined = asyncio.Event()
+
+        def join(self, handle) -> None:
+            self.events.append(("join", handle.engine_id))
+            self.joined.set()
+
+        def leave(self, engine_id: str, reason: str) -> None:
+            self.events.append(("leave", engine_id))
+
+    @ray.remote
+    class DyingLearner:
+        def state(self) -> dict:
+            import os
+
+            os._exit(1)
+
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=9)
+
+    async def scenario() -> None:
+        config = EmbeddedRolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4)
+        workers = RayWorkers(WorkerLauncher(make_tiny_model("qwen3", eos_token_id=None), config), "w", 2)
+        await workers.ready()
+        weights = ray.put(make_tiny_model("qwen3", eos_token_id=None, seed=4).state_dict())
+        assert await workers.update_weights(weights, 3) == [3, 3]
+        routing = Routing()
+        workers.attach(routing)
+        try:
+            ray.kill(workers.members["w-0"])
+            await asyncio.wait_for(routing.joined.wait(), timeout=240)  # a guard against a hang only
+            assert routing.events == [("leave", "w-0"), ("join", "w-0-r1")]
+            (replaced,) = workers.replaced()
+            assert (replaced["engine_id"], replaced["replacement"], replaced["version"]) == ("w-0", "w-0-r1", 3)
+            assert set(workers.members) == {"w-1", "w-0-r1"} and await workers.versions() == [3, 3]
+            # The replacement samples exactly what the survivor does: the pushed weights, not its initial ones.
+            new, old = await asyncio.gather(*(RayEngine(workers.members[i], i).generate([5, 6, 7], params, "s") for i in ("w-0-r1", "w-1")))
+            assert new.token_ids == old.token_ids and new.logprobs == old.logprobs and new.versions == [3] * 6
+
+            with pytest.raises(ray.exceptions.RayActorError):
+                await workers.update_weights(DyingLearner.remote().state.remote(), 4)
+            assert workers.serving() == 2 and workers.replaced() == [] and await workers.versions() == [3, 3]
+            assert await workers.update_weights(weights, 5) == [5, 5]
+            workers.check()
+        finally:
+            await workers.close()
+            for actor in workers.actors:
+                ray.kill(actor)
+
+    asyncio.run(scenario())

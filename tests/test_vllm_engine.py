@@ -291,7 +291,9 @@ def ray_cluster():
     """Engines beyond the module's own run in RolloutWorker actors: one vLLM engine per process."""
     _vllm()
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     yield ray
     ray.shutdown()
 
