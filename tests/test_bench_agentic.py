@@ -29,8 +29,9 @@ def test_small_bench_loses_no_episode(tmp_path):
     # Every episode called its tool once and answered: the stub engine's script ran through the gateway.
     assert results["store_statuses"] == results["episode_statuses"] == {"ok": 40} and results["runner_failures"] == 0
     assert results["tool_calls"] == results["tool_calls_recorded"] == 40
-    # All 40 wait their 0.3 s tool together, so all are open at the gateway at once.
-    assert results["episodes_in_flight_max"] == 40 and results["tools_in_flight_max"] == 40
+    # Episodes overlap at the gateway and in their tools (how many at once depends on how fast the
+    # machine starts them within one 0.3 s tool wait, so only overlap itself is asserted).
+    assert 1 < results["tools_in_flight_max"] <= results["episodes_in_flight_max"] <= 40
     assert 0.3 <= results["episode_p50_s"] <= results["episode_p99_s"] <= results["wall_s"]
     assert results["episodes_per_s"] == pytest.approx(40 / results["wall_s"], rel=0.01)
 

@@ -86,14 +86,21 @@ def _agentic(config, json_path, options=None):
     return run(config, json_path, options)
 
 
+def _soak(config, json_path, options=None):
+    from .soak import run
+
+    return run(config, json_path, options)
+
+
 def _registry() -> dict[str, Benchmark]:
-    from . import agentic, asyncloop
+    from . import agentic, asyncloop, soak
 
     return {
         "engine": Benchmark(_engine),
         "gateway": Benchmark(_gateway),
         "async": Benchmark(_async, asyncloop.PRESET, asyncloop.OVERRIDES, asyncloop.AsyncBenchOptions),
         "agentic": Benchmark(_agentic, agentic.PRESET, options=agentic.AgenticBenchOptions),
+        "soak": Benchmark(_soak, options=soak.SoakBenchOptions),
     }
 
 

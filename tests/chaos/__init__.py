@@ -1,0 +1,1 @@
+"""The chaos suite: tests that kill a part of a real run mid-way and check the books."""
