@@ -29,6 +29,7 @@ what the tokenizer's own calls return (tests compare the two). Tokenizers it can
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -61,6 +62,8 @@ class Markup:
         pattern = _trie_pattern(texts)
         self._any = re.compile(pattern) if texts else None
         self._starts = re.compile(f"(?=(?:{pattern}))") if texts else None
+        # JSON writes these markers as they are, so one search of a value's JSON rules the whole value out.
+        self._json_searchable = all(json.dumps(text, ensure_ascii=False) == f'"{text}"' for text in texts)
 
     def escape(self, text: str) -> str:
         """`text` with a BREAK after the first character of every marker text in it (overlapping ones too)."""
@@ -101,14 +104,27 @@ class Markup:
 
     def value(self, value: Any) -> Any:
         """Any JSON value with every string in it (keys too) escaped; the same object when none needed it."""
+        if self._any is None or isinstance(value, str) or not value:
+            return self._value(value)
+        if self._json_searchable:
+            # Tool definitions come with every request: one C-level dump and search instead of a walk in Python.
+            try:
+                flat = json.dumps(value, ensure_ascii=False)
+            except (TypeError, ValueError):
+                flat = None
+            if flat is not None and BREAK not in flat and self._any.search(flat) is None:
+                return value
+        return self._value(value)
+
+    def _value(self, value: Any) -> Any:
         if isinstance(value, str):
             return self.escape(value)
         if isinstance(value, Mapping):
-            items = [(self.value(k), self.value(v)) for k, v in value.items()]
+            items = [(self._value(k), self._value(v)) for k, v in value.items()]
             same = all(new[0] is old[0] and new[1] is old[1] for new, old in zip(items, value.items(), strict=True))
             return value if same else dict(items)
         if isinstance(value, (list, tuple)):
-            values = [self.value(v) for v in value]
+            values = [self._value(v) for v in value]
             return value if all(new is old for new, old in zip(values, value, strict=True)) else values
         return value
 
