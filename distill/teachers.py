@@ -103,11 +103,13 @@ def _chunks(sequences: list[list[int]]) -> list[list[list[int]]]:
     return chunks
 
 
-def _teacher_token(spec) -> str | None:
+def _teacher_token(name: str, spec) -> str | None:
     """The run token of the gateway serving a url teacher, from the environment variable the teacher's
     `token_env` names (a token in the config file would be copied into every run directory)."""
-    variable = getattr(spec, "token_env", None)  # TeacherSpec.token_env: pending in configs/schema.py
-    return os.environ.get(variable) if variable else None
+    variable = spec.token_env
+    if variable and variable not in os.environ:
+        raise TeacherError(f"distill.teachers.{name}.token_env: environment variable {variable} is not set (`asyncrl token RUN` prints it)")
+    return os.environ[variable] if variable else None
 
 
 def check_checkpoints(config: RunConfig) -> None:
@@ -133,7 +135,8 @@ class Teachers:
         """`handles`: the checkpoint teachers' scorers (`asyncrl run` starts them); the url teachers are
         added here."""
         skipped = ("aborted", *config.learner.crash_statuses)
-        remote = {name: HttpTeacher(name, spec.url, _teacher_token(spec)) for name, spec in config.distill.teachers.items() if spec.url}
+        teachers = config.distill.teachers.items()
+        remote = {name: HttpTeacher(name, spec.url, _teacher_token(name, spec)) for name, spec in teachers if spec.url}
         return cls({**handles, **remote}, config.rollout.sampling.temperature, skipped)
 
     async def score(self, samples: Sequence[Sample]) -> tuple[list[Sample], dict[str, float]]:

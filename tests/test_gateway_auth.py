@@ -252,3 +252,23 @@ def test_auth_false_on_loopback_checks_no_tokens_but_still_guards_engine_ids(eng
         assert registered.status_code == 200 and live_engines(gw) == {"e0", "r"}
         refused(httpx.post(gw.url + "/engines/register", json={"engine_id": "r", "address": NOWHERE}), 409, "'r'")
         refused(httpx.post(gw.url + "/engines/register", json={"engine_id": "e0", "address": NOWHERE}), 409, "'e0'")
+
+
+def test_a_url_teacher_scores_with_the_token_its_config_names(gateway, monkeypatch) -> None:
+    """distill.teachers.NAME.token_env: the teacher's run token comes from the environment, never the config file."""
+    from asyncrl.configs import load_config
+    from asyncrl.distill.teachers import HttpTeacher, TeacherError, Teachers
+
+    def teacher(token_env: str) -> HttpTeacher:
+        teachers = f"distill.teachers={{t: {{url: '{gateway.url}', token_env: {token_env}}}}}"
+        config = load_config("quickstart", [teachers, "learner.group_size=1"])
+        return Teachers.from_config(config, {}).handles["t"]
+
+    monkeypatch.setenv("ASYNCRL_TEST_TEACHER_TOKEN", gateway.run_token)
+    (logprobs,) = asyncio.run(teacher("ASYNCRL_TEST_TEACHER_TOKEN").score([[5, 6, 7]], 1.0))
+    assert len(logprobs) == 3
+    monkeypatch.setenv("ASYNCRL_TEST_TEACHER_TOKEN", gateway.engine_token)  # the wrong token: refused, and said so
+    with pytest.raises(TeacherError, match="refused the run token"):
+        asyncio.run(teacher("ASYNCRL_TEST_TEACHER_TOKEN").score([[5, 6, 7]], 1.0))
+    with pytest.raises(TeacherError, match=r"distill\.teachers\.t\.token_env: environment variable ASYNCRL_NO_SUCH_TOKEN is not set"):
+        teacher("ASYNCRL_NO_SUCH_TOKEN")
