@@ -64,6 +64,9 @@ def test_gateway_routes_openai_calls_to_ray_workers(ray_session, tmp_path):
 
     model = make_tiny_model("qwen3", eos_token_id=None)
     workers = create_workers(model, EmbeddedRolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4), name_prefix="gw")
+    # Built before the gateway watches them: on a busy machine an actor still building its engine misses
+    # the gateway's heartbeat window and is out of routing when the first request comes.
+    ray.get([worker.version.remote() for worker in workers])
     handles = [RayEngine(worker, f"gw-{i}") for i, worker in enumerate(workers)]
     store = open_store(tmp_path)
     with LiveGateway(make_service(store, handles)) as live:
