@@ -87,7 +87,7 @@ class Waiting:
         self.peak = max(self.peak, self.running)
         if self.running == self.total:
             self.all_started.set()
-        await asyncio.wait_for(self.all_started.wait(), 120)
+        await self.all_started.wait()  # no deadline of its own: on a busy machine 1,000 opens take minutes
         reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "?"}], max_tokens=2)
         self.running -= 1
         return EpisodeResult(float(reply.choices[0].message.content == "7"))
@@ -106,7 +106,7 @@ def test_a_thousand_episodes_in_flight_as_asyncio_tasks(tmp_path):
         gateway = AsyncGatewayClient(url, token=token, timeout=None)  # 1,000 opens queue for the pool on a busy machine
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=16)) as http:
             results = await asyncio.gather(*(
-                run_recorded_episode(env, 0, gateway, group_id=f"g{i // 8}", task_name="wait", http_client=http, timeout_s=300)
+                run_recorded_episode(env, 0, gateway, group_id=f"g{i // 8}", task_name="wait", http_client=http, timeout_s=900)
                 for i in range(total)
             ))  # fmt: skip
         await gateway.aclose()
@@ -116,7 +116,7 @@ def test_a_thousand_episodes_in_flight_as_asyncio_tasks(tmp_path):
         with LiveGateway(make_service(store, [engine])) as live:
             peak, results = asyncio.run(go(live.url, live.run_token))
         assert peak == total
-        assert all(result.status == "ok" and result.reward == 1.0 for _, result in results)
+        assert [(r.status, r.reward, r.reason) for _, r in results if (r.status, r.reward) != ("ok", 1.0)] == []
         counts = store.counts()
         assert counts["ok"] == total and counts["running"] == 0
         assert {t.task for t in store.list(status="ok")} == {"wait"}
