@@ -290,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--limit", type=int, default=100, help="most rows (default 100)")
     show.add_argument("rollout_id", metavar="ID")
     show.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the embedded tokenizer)")
+
+    from asyncrl.replay.cli import add_parser as add_replay_parser
+
+    add_replay_parser(sub)
     return parser
 
 

@@ -154,6 +154,9 @@ class Turn:
     record (turns stored before turns carried them); the learner then assumes the run's."""
     top_p: float | None = None
     top_k: int | None = None
+    routes: list[list[list[int]]] | None = None
+    """MoE routing replay: for each completion token, per MoE layer, the experts the engine's router chose
+    (rollout.record_routes). None when not recorded."""
 
     def __post_init__(self) -> None:
         # A misaligned turn would silently shift every importance ratio after it; refuse it here.
@@ -163,6 +166,8 @@ class Turn:
                 f"turn of rollout {self.rollout_id!r}: {n} completion tokens but {len(self.logprobs)} "
                 f"log-probs and {len(self.versions)} versions; they must be aligned one to one"
             )
+        if self.routes is not None and len(self.routes) != n:
+            raise ValueError(f"turn of rollout {self.rollout_id!r}: {n} completion tokens but routes for {len(self.routes)}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON. Not `dataclasses.asdict`: its deep copy of every token id made it the
@@ -248,6 +253,12 @@ class Sample:
     None where the mask is 0 or the turn recorded none. None for the whole sample when no turn
     recorded one (hand-built samples, old stores). Per token, because the turns of one sample may
     have been sampled at different temperatures."""
+    token_turns: list[int] | None = None
+    """Index of the trajectory turn each token came in with (its prompt's new tokens and its completion),
+    aligned with token_ids; None for hand-built samples. Per-turn consistency figures and replay use it."""
+    routes: list[list[list[int]] | None] | None = None
+    """MoE routing replay: per token, the experts chosen per MoE layer when it was sampled (None where the
+    mask is 0), aligned with token_ids; None for the whole sample when no turn recorded routes."""
 
     @property
     def oldest_version(self) -> int | None:

@@ -29,6 +29,7 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
     samples: list[Sample] = []
     # Stores written before turns carried their temperature give samples without one (the learner's default).
     recorded = any(turn.temperature is not None for turn in trajectory.turns)
+    routed = any(turn.routes is not None for turn in trajectory.turns)
     for turn in trajectory.turns:
         prompt = turn.prompt_token_ids
         sample = _longest_extended(samples, prompt)
@@ -37,6 +38,7 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
                 token_ids=[], loss_mask=[], logprobs=[], versions=[],
                 reward=trajectory.reward, group_id=trajectory.group_id, rollout_id=trajectory.rollout_id,
                 status=trajectory.status, task=trajectory.task, branch=len(samples), temperatures=[] if recorded else None,
+                token_turns=[], routes=[] if routed else None,
             )  # fmt: skip
             samples.append(sample)
         unsampled = len(prompt) - len(sample.token_ids)
@@ -47,6 +49,10 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
         sample.versions += [UNSAMPLED_VERSION] * unsampled + turn.versions
         if sample.temperatures is not None:
             sample.temperatures += [None] * unsampled + [turn.temperature] * sampled
+        assert sample.token_turns is not None
+        sample.token_turns += [turn.index] * (unsampled + sampled)
+        if sample.routes is not None:
+            sample.routes += [None] * unsampled + (turn.routes if turn.routes is not None else [None] * sampled)
         sample.turn_indices.append(turn.index)
     return samples
 

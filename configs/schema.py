@@ -346,6 +346,9 @@ class EmbeddedRolloutConfig(RolloutBase):
     """Engine implementation: the embedded torch engine."""
     retained_prefixes: int = Field(64, ge=0, le=65536)
     """Finished requests whose KV cache is kept for the next turn of the same rollout."""
+    record_routes: bool = False
+    """Record the experts the MoE router chose for every sampled token (MoE policies), so the learner can
+    route its forward the same way (learner.routing_replay)."""
 
 
 class VLLMRolloutConfig(RolloutBase):
@@ -371,6 +374,9 @@ class StoreBase(Section):
     """How long one learner claim waits for completed trajectories."""
     claim_batch: int = Field(64, ge=1)
     """Most trajectories one claim takes."""
+    keep_trajectories: bool = True
+    """Keep trajectories after the learner acknowledged them (replay reads them; `asyncrl replay prune`
+    deletes them later); false deletes each one once a checkpoint holds its training."""
 
 
 class SQLiteStoreConfig(StoreBase):
@@ -587,6 +593,17 @@ class LearnerConfig(Section):
     """Most padded tokens (rows x longest) in one forward/backward; bounds activation memory."""
     checkpoint_every: int = Field(50, ge=1)
     """Save an HF checkpoint plus learner state every this many optimizer steps."""
+    keep_checkpoints_every: int | None = Field(None, ge=1)
+    """Checkpoint retention: keep the checkpoints whose version is a multiple of this, plus the last
+    `keep_last_checkpoints`, and delete the others once a newer one is on disk (None: keep every one)."""
+    keep_last_checkpoints: int = Field(2, ge=1, le=100000)
+    """The newest checkpoints always kept (with keep_checkpoints_every set); resume needs the last one."""
+    logprob_gap_warning: float = Field(0.5, gt=0.0)
+    """Warn when, in a step, the mean |learner - rollout| log-prob of a task's (or a turn index's) sampled
+    tokens exceeds this: the learner and the engines no longer compute the same policy."""
+    routing_replay: bool = False
+    """MoE policies: the learner's forward uses the experts the engine chose for each sampled token
+    (recorded with rollout.record_routes) instead of routing again, so router near-ties cannot split them."""
 
 
 class LoopConfig(Section):
@@ -608,6 +625,9 @@ class LoopConfig(Section):
     """Stop the RL loop after this many seconds even if `steps` is not reached (None: no limit)."""
     sft_first: bool = True
     """With policy.path unset, run the SFT warm start first and start RL from its checkpoint."""
+    record_batches: bool = True
+    """Write what each learner step trained (its rollout ids in order, a few hundred bytes: batches/step-N.json),
+    so `asyncrl replay train` can re-run any step and `asyncrl replay score --step N` can select its rollouts."""
 
 
 class TeacherSpec(Section):

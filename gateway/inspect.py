@@ -19,19 +19,20 @@ from rich.text import Text
 from asyncrl.records import Trajectory
 from asyncrl.samples import trajectory_to_samples
 
-from .store import StoreError, TrajectoryReader, TrajectoryStore, open_store
+from .store import ReadOnlyStore, StoreError, TrajectoryReader, open_reader
 
 
-def open_run(run: str, namespace: str | None = None) -> TrajectoryStore:
-    """The store behind RUN; a SQLite path must exist (reading must not create an empty store)."""
+def open_run(run: str, namespace: str | None = None) -> ReadOnlyStore:
+    """The store behind RUN, opened for reading only; a SQLite path must exist (reading must not
+    create an empty store)."""
     if run.startswith(("redis://", "rediss://", "unix://")):
-        return open_store(run, namespace=namespace or "default")
+        return open_reader(run, namespace=namespace or "default")
     path = Path(run)
     if not path.exists():
         raise FileNotFoundError(f"{run}: no such run directory or store file")
     if path.is_dir() and not (path / "trajectories.db").exists():
         raise FileNotFoundError(f"{run}: no trajectories.db in this directory (has `asyncrl serve` recorded anything?)")
-    return open_store(path)
+    return open_reader(path)
 
 
 def list_trajectories(store: TrajectoryReader, console: Console, *, status: str | None = None, limit: int = 100) -> int:

@@ -34,12 +34,18 @@ class Episodes:
         if self.failures:
             raise RuntimeError(f"an episode could not start: {self.failures[0]!r}") from self.failures[0]
 
-    def start_group(self, task: Task, problem: Any, group_id: str, size: int, admitted_at_version: int) -> None:
-        """`size` episodes of `problem`, one GRPO group."""
+    def start_group(
+        self, task: Task, problem: Any, group_id: str, size: int, admitted_at_version: int, task_seed: int | None = None
+    ) -> None:
+        """`size` episodes of `problem`, one GRPO group. `task_seed`: the seed `problem` was drawn with
+        (`env.sample_task(random.Random(task_seed), "train")`), recorded in each rollout's metadata."""
+        metadata: dict[str, Any] = {"admitted_at_version": admitted_at_version}
+        if task_seed is not None:
+            metadata["task_seed"] = task_seed
         for _ in range(size):
             episode = run_recorded_episode(
                 task.env, problem, self.gateway, group_id=group_id, timeout_s=self.timeout_s,
-                metadata={"admitted_at_version": admitted_at_version}, http_client=self.http_client,
+                metadata=dict(metadata), http_client=self.http_client,
                 sandboxes=task.sandboxes, task_name=task.name,
             )  # fmt: skip
             running = asyncio.create_task(episode)

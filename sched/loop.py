@@ -99,9 +99,14 @@ class Loop:
             task = self.p.tasks.pick()
             if task is None:
                 return  # every task is at its rate limit
-            problem, group_id = task.env.sample_task(self.rng, "train"), uuid.uuid4().hex[:16]
+            # Each group's problem is drawn from a seed of its own, recorded with its rollouts, so a
+            # replay draws the same problem again (`asyncrl replay episode`).
+            task_seed, group_id = self.rng.getrandbits(63), uuid.uuid4().hex[:16]
+            problem = task.env.sample_task(random.Random(task_seed), "train")
             self.groups.open(group_id, self.group_size)
-            self.episodes.start_group(task, problem, group_id, self.group_size, admitted_at_version=self.pushed)
+            self.episodes.start_group(
+                task, problem, group_id, self.group_size, admitted_at_version=self.pushed, task_seed=task_seed
+            )
 
     async def collect(self) -> None:
         claim_batch = self.config.store.claim_batch

@@ -7,6 +7,7 @@
         summary.json         eval_before, eval_after, wall_s, the ledger
         trajectories.db      the SQLite trajectory store (unless store.type is redis)
         checkpoints/step-N/  HF checkpoint + learner state (LearnerActor.save) + loop_state.json
+        batches/step-N.json  what learner step N trained (`BatchRecord`), when loop.record_batches is on
         sft/                 the SFT warm start, when the run did one
 
 A checkpoint is the run's commit point: the trajectories it trained are acknowledged in the store
@@ -50,6 +51,27 @@ class LoopState:
     acking: list[str] = field(default_factory=list)
     """Rollouts this checkpoint trained, acknowledged in the store right after it is written (redone on
     resume in case the run died in between)."""
+
+
+@dataclass
+class BatchRecord:
+    """What one learner step was handed, by reference: the rollouts of its GRPO groups in the order the
+    learner saw them (their samples are re-derived from the store with `group_samples`), the version
+    staleness was measured against, and what the step reported. Selection is a pure function of these,
+    so `asyncrl replay train` rebuilds the exact batch (samples, padding, advantages) from them."""
+
+    step: int
+    """The learner's version after the step (the `step` of its metrics record)."""
+    learner_version: int
+    """The version the step started from (staleness is measured against it)."""
+    groups: list[list[str]]
+    """Rollout ids, one list per group, in the order they were handed to the learner."""
+    ledger: dict[str, int] = field(default_factory=dict)
+    padded: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    distilled: bool = False
+    """The step's samples were scored by teachers first (their log-probs are not in the store)."""
 
 
 class RunDir:
@@ -98,6 +120,25 @@ class RunDir:
 
     def has_run(self) -> bool:
         return (self.path / SQLITE_FILENAME).exists() or self.checkpoints.exists()
+
+    # -- batches ------------------------------------------------------------------------------
+
+    @property
+    def batches(self) -> Path:
+        return self.path / "batches"
+
+    def write_batch(self, record: BatchRecord) -> Path:
+        self.batches.mkdir(parents=True, exist_ok=True)
+        path = self.batches / f"step-{record.step:06d}.json"
+        path.write_text(json.dumps(asdict(record)) + "\n")
+        return path
+
+    def read_batch(self, step: int) -> BatchRecord | None:
+        path = self.batches / f"step-{step:06d}.json"
+        return BatchRecord(**json.loads(path.read_text())) if path.exists() else None
+
+    def batch_steps(self) -> list[int]:
+        return sorted(int(p.stem.removeprefix("step-")) for p in self.batches.glob("step-*.json"))
 
     # -- logs ---------------------------------------------------------------------------------
 

@@ -45,10 +45,26 @@ class Child:
         return self.proc.returncode
 
     async def kill(self) -> None:
-        """SIGKILL the process group and reap the process."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        await self.wait()
+        """SIGKILL the process group and everything it started, and return once all of it is gone.
+
+        Bubblewrap's PID namespace dies with its init, but asynchronously: its init gets SIGKILL
+        from the parent-death signal after the outer process is reaped, and the kernel then kills
+        the namespace. So the processes seen below this one are killed and awaited too; the
+        namespace's init is among them, and its exit comes only after the namespace is empty.
+        """
+        below = _pidfds(_descendants(self.proc.pid))
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            for fd in below:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            await self.wait()
+            for fd in below:
+                await _readable(fd)
+        finally:
+            for fd in below:
+                os.close(fd)
 
 
 async def _read_all(pipe: IO[bytes] | None) -> bytes:
@@ -63,11 +79,19 @@ async def _read_all(pipe: IO[bytes] | None) -> bytes:
 
 async def _exited(pid: int) -> None:
     """Returns once process `pid` (our child) has exited, without reaping it."""
-    loop = asyncio.get_running_loop()
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return
+    try:
+        await _readable(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+async def _readable(pidfd: int) -> None:
+    """Returns once the process behind `pidfd` has exited (a pidfd polls readable then)."""
+    loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
     def readable() -> None:
@@ -79,4 +103,31 @@ async def _exited(pid: int) -> None:
         await done
     finally:
         loop.remove_reader(pidfd)
-        os.close(pidfd)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` now, found through /proc's children lists."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _pidfds(pids: list[int]) -> list[int]:
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds.append(os.pidfd_open(pid))
+    return fds

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from asyncrl.records import Trajectory
+
 from .base import (
     COUNT_KEYS,
     DEFAULT_VISIBILITY_TIMEOUT_S,
@@ -48,9 +50,47 @@ def open_store(
     return SQLiteStore(path, visibility_timeout_s=visibility_timeout_s)
 
 
+class ReadOnlyStore:
+    """A `TrajectoryReader` over any store: get, list and counts, and nothing that writes (replay and
+    inspection read a run this way, so they cannot change it even by mistake)."""
+
+    def __init__(self, store: TrajectoryStore) -> None:
+        self._store = store
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyStore({self._store!r})"
+
+    def get(self, rollout_id: str) -> Trajectory:
+        return self._store.get(rollout_id)
+
+    def list(
+        self, *, status: str | None = None, group_id: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> list[Trajectory]:
+        return self._store.list(status=status, group_id=group_id, limit=limit, offset=offset)
+
+    def counts(self) -> dict[str, int]:
+        return self._store.counts()
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def open_reader(url_or_path: str | Path, *, namespace: str = "default") -> ReadOnlyStore:
+    """Open an existing store for reading only: a SQLite file is opened read-only (a missing one is
+    FileNotFoundError, never created), a Redis store is reached through the reading verbs alone."""
+    address = str(url_or_path)
+    if address.startswith(_REDIS_SCHEMES):
+        return ReadOnlyStore(open_store(address, namespace=namespace))
+    path = Path(address.removeprefix("sqlite:///"))
+    if path.is_dir():
+        path = path / SQLITE_FILENAME
+    return ReadOnlyStore(SQLiteStore(path, read_only=True))
+
+
 __all__ = [
     "COUNT_KEYS",
     "DEFAULT_VISIBILITY_TIMEOUT_S",
+    "ReadOnlyStore",
     "RolloutClosed",
     "SQLiteStore",
     "StoreError",
@@ -59,5 +99,6 @@ __all__ = [
     "TrajectoryRecorder",
     "TrajectoryStore",
     "UnknownRollout",
+    "open_reader",
     "open_store",
 ]

@@ -72,14 +72,22 @@ _POLL_S = 0.05
 class SQLiteStore:
     """`TrajectoryStore` over one SQLite file, safe from several threads and processes."""
 
-    def __init__(self, path: str | Path, *, visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S) -> None:
+    def __init__(self, path: str | Path, *, visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S, read_only: bool = False) -> None:
+        """`read_only`: open an existing file for reading only (SQLite refuses every write), as replay
+        and inspection do, so reading a run can never change it."""
         self.path = Path(path)
         self.visibility_timeout_s = visibility_timeout_s
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self._closed = False
+        if read_only:
+            if not self.path.is_file():
+                raise FileNotFoundError(f"{self.path}: no such trajectory store")
+            self._db()
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db().executescript(_SCHEMA)
 
     def __repr__(self) -> str:
@@ -93,10 +101,14 @@ class SQLiteStore:
         local = self._local
         if getattr(local, "pid", None) != os.getpid():
             # isolation_level=None: we issue BEGIN ourselves, so no transaction opens behind our back.
-            db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            # NORMAL in WAL mode survives a process crash; only a power loss can drop the last commits.
-            db.execute("PRAGMA synchronous=NORMAL")
+            if self.read_only:
+                uri = f"{self.path.resolve().as_uri()}?mode=ro"
+                db = sqlite3.connect(uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False)
+            else:
+                db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
+                db.execute("PRAGMA journal_mode=WAL")
+                # NORMAL in WAL mode survives a process crash; only a power loss can drop the last commits.
+                db.execute("PRAGMA synchronous=NORMAL")
             local.db, local.pid = db, os.getpid()
             with self._lock:
                 self._connections.append(db)

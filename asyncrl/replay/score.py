@@ -1,0 +1,13 @@
+"""`asyncrl replay score` (being built)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def main(args: argparse.Namespace) -> int:
+    raise NotImplementedError("asyncrl replay score is not built yet")

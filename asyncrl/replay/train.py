@@ -1,0 +1,13 @@
+"""`asyncrl replay train` (being built)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def main(args: argparse.Namespace) -> int:
+    raise NotImplementedError("asyncrl replay train is not built yet")
