@@ -100,6 +100,9 @@ class GenerationResult:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds: queued (submit to first scheduling), prefill, total."""
     error: str | None = None
+    routes: list[list[list[int]]] | None = None
+    """rollout.record_routes: per sampled token, per MoE layer, the expert ids (ascending) chosen at the
+    position whose output sampled it (`asyncrl.policy.routing`). None when not recorded."""
 
 
 @dataclass

@@ -82,3 +82,21 @@ def plot_panels(records: list[dict], panels: list[Panel], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_consistency(records: list[dict], path: Path) -> None:
+    """`consistency.png`: the learner-vs-rollout log-prob gap of every learner step (overall mean and max,
+    and each task's mean), the fraction of tokens the objective masked on each side of its band, and
+    the ratio quantiles; from the step records' consistency keys (`learner/consistency.py`)."""
+    tasks = sorted({task for r in records for task in r.get("logprob_gap_by_task") or {}})
+    # Each task's mean gap as a flat key of its own, so it is one more series of a panel.
+    flat = [{**r, **{f"gap/{t}": g["mean"] for t, g in (r.get("logprob_gap_by_task") or {}).items()}} for r in records]
+    panels = [
+        Panel("learner vs rollout |log-prob gap|", "|Δ log-p| (sampled tokens)",
+              [("logprob_gap_mean", "mean"), ("logprob_gap_max", "max")]),
+        Panel("mean |log-prob gap| per task", "|Δ log-p|", [(f"gap/{t}", t) for t in tasks]),
+        Panel("tokens masked by the objective", "fraction of trainable tokens",
+              [("masked_below_frac", "below the band"), ("masked_above_frac", "above the band")]),
+        Panel("importance ratio quantiles", "ratio", [("ratio_p01", "p01"), ("ratio_p50", "p50"), ("ratio_p99", "p99")], yscale="log"),
+    ]  # fmt: skip
+    plot_panels(flat, panels, path)

@@ -52,7 +52,9 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
         assert sample.token_turns is not None
         sample.token_turns += [turn.index] * (unsampled + sampled)
         if sample.routes is not None:
-            sample.routes += [None] * unsampled + (turn.routes if turn.routes is not None else [None] * sampled)
+            routes: list[list[list[int]] | None] = [None] * unsampled
+            routes += turn.routes if turn.routes is not None else [None] * sampled
+            sample.routes += routes
         sample.turn_indices.append(turn.index)
     return samples
 

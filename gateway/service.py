@@ -404,7 +404,7 @@ class GatewayService:
         turn = Turn(
             rollout.id, list(prompt), result.token_ids, result.logprobs, result.versions, result.finish_reason,
             branch=branch, engine_id=result.engine_id, timings=timings, created_at=time.time(),
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, routes=result.routes,
         )  # fmt: skip
         try:
             return await self._io(self.store.append, turn)

@@ -6,7 +6,9 @@ longest row), which bounds activation memory whatever the mix of short and long 
 
 Every row carries the temperature at which each of its tokens is scored (`Sample.scoring_temperatures`:
 the temperature its turn sampled at, 1 for greedy tokens, the run's where none is on record), so the
-learner's log-probs compare with the engine's token by token.
+learner's log-probs compare with the engine's token by token. Rows also carry their sample's task
+and the trajectory turn of each token (`Sample.token_turns`), for the consistency figures
+(`learner/consistency.py`).
 
 A sample may carry `teacher_logprobs` (aligned with its tokens, as `distill.ScoredSample` does):
 it is a distillation sample, whose advantage is per token and is computed in the learner's step
@@ -15,14 +17,17 @@ from those log-probs (`distill_advantages` in `learner/objectives.py`) instead o
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from asyncrl.records import Sample
 
+from .routing_replay import routes_tensor
 from .sft_data import collate, length_buckets
 
 
@@ -38,6 +43,11 @@ class Row:
     """The temperature each token's log-prob is taken at (> 0; see `Sample.scoring_temperatures`)."""
     teacher_logprobs: list[float] | None = None
     """A distillation row: the teacher's log-prob of every token (its advantage is then per token)."""
+    task: str = ""
+    turns: list[int] | None = None
+    """The trajectory turn of each token (`Sample.token_turns`); None when not on record."""
+    routes: list | None = None
+    """MoE routing replay: `Sample.routes` (per token, per MoE layer, expert ids; None where not sampled)."""
 
 
 @dataclass
@@ -58,9 +68,17 @@ class MicroBatch:
     """[B] bool: the row is a distillation row (per-token advantages from `teacher_logprobs`)."""
     temperatures: torch.Tensor
     """[B, T] temperature the log-prob of each token is taken at; 1 on padding."""
+    turns: torch.Tensor
+    """[B, T] long: trajectory turn index of each token; -1 on padding and where none is on record."""
+    tasks: list[str]
+    """The task of each row."""
+    routes: torch.Tensor | None = None
+    """[B, T, MoE layers, top_k] the experts position p replays (`learner/routing_replay.py`; -1: routes
+    itself); None when no row has routes."""
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(*(t.to(device) for t in vars(self).values()))
+        moved: dict[str, Any] = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
+        return dataclasses.replace(self, **moved)
 
 
 def to_rows(samples: Sequence[Sample], advantages: Sequence[float], temperature: float = 1.0) -> list[Row]:
@@ -79,8 +97,13 @@ def to_rows(samples: Sequence[Sample], advantages: Sequence[float], temperature:
         teacher = getattr(sample, "teacher_logprobs", None)
         if teacher is not None and len(teacher) != n:
             raise ValueError(f"rollout {sample.rollout_id!r}: teacher_logprobs and token_ids lengths differ")
+        if sample.token_turns is not None and len(sample.token_turns) != n:
+            raise ValueError(f"rollout {sample.rollout_id!r}: token_turns and token_ids lengths differ")
         temperatures = sample.scoring_temperatures(temperature)
-        rows.append(Row(sample.token_ids, sample.loss_mask, sample.logprobs, float(advantage), temperatures, teacher))
+        rows.append(Row(
+            sample.token_ids, sample.loss_mask, sample.logprobs, float(advantage), temperatures, teacher,
+            task=sample.task, turns=sample.token_turns, routes=sample.routes,
+        ))  # fmt: skip
     return rows
 
 
@@ -103,16 +126,20 @@ def _collate(rows: list[Row], pad_token_id: int) -> MicroBatch:
     logprobs = torch.zeros_like(tensors["loss_mask"])
     teacher = torch.zeros_like(tensors["loss_mask"])
     temperatures = torch.ones_like(tensors["loss_mask"])  # not 0 on padding: logits / 0 would be NaN there
+    turns = torch.full(tensors["input_ids"].shape, -1, dtype=torch.long)
     for i, row in enumerate(rows):
         logprobs[i, : len(row.logprobs)] = torch.tensor(row.logprobs, dtype=torch.float32)
         temperatures[i, : len(row.temperatures)] = torch.tensor(row.temperatures, dtype=torch.float32)
         if row.teacher_logprobs is not None:
             teacher[i, : len(row.teacher_logprobs)] = torch.tensor(row.teacher_logprobs, dtype=torch.float32)
+        if row.turns is not None:
+            turns[i, : len(row.turns)] = torch.tensor(row.turns, dtype=torch.long)
     return MicroBatch(
         input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], loss_mask=tensors["loss_mask"],
         rollout_logprobs=logprobs, advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         teacher_logprobs=teacher, distill=torch.tensor([r.teacher_logprobs is not None for r in rows]),
-        temperatures=temperatures,
+        temperatures=temperatures, turns=turns, tasks=[r.task for r in rows],
+        routes=routes_tensor([r.routes for r in rows], tensors["input_ids"].shape[1]),
     )  # fmt: skip
 
 

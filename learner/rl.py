@@ -27,6 +27,11 @@ every token, and their advantage is per token, stop-grad(log pi_teacher - log pi
 log pi_theta this step's own detached log-prob (`distill_advantages` in `learner/objectives.py` says why), computed after the
 forward; they are never skipped as zero-advantage.
 
+Consistency (`learner/consistency.py`): every step reports the gap between its log-probs and the
+rollouts' on the sampled tokens of the computed rows (mean and max, per task and per turn index), the
+ratio quantiles and the masked fraction per side of the band; a (task, turn) whose mean gap passes
+`learner.logprob_gap_warning` raises a `LogprobGapWarning` and is listed in `consistency_warnings`.
+
 This module knows nothing of Ray or the loop: the scheduler calls `train_step`, pushes
 `state_dict_for_push()` when a step reports `push_due`, and calls `save` every
 `checkpoint_every` steps.
@@ -37,7 +42,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -47,14 +52,18 @@ from transformers import PreTrainedModel
 from asyncrl.configs.schema import LearnerConfig, RunConfig
 from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
 from asyncrl.policy.mtp import MTPLayer, mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.routing import use_shared_selection
 from asyncrl.records import Account, Sample
 
 from .batch import MicroBatch, Row, micro_batches, staleness_histogram, to_rows
+from .consistency import ConsistencyStats, warn_gaps
 from .objectives import ObjectiveOutput, distill_advantages, double_sided_is_loss, group_advantages, icepop_grpo_loss
+from .routing_replay import replay
 from .selection import Selection, select
 
 STATE_FILE = "learner_state.pt"
 """Optimizer state and policy version, saved beside the HF checkpoint."""
+
 
 Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ObjectiveOutput]
 
@@ -95,44 +104,37 @@ def advantages_for(selection: Selection, normalize_std: bool) -> list[float]:
 
 @dataclass
 class _StepStats:
-    """Sums over the computed micro-batches of one step."""
+    """Sums over the computed micro-batches of one step; the ratio and log-prob gap figures come from
+    `consistency` and, like it, cover the computed rows only (`computed_trainable_tokens` of them)."""
 
     loss: float = 0.0
     mtp_loss: float = 0.0
-    trainable: int = 0
-    kept: int = 0
-    ratio_sum: float = 0.0
-    ratio_min: float = float("inf")
-    ratio_max: float = float("-inf")
-    abs_logp_diff_sum: float = 0.0
     tokens: int = 0
     micro_batches: int = 0
+    consistency: ConsistencyStats = field(default_factory=ConsistencyStats)
 
     def add(self, out: ObjectiveOutput, logp: torch.Tensor, batch: MicroBatch, mask: torch.Tensor) -> None:
-        trainable = mask.bool()
-        ratios = out.ratio[trainable]
-        self.trainable += int(trainable.sum())
-        self.kept += int(out.kept[trainable].sum())
-        if ratios.numel():
-            self.ratio_sum += float(ratios.sum())
-            self.ratio_min = min(self.ratio_min, float(ratios.min()))
-            self.ratio_max = max(self.ratio_max, float(ratios.max()))
-        diff = (logp.detach() - batch.rollout_logprobs[:, 1:]).abs()
-        self.abs_logp_diff_sum += float(diff[trainable].sum())
+        gap = (logp.detach() - batch.rollout_logprobs[:, 1:]).abs()
+        # Token j+1 is scored at position j: its turn is that of token j+1.
+        self.consistency.add(batch.tasks, batch.turns[:, 1:], gap, out.ratio, out.kept, mask)
         self.tokens += int(batch.attention_mask.sum())
         self.micro_batches += 1
 
-    def metrics(self) -> dict[str, float | int | None]:
-        n = self.trainable
+    def metrics(self) -> dict:
+        consistency = self.consistency.metrics()
+        n = self.consistency.tokens
+        ratios = self.consistency.all_ratios()
+        masked = self.consistency.masked_below + self.consistency.masked_above
         return {
-            "masked_token_frac": 1.0 - self.kept / n if n else 0.0,
-            "ratio_mean": self.ratio_sum / n if n else None,
-            "ratio_min": self.ratio_min if n else None,
-            "ratio_max": self.ratio_max if n else None,
-            "abs_logp_diff": self.abs_logp_diff_sum / n if n else None,
+            "masked_token_frac": masked / n if n else 0.0,
+            "ratio_mean": float(ratios.mean()) if n else None,
+            "ratio_min": float(ratios.min()) if n else None,
+            "ratio_max": float(ratios.max()) if n else None,
+            "abs_logp_diff": consistency["logprob_gap_mean"],
             "computed_tokens": self.tokens,
             "computed_trainable_tokens": n,
             "micro_batches": self.micro_batches,
+            **consistency,
         }
 
 
@@ -163,9 +165,12 @@ class RLLearner:
         """Policy version of the current weights: +1 per optimizer step."""
         self.objective = make_objective(config)
         if config.freeze_indexer:
-            for name, param in model.named_parameters():
+            # The MTP block runs a DSA indexer of its own: frozen with the policy's.
+            for name, param in [*model.named_parameters(), *(mtp.named_parameters() if mtp is not None else ())]:
                 if ".indexer." in name:
                     param.requires_grad_(False)
+        # DSA and router top-k through the functions the embedded engine uses (ties included).
+        use_shared_selection(model, *([mtp] if mtp is not None else []))
         self.params = [p for p in model.parameters() if p.requires_grad]
         if (trained_mtp := self._trained_mtp) is not None:
             # The MTP layer shares the policy's embedding and head; list those only once.
@@ -212,6 +217,7 @@ class RLLearner:
         trainable = sum(sum(row.loss_mask[1:]) for row in rows)
         stats = self._accumulate(computed, trainable)
         grad_norm = self._step() if computed else None
+        gaps = warn_gaps(stats.consistency, self.config.logprob_gap_warning, self.version)
         push_due = grad_norm is not None and self.version % self.config.push_every == 0
         if push_due and self.config.reset_optimizer_on_push:
             self.reset_optimizer()  # fresh moments for the policy the engines are about to serve
@@ -221,6 +227,7 @@ class RLLearner:
             "mtp_loss": stats.mtp_loss if self._trained_mtp is not None else None,
             **stats.metrics(),
             "trainable_tokens": trainable, "samples": len(rows), "skipped_zero_adv": len(rows) - len(computed),
+            "consistency_warnings": gaps,
         }  # fmt: skip
         return {**metrics, **_selection_metrics(samples, selection, current), "step_s": time.perf_counter() - start}
 
@@ -236,7 +243,8 @@ class RLLearner:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for batch in micro_batches(rows, pad, self.config.micro_batch_tokens):
             batch = batch.to(self.device)
-            hidden, logits = policy_hidden_and_logits(self.model, batch.input_ids, batch.attention_mask)
+            with replay(self.model, batch.routes if self.config.routing_replay else None):
+                hidden, logits = policy_hidden_and_logits(self.model, batch.input_ids, batch.attention_mask)
             logp = sampled_logprobs(logits, batch.input_ids, batch.temperatures[:, 1:])
             mask = batch.loss_mask[:, 1:]
             out = self.objective(logp, batch.rollout_logprobs[:, 1:], _advantages(batch, logp, mask), mask)

@@ -68,6 +68,7 @@ class _Request:
     mtp_hidden: torch.Tensor | None = None
     verify_steps: int = 0  # decode steps that verified at least one draft
     verify_tokens: int = 0  # tokens those steps emitted
+    routes: list[list[list[int]]] | None = None  # rollout.record_routes: per output token, per MoE layer, its experts
 
     def pending_tokens(self) -> list[int]:
         """Tokens the next forward must feed: the uncached prompt suffix, or the last sampled token."""
@@ -115,6 +116,10 @@ class EmbeddedEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {hf_config.max_position_embeddings}"
             )
         self.model = build_model(hf_config, model.state_dict(), max_len=self.max_model_len, dtype=dtype, device=self.device, fp8=config.fp8)
+        # Only MoE families have routes; for the others record_routes records nothing (routes None).
+        self.record_routes = config.record_routes and hasattr(self.model, "record_routes")
+        if self.record_routes:
+            self.model.record_routes = True
         self.drafter = NativeMTP(self.model, mtp if isinstance(mtp, dict) else mtp.state_dict()) if config.mtp_drafting else None
         self.vocab_size = hf_config.vocab_size
         eos = hf_config.eos_token_id
@@ -192,6 +197,7 @@ class EmbeddedEngine:
             session_id=session_id,
             stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
             rng=random.Random(params.seed),  # seed None draws from OS entropy
+            routes=[] if self.record_routes else None,
         )
 
     def abort(self, request_id: str) -> None:
@@ -297,9 +303,13 @@ class EmbeddedEngine:
         prefill = not batch[0].output  # _schedule never mixes prefill and decode
         rows = [r.pending_tokens() for r in batch]
         hidden, drafted = None, [0] * len(batch)
+        routes: list[list] = [[] for _ in batch]
         try:
             if self.speculative is not None and not prefill:
                 tokens, logprobs, drafted, hidden = self.speculative.step(batch)
+                if self.record_routes:  # the verify forward: position j of a row sampled its token j
+                    recorded = self.model.recorded_routes(len(batch))
+                    routes = [recorded[b, : len(tokens[b])].tolist() for b in range(len(batch))]
             else:
                 forward = ForwardBatch.build([r.slot for r in batch], rows, [r.computed for r in batch], self.device)
                 if self.speculative is not None:  # the MTP layer will need every prompt position's hidden state
@@ -309,6 +319,9 @@ class EmbeddedEngine:
                     logits = self.model.forward(forward, self.cache)
                 sampled, logps = sample(logits, [r.params for r in batch], [r.rng for r in batch])
                 tokens, logprobs = [[t] for t in sampled], [[lp] for lp in logps]
+                if self.record_routes:  # each row's last position sampled its token
+                    recorded = self.model.recorded_routes(len(batch))
+                    routes = [[recorded[b, int(forward.last_index[b])].tolist()] for b in range(len(batch))]
         except Exception as error:  # a bug or resource failure: fail this batch, keep the engine
             log.exception("engine step failed")
             self.last_error = f"{type(error).__name__}: {error}"
@@ -318,10 +331,12 @@ class EmbeddedEngine:
         for b, request in enumerate(batch):
             reason: FinishReason | None = None
             kept = 0
-            for token, logprob in zip(tokens[b], logprobs[b], strict=True):
+            for j, (token, logprob) in enumerate(zip(tokens[b], logprobs[b], strict=True)):
                 request.output.append(token)
                 request.logprobs.append(logprob)
                 request.versions.append(self.version)
+                if request.routes is not None:
+                    request.routes.append(routes[b][j])
                 kept += 1
                 if token in request.stop_ids:
                     reason = "stop"
@@ -355,7 +370,10 @@ class EmbeddedEngine:
         if request in self._running:
             self._running.remove(request)
             cached = (request.prompt + request.output)[: request.computed]
-            self.slots.release(request.slot, request.session_id if reason != "error" else None, cached)
+            # A turn that spans a weight push holds K/V of two policies: retaining it would carry the old
+            # policy into the next turn's prompt, which the learner scores under the new one alone.
+            mixed = bool(request.versions) and request.versions[0] != self.version
+            self.slots.release(request.slot, request.session_id if reason != "error" and not mixed else None, cached)
         elif request in self._waiting:
             self._waiting.remove(request)
         now = time.perf_counter()
@@ -376,4 +394,5 @@ class EmbeddedEngine:
                 "total": now - request.submitted,
             },
             error=error,
+            routes=request.routes,
         )

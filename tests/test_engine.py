@@ -125,6 +125,26 @@ def test_weight_update_drops_retained_prefixes(model):
     assert engine.health()["retained_prefixes"] == 0
 
 
+def test_a_turn_that_spans_a_weight_push_is_not_retained_for_the_next_turn(model):
+    """Its K/V mixes two policies: the next turn must prefill under the new weights alone, as the learner
+    scores it (`asyncrl replay score` found next turns off by up to 0.11 in log-prob before this)."""
+    params = SamplingParams(temperature=0, max_tokens=6)
+    engine = new_engine(model)
+    request = engine.add_request(PROMPT, params, session_id="s")
+    for _ in range(3):
+        assert engine.step() == []
+    engine.update_weights(model.state_dict(), 1)
+    (first,) = [r for _ in range(10) for r in engine.step()][:1]
+    assert first.request_id == request and first.versions[0] == 0 and first.versions[-1] == 1
+    assert engine.health()["retained_prefixes"] == 0
+    follow = PROMPT + first.token_ids + [3, 4]
+    (second,) = run_to_completion(engine, [(follow, params)], session_id="s")
+    assert second.cached_prompt_tokens == 0
+    # A turn wholly under one version is retained as before.
+    (third,) = run_to_completion(engine, [(follow + second.token_ids + [5], params)], session_id="s")
+    assert third.cached_prompt_tokens == len(follow) + len(second.token_ids) - 1
+
+
 def test_a_bad_state_dict_is_refused_and_the_old_weights_stay(model):
     engine = new_engine(model)
     broken = {k: v for k, v in model.state_dict().items() if "lm_head" not in k}

@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding, yarn_apply_mscale
 
+from asyncrl.policy.dsa import index_scores, selection_mask
+from asyncrl.policy.routing import RouterSpec, route
+
 from ..fp8 import linear, quantize_weights
 from ..kv_cache import CacheLayout, ForwardBatch, KVCache
 from .common import RopeTable, attend, attention_bias, last_tokens, rotate, swiglu, weight_getter
@@ -49,6 +52,11 @@ class GlmMoeDsaModel:
         self.is_moe = [kind == "sparse" for kind in config.mlp_layer_types]
         self.is_moe.append(self.is_moe[-1])
         self.rope = RopeTable(GlmMoeDsaRotaryEmbedding(config), max_len, dtype=dtype, device=device)
+        self.router_spec = RouterSpec.of(config)
+        self.record_routes = False
+        """Keep the experts every MoE layer chose in the last forward (`routes`), for routing replay."""
+        self.routes: list[torch.Tensor] | None = None
+        """With `record_routes`: per decoder MoE layer, the chosen experts [B * T, top_k] of the last forward."""
         self.load_state_dict(state_dict)
 
     def cache_layout(self, extra_layers: int = 0) -> CacheLayout:
@@ -152,10 +160,13 @@ class GlmMoeDsaModel:
         o, ctx["bias"] = self._attention(i, lw, x, batch, cache, ctx["cos"], ctx["sin"], ctx["causal"], ctx["bias"])
         h = h + o
         x = F.rms_norm(h, (hidden,), lw["ln2"], eps)
-        return h + (self._moe(lw, x) if self.is_moe[i] else swiglu(x, lw["gate_up"], lw["down"]))
+        if not self.is_moe[i]:
+            return h + swiglu(x, lw["gate_up"], lw["down"])
+        return h + self._moe(lw, x, record=i < self.config.num_hidden_layers)  # the MTP block's routes are not the policy's
 
     def _trunk(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         ctx = self.begin(batch)
+        self.routes = [] if self.record_routes else None
         h = F.embedding(batch.tokens, self.weights["embed"])
         for i, lw in enumerate(self.weights["layers"]):
             h = self.layer(i, lw, h, batch, cache, ctx)
@@ -215,42 +226,36 @@ class GlmMoeDsaModel:
         bsz, width, _ = q_resid.shape
         q = linear(q_resid, lw["index_q"]).view(bsz, width, self.index_heads, self.index_dim)
         q = torch.cat((rotate(q[..., :rope], cos, sin, interleaved=True), q[..., rope:]), dim=-1)
-        keys = cache.read(i, "index_k", batch)  # [B, 1, L, D]
-        scores = F.relu(torch.matmul(q, keys.transpose(-1, -2)) * self.index_dim**-0.5)  # [B, T, heads, L]
-        weights = index_weights * self.index_heads**-0.5
-        index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2).masked_fill(~batch.mask, float("-inf"))
-        # A stable sort, not topk: equal scores (every head's ReLU at zero) then resolve to the
-        # earliest positions whatever the padding, so the choice never depends on the batch.
-        chosen = index.sort(dim=-1, descending=True, stable=True).indices[..., : self.index_topk]
-        return torch.zeros_like(batch.mask).scatter_(-1, chosen, True) & batch.mask
+        keys = cache.read(i, "index_k", batch)[:, 0]  # [B, L, D]
+        # The learner selects through the same two functions (asyncrl.policy.dsa), ties included.
+        scores = index_scores(q, keys, index_weights * self.index_heads**-0.5, batch.mask)
+        return selection_mask(scores, self.index_topk, batch.mask)
 
-    def _moe(self, lw, x: torch.Tensor) -> torch.Tensor:
+    def recorded_routes(self, rows: int) -> torch.Tensor:
+        """[B, T, MoE layers, top_k] expert ids (ascending) the last forward over B = `rows` rows chose."""
+        if not self.routes:
+            raise RuntimeError("no routes recorded: set record_routes before the forward (and the model needs MoE layers)")
+        return torch.stack(self.routes, dim=1).sort(dim=-1).values.view(rows, -1, len(self.routes), self.top_k)
+
+    def _moe(self, lw, x: torch.Tensor, *, record: bool) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         chosen, weights = self._route(lw, x)
+        if record and self.routes is not None:
+            self.routes.append(chosen)
         if "expand" not in lw:
             return self._moe_loop(lw, x, chosen, weights).view(shape)
-        route = torch.zeros(x.shape[0], self.experts + 1, dtype=x.dtype, device=x.device)
-        route[:, self.experts] = 1  # the shared expert always runs with weight 1
-        route.scatter_(1, chosen, weights)
+        per_expert = torch.zeros(x.shape[0], self.experts + 1, dtype=x.dtype, device=x.device)
+        per_expert[:, self.experts] = 1  # the shared expert always runs with weight 1
+        per_expert.scatter_(1, chosen, weights)
         gate, up = linear(x, lw["gate_up"]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up * (route @ lw["expand"]), lw["down"]).view(shape)
+        return linear(F.silu(gate) * up * (per_expert @ lw["expand"]), lw["down"]).view(shape)
 
     def _route(self, lw, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid scores; choice by score + correction bias within the best groups; weights from scores."""
-        cfg = self.config
-        scores = F.linear(x.float(), lw["router"].float()).sigmoid()
-        choice = scores + lw["router_bias"]
-        if cfg.n_group > 1:
-            grouped = choice.view(-1, cfg.n_group, self.experts // cfg.n_group)
-            best_groups = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(cfg.topk_group, dim=-1, sorted=False)[1]
-            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, self.experts)
-        chosen = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, chosen)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return chosen, (weights * cfg.routed_scaling_factor).to(x.dtype)
+        """Sigmoid scores; choice by score + correction bias within the best groups; weights from scores
+        (`asyncrl.policy.routing.route`, the learner's router too)."""
+        chosen, weights = route(F.linear(x.float(), lw["router"].float()), lw["router_bias"], self.router_spec)
+        return chosen, weights.to(x.dtype)
 
     def _moe_loop(self, lw, x, chosen, weights) -> torch.Tensor:
         out = swiglu(x, lw["shared"]["gate_up"], lw["shared"]["down"])
