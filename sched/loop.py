@@ -39,7 +39,7 @@ from .evaluation import heldout_scores, record_evaluation
 from .groups import Group, GroupBuffer, group_samples
 from .parts import LearnerDied, Parts
 from .resume import CONSUMER, Books, abort_running
-from .rundir import LoopState
+from .rundir import BatchRecord, LoopState, Retention
 
 TICK_S = 0.05
 """Pause between rounds of the loop; episodes and the learner run on without it."""
@@ -53,7 +53,10 @@ class Loop:
         self.config, self.p, self.state = config, parts, state
         self.group_size, self.batch_groups = config.learner.group_size, config.learner.batch_groups
         self.groups = GroupBuffer()
-        self.books = Books(state, parts.store, parts.rundir, parts.learner)
+        self.books = Books(
+            state, parts.store, parts.rundir, parts.learner,
+            retention=Retention.from_config(config.learner), keep_trajectories=config.store.keep_trajectories,
+        )  # fmt: skip
         self.episodes = Episodes(parts.gateway, parts.http, config.loop.episode_timeout_s)
         self.pending: tuple[asyncio.Future, list[Group]] | None = None  # the learner step in flight
         self.pushed = self.evaluated = state.version  # version the engines serve / last evaluated
@@ -104,9 +107,7 @@ class Loop:
             task_seed, group_id = self.rng.getrandbits(63), uuid.uuid4().hex[:16]
             problem = task.env.sample_task(random.Random(task_seed), "train")
             self.groups.open(group_id, self.group_size)
-            self.episodes.start_group(
-                task, problem, group_id, self.group_size, admitted_at_version=self.pushed, task_seed=task_seed
-            )
+            self.episodes.start_group(task, problem, group_id, self.group_size, admitted_at_version=self.pushed, task_seed=task_seed)
 
     async def collect(self) -> None:
         claim_batch = self.config.store.claim_batch
@@ -141,6 +142,8 @@ class Loop:
         metrics = await future
         self.books.book(metrics["ledger"], [t.rollout_id for group in groups for t in group.trajectories])
         before, self.state.version = self.state.version, metrics["version"]
+        if self.config.loop.record_batches and metrics["stepped"]:
+            self._record_batch(before, groups, metrics)
         if metrics["push_due"]:
             await self.push()
         if self.state.version // self.config.learner.checkpoint_every > before // self.config.learner.checkpoint_every:
@@ -154,6 +157,19 @@ class Loop:
             "in_flight": len(self.episodes), "ahead": self.groups.rollouts, **metrics,
         }  # fmt: skip
         self.p.metrics.record(self.last)
+        for gap in metrics.get("consistency_warnings", ()):
+            self.p.display.say(f"step {self.state.version}: task {gap['task']!r} turn {gap['turn']}: mean |learner - rollout| "
+                               f"log-prob {gap['gap']:.3f} over {gap['tokens']} tokens > learner.logprob_gap_warning")  # fmt: skip
+
+    def _record_batch(self, before: int, groups: list[Group], metrics: dict) -> None:
+        """What this step trained, by reference (`asyncrl replay train` re-runs it). Only a step that
+        stepped: one that did not leaves the version, and so the record of the step that made it, alone."""
+        self.p.rundir.write_batch(BatchRecord(
+            step=metrics["version"], learner_version=before,
+            groups=[[t.rollout_id for t in group.trajectories] for group in groups],
+            ledger=dict(metrics["ledger"]), padded=metrics["padded"], loss=metrics["loss"],
+            grad_norm=metrics["grad_norm"], distilled=self.p.teachers is not None,
+        ))  # fmt: skip
 
     async def push(self) -> None:
         """Weights to every engine; the loop waits (no admission meanwhile), the episodes do not."""

@@ -7,6 +7,11 @@ them). So a run that dies loses nothing and re-trains nothing: on resume, `recov
 dead run left running, finishes the acknowledgement its last checkpoint began, and claims again,
 whole groups at a time, everything else it never acknowledged. The RL wall clock
 (`loop.wall_budget_s`) is carried across restarts the same way, in the loop state.
+
+Retention runs right after that commit point, so nothing a resume needs is ever gone: the checkpoints
+the rule no longer keeps (`Retention`: `learner.keep_checkpoints_every`, `learner.keep_last_checkpoints`;
+never the newest) are deleted, and with `store.keep_trajectories=false` so are the trajectories the
+checkpoint just acknowledged (a resume finishing an acknowledgement deletes those too).
 """
 
 from __future__ import annotations
@@ -19,19 +24,25 @@ import time
 from collections import defaultdict
 
 from asyncrl.gateway.store import RolloutClosed, TrajectoryStore
+from asyncrl.gateway.store.base import TrajectoryPruner
 from asyncrl.records import TERMINAL_STATUSES, Trajectory
 
 from .groups import GroupBuffer
 from .parts import LearnerClient
-from .rundir import LoopState, RunDir
+from .rundir import LoopState, Retention, RunDir
 
 CONSUMER = "learner"
 """The store consumer name the loop claims and acknowledges trajectories under."""
 
 
 class Books:
-    def __init__(self, state: LoopState, store: TrajectoryStore, rundir: RunDir, learner: LearnerClient) -> None:
+    def __init__(
+        self, state: LoopState, store: TrajectoryStore, rundir: RunDir, learner: LearnerClient,
+        *, retention: Retention | None = None, keep_trajectories: bool = True,
+    ) -> None:  # fmt: skip
         self.state, self.store, self.rundir, self.learner = state, store, rundir, learner
+        self.retention = retention or Retention()
+        self.keep_trajectories = keep_trajectories
         self.unacked: list[str] = []  # accounted since the last checkpoint
         self.seen: set[str] = set()  # a lease that expires comes back once more; never count it twice
         self.started_at = time.monotonic()  # of this process's share of the RL wall clock since the last checkpoint
@@ -79,7 +90,17 @@ class Books:
         self.state.acking = list(self.unacked)
         self.rundir.commit_checkpoint(directory, self.state)
         await asyncio.to_thread(self.store.ack, CONSUMER, self.unacked)
+        await asyncio.to_thread(self._forget, self.unacked)
         self.unacked = []
+        await asyncio.to_thread(self.rundir.retire_checkpoints, self.retention)
+
+    def _forget(self, acknowledged: list[str]) -> None:
+        """With `store.keep_trajectories=false`, delete trajectories the learner just acknowledged."""
+        if self.keep_trajectories or not acknowledged:
+            return
+        if not isinstance(self.store, TrajectoryPruner):
+            raise TypeError(f"{self.store!r} cannot delete trajectories (store.keep_trajectories=false needs one that can)")
+        self.store.delete(acknowledged)
 
     async def recover(self, reclaim_store: TrajectoryStore, groups: GroupBuffer) -> int:
         """Take back what a dead run left into `groups`; returns how many trajectories it claimed again.
@@ -90,6 +111,7 @@ class Books:
         total = sum(self.store.counts()[status] for status in TERMINAL_STATUSES)
         left = await asyncio.to_thread(reclaim_store.claim, CONSUMER, max(total, 1)) if total else []
         await asyncio.to_thread(self.store.ack, CONSUMER, self.state.acking)
+        await asyncio.to_thread(self._forget, self.state.acking)
         acked, by_group = set(self.state.acking), defaultdict(list)
         for trajectory in left:
             if trajectory.rollout_id not in acked:

@@ -13,18 +13,24 @@
 A checkpoint is the run's commit point: the trajectories it trained are acknowledged in the store
 only once it is on disk, and `loop_state.json` is written last, so a checkpoint without it is
 incomplete and ignored.
+
+Retention (`Retention`: `learner.keep_checkpoints_every`, `learner.keep_last_checkpoints`) deletes the
+checkpoints it does not keep once a newer one is committed (`Books.checkpoint`) or when asked
+(`asyncrl replay prune`); never the newest, never an incomplete one (it may be being written).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
 from asyncrl.configs.loader import apply_override, dump_config, validate
-from asyncrl.configs.schema import RunConfig
+from asyncrl.configs.schema import LearnerConfig, RunConfig
 from asyncrl.gateway.store import SQLITE_FILENAME
 from asyncrl.records import Account
 from asyncrl.runlog import MetricsLog, Panel, plot_panels
@@ -74,6 +80,37 @@ class BatchRecord:
     """The step's samples were scored by teachers first (their log-probs are not in the store)."""
 
 
+@dataclass(frozen=True)
+class Retention:
+    """Which complete checkpoints a run keeps: every one whose version is a multiple of `every`, and
+    the newest `last`; the newest of all, always. Both None keeps every checkpoint."""
+
+    every: int | None = None
+    last: int | None = None
+
+    @classmethod
+    def from_config(cls, learner: LearnerConfig) -> Retention:
+        every = learner.keep_checkpoints_every
+        # Without `keep_checkpoints_every` the run keeps them all; `keep_last_checkpoints` only adds to it.
+        return cls(every, learner.keep_last_checkpoints if every is not None else None)
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.every is None and self.last is None
+
+    def doomed(self, versions: Sequence[int]) -> list[int]:
+        """Of these checkpoint versions, the ones this rule deletes, oldest first."""
+        ordered = sorted(set(versions))
+        if self.keeps_all or not ordered:
+            return []
+        newest = set(ordered[-max(self.last or 0, 1) :])
+        return [v for v in ordered if v not in newest and not (self.every is not None and v % self.every == 0)]
+
+    def describe(self) -> str:
+        parts = [f"every {self.every} versions"] if self.every is not None else []
+        return "keep " + " and ".join([*parts, f"the last {max(self.last or 0, 1)}"]) if not self.keeps_all else "keep all"
+
+
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -118,6 +155,23 @@ class RunDir:
             return None
         return done[-1], LoopState(**json.loads((done[-1] / LOOP_STATE_FILE).read_text()))
 
+    def complete_checkpoints(self) -> dict[int, Path]:
+        """Version -> directory of every checkpoint with its loop state written (one being written has none)."""
+        return {int(p.parent.name.removeprefix("step-")): p.parent for p in sorted(self.checkpoints.glob(f"step-*/{LOOP_STATE_FILE}"))}
+
+    def retire_checkpoints(self, retention: Retention, *, dry_run: bool = False) -> list[Path]:
+        """Delete the complete checkpoints `retention` does not keep (never the newest; incomplete ones,
+        possibly being written, are not looked at); returns them, oldest first."""
+        done = self.complete_checkpoints()
+        doomed = [done[version] for version in retention.doomed(list(done))]
+        if not dry_run:
+            for directory in doomed:
+                # The loop state first: a delete cut short leaves an incomplete checkpoint, which
+                # resume and replay ignore, never a complete-looking one with weights missing.
+                (directory / LOOP_STATE_FILE).unlink(missing_ok=True)
+                shutil.rmtree(directory, ignore_errors=True)
+        return doomed
+
     def has_run(self) -> bool:
         return (self.path / SQLITE_FILENAME).exists() or self.checkpoints.exists()
 
@@ -146,10 +200,15 @@ class RunDir:
         return MetricsLog(config, self.path, f"{config.name}-rl", append=resume)
 
     def plot(self, records: list[dict]) -> Path:
+        """`curves.png` (reward, held-out accuracy) and `consistency.png` (learner vs rollout log-probs,
+        masked tokens; `runlog.plot_consistency`) beside it; returns the path of curves.png."""
+        from asyncrl.runlog import plot_consistency
+
         path = self.path / "curves.png"
         reward = Panel("rollout reward", "mean reward", [("reward", "training rollouts")], ylim=(0, 1))
         accuracy = Panel("held-out greedy accuracy", "accuracy", [("eval_accuracy", "held-out")], ylim=(0, 1), marker="o")
         plot_panels(records, [reward, accuracy], path)
+        plot_consistency(records, self.path / "consistency.png")
         return path
 
     def write_summary(self, summary: dict) -> Path:

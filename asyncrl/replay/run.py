@@ -69,7 +69,7 @@ class RunView:
         except FileNotFoundError as e:
             raise ReplayError(str(e)) from None
         address = rundir.store_address(config)
-        namespace = getattr(config.store, "namespace", "default")
+        namespace = (config.store.namespace if config.store.type == "redis" else None) or config.name
         try:
             store = open_reader(address, namespace=namespace)
         except FileNotFoundError:
@@ -145,7 +145,7 @@ class RunView:
 
     def step_metrics(self, step: int) -> dict | None:
         """The metrics record learner step `step` logged (the last one, if a resume logged it twice)."""
-        found = [r for r in self.metrics() if r.get("step") == step and "loss" in r and "event" not in r]
+        found = [r for r in self.metrics() if r.get("step") == step and "loss" in r and "event" not in r and r.get("stepped", True)]
         return found[-1] if found else None
 
     # -- trajectories -------------------------------------------------------------------------

@@ -80,7 +80,9 @@ def open_reader(url_or_path: str | Path, *, namespace: str = "default") -> ReadO
     FileNotFoundError, never created), a Redis store is reached through the reading verbs alone."""
     address = str(url_or_path)
     if address.startswith(_REDIS_SCHEMES):
-        return ReadOnlyStore(open_store(address, namespace=namespace))
+        from .redis import RedisStore
+
+        return ReadOnlyStore(RedisStore(address, namespace=namespace, read_only=True))
     path = Path(address.removeprefix("sqlite:///"))
     if path.is_dir():
         path = path / SQLITE_FILENAME

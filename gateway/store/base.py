@@ -3,7 +3,9 @@
 The contract is split by caller, so each sees only its verbs: `TrajectoryRecorder` (the gateway:
 open, append, finish, abort), `TrajectoryHandOff` (the loop: claim, ack, counts) and
 `TrajectoryReader` (inspection, export and replay: get, list, counts). `TrajectoryStore` is all
-three, which every backend implements.
+three, which every backend implements. `TrajectoryPruner` (retention: `store.keep_trajectories=false`,
+`asyncrl replay prune`) deletes what the learner acknowledged; both backends implement it too, and
+the read-only view replay opens (`ReadOnlyStore`) does not.
 
 Life of a rollout: `open` -> `append` turns -> `finish` (or `abort`). Every rollout that reaches a
 terminal status, aborted ones included, is handed to the consumer (the learner) exactly once:
@@ -41,6 +43,10 @@ class UnknownRollout(StoreError, LookupError):
 
 class RolloutClosed(StoreError):
     """The rollout is already finished or aborted; it takes no more turns or status changes."""
+
+
+class DeleteRefused(StoreError):
+    """A delete named rollouts the learner has not acknowledged (running, or waiting to be trained)."""
 
 
 @runtime_checkable
@@ -108,6 +114,21 @@ class TrajectoryReader(Protocol):
 
 
 @runtime_checkable
+class TrajectoryPruner(Protocol):
+    """Retention's side: delete trajectories the learner is done with, and nothing else."""
+
+    def acknowledged(self) -> list[str]:
+        """Ids of every rollout the learner acknowledged (trained or accounted for at a checkpoint), oldest first."""
+        ...
+
+    def delete(self, rollout_ids: Iterable[str]) -> int:
+        """Delete acknowledged rollouts with their turns; returns how many it deleted (an id no longer in
+        the store is skipped: deleting twice is safe). A running or unacknowledged rollout among them
+        is a `DeleteRefused` and nothing is deleted: the learner may still need it."""
+        ...
+
+
+@runtime_checkable
 class TrajectoryStore(TrajectoryRecorder, TrajectoryHandOff, TrajectoryReader, Protocol):
     """What every backend implements: all three callers' sides, and `close`."""
 
@@ -156,6 +177,16 @@ def turn_from_json(text: str, index: int) -> Turn:
 
 def closed_error(rollout_id: str, status: str, verb: str) -> RolloutClosed:
     return RolloutClosed(f"rollout {rollout_id!r} is {status}; cannot {verb} it")
+
+
+def delete_refused(refused: list[tuple[str, str]]) -> DeleteRefused:
+    """`refused`: (rollout id, status) of each rollout a delete may not touch."""
+    shown = ", ".join(f"{rid!r} ({'running' if status == 'running' else status + ', not acknowledged'})" for rid, status in refused[:8])
+    more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
+    return DeleteRefused(
+        f"cannot delete {len(refused)} rollout(s) the learner has not acknowledged: {shown}{more}; "
+        "only acknowledged trajectories can be deleted (nothing was deleted)"
+    )
 
 
 def unknown_error(rollout_id: str) -> UnknownRollout:

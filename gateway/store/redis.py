@@ -21,6 +21,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import TypeVar
 
 import redis
@@ -35,6 +36,7 @@ from .base import (
     check_finish,
     check_index,
     closed_error,
+    delete_refused,
     turn_from_json,
     turn_json,
     unknown_error,
@@ -135,6 +137,28 @@ table.insert(rids, 1, last)
 return rids
 """
 
+# Deletes acknowledged rollouts (the caller checked: acknowledgement is final, so the check cannot go
+# stale) with their stream entry and their place in the opening order; one already gone is skipped, so
+# a retry deletes nothing twice and the counters stay right. ARGV[1] is the key prefix.
+_DELETE = """
+local deleted = 0
+for i = 2, #ARGV do
+  local traj, turns = ARGV[1] .. 'traj:' .. ARGV[i], ARGV[1] .. 'turns:' .. ARGV[i]
+  local header = redis.call('HMGET', traj, 'status', 'entry')
+  if header[1] then
+    if header[2] then redis.call('XDEL', KEYS[1], header[2]) end
+    redis.call('LREM', KEYS[2], 1, ARGV[i])
+    redis.call('DEL', traj, turns)
+    redis.call('HINCRBY', KEYS[3], header[1], -1)
+    redis.call('HINCRBY', KEYS[3], 'acked', -1)
+    deleted = deleted + 1
+  end
+end
+return deleted
+"""
+_DELETE_CHUNK = 200
+"""Rollouts per delete script: each LREM walks the opening-order list, so a script stays short."""
+
 
 class RedisStore:
     """`TrajectoryStore` on Redis streams and a consumer group; one key prefix per run."""
@@ -146,7 +170,10 @@ class RedisStore:
         namespace: str = "default",
         visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S,
         reconnect_s: float = DEFAULT_RECONNECT_S,
+        read_only: bool = False,
     ) -> None:
+        """`read_only`: the reader of an existing run (`open_reader`) creates nothing, not even the
+        consumer group; a namespace with nothing recorded is FileNotFoundError."""
         self.url = url
         self.prefix = f"asyncrl:{namespace}:"
         self.visibility_timeout_s = visibility_timeout_s
@@ -157,13 +184,17 @@ class RedisStore:
         except redis.RedisError as error:
             raise StoreError(f"cannot reach Redis at {url}: {error}") from error
         self._stream, self._order, self._counts = (self.prefix + k for k in ("done", "rollouts", "counts"))
-        try:
-            self._r.xgroup_create(self._stream, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as error:
-            if "BUSYGROUP" not in str(error):
-                raise
-        scripts = (_OPEN, _APPEND, _END, _ACK, _CLAIM)
-        self._open, self._append, self._end, self._ack, self._claim = (self._r.register_script(s) for s in scripts)
+        if read_only:
+            if not self._r.exists(self._order, self._stream):
+                raise FileNotFoundError(f"nothing recorded under {self.prefix}* at {url} (is the namespace the run's name?)")
+        else:
+            try:
+                self._r.xgroup_create(self._stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as error:
+                if "BUSYGROUP" not in str(error):
+                    raise
+        scripts = (_OPEN, _APPEND, _END, _ACK, _CLAIM, _DELETE)
+        self._open, self._append, self._end, self._ack, self._claim, self._delete = (self._r.register_script(s) for s in scripts)
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r}, prefix={self.prefix!r})"
@@ -273,6 +304,51 @@ class RedisStore:
         # Acking twice acks nothing the second time: a retry is safe (it may under-report the count).
         return self._call(lambda retry: self._ack(keys=[self._stream, self._counts], args=[GROUP, consumer, *found]))
 
+    # -- retention (TrajectoryPruner) -------------------------------------------------------------
+
+    def acknowledged(self) -> list[str]:
+        ids = _decoded(self._call(lambda retry: self._r.lrange(self._order, 0, -1)))
+        return [rollout_id for rollout_id, (status, acked) in zip(ids, self._hand_off(ids), strict=True) if acked]
+
+    def delete(self, rollout_ids: Iterable[str]) -> int:
+        ids = list(dict.fromkeys(rollout_ids))
+        states = self._hand_off(ids)
+        refused = [(rid, status) for rid, (status, acked) in zip(ids, states, strict=True) if status is not None and not acked]
+        if refused:
+            raise delete_refused(refused)
+        doomed = [rid for rid, (status, _) in zip(ids, states, strict=True) if status is not None]
+        chunks = [[self.prefix, *doomed[start : start + _DELETE_CHUNK]] for start in range(0, len(doomed), _DELETE_CHUNK)]
+        return sum(self._call(partial(self._delete_chunk, chunk)) for chunk in chunks)
+
+    def _delete_chunk(self, args: list[str], retry: bool) -> int:
+        return self._delete(keys=[self._stream, self._order, self._counts], args=args)
+
+    def _hand_off(self, rollout_ids: list[str]) -> list[tuple[str | None, bool]]:
+        """(status, or None when there is no such rollout; acknowledged) of each rollout. An entry is
+        acknowledged when the group had delivered it (it is at or before the last-delivered id) and it
+        is no longer pending. Read in this order, the answer cannot be wrong: an entry delivered after
+        the last-delivered id was read counts as unacknowledged, and acknowledgement is final."""
+
+        def headers(retry: bool) -> list:
+            pipe = self._r.pipeline(transaction=False)
+            for rollout_id in rollout_ids:
+                pipe.hmget(self._traj(rollout_id), "status", "entry")
+            return pipe.execute()
+
+        found = self._call(headers)
+        groups = self._call(lambda retry: self._r.xinfo_groups(self._stream))
+        delivered = next((_stream_id(g["last-delivered-id"]) for g in groups if g["name"] == GROUP), (0, 0))
+        entries = [entry for _, entry in found if entry is not None and _stream_id(entry) <= delivered]
+
+        def pending(retry: bool) -> list:
+            pipe = self._r.pipeline(transaction=False)
+            for entry in entries:
+                pipe.xpending_range(self._stream, GROUP, min=entry, max=entry, count=1)
+            return pipe.execute()
+
+        acked = {entry for entry, leased in zip(entries, self._call(pending), strict=True) if not leased}
+        return [(status, entry in acked) for status, entry in found]
+
     # -- reading ----------------------------------------------------------------------------------
 
     def get(self, rollout_id: str) -> Trajectory:
@@ -333,6 +409,12 @@ class RedisStore:
         counts["claimed"] = int(pending_info["pending"])
         counts["pending"] = terminal - counts["acked"] - counts["claimed"]
         return counts
+
+
+def _stream_id(entry: str) -> tuple[int, int]:
+    """A stream entry id ("ms-seq") as a pair that orders like the stream."""
+    ms, _, seq = entry.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _decoded(values: list[bytes | str]) -> list[str]:

@@ -28,6 +28,7 @@ from .base import (
     check_finish,
     check_index,
     closed_error,
+    delete_refused,
     turn_from_json,
     turn_json,
     unknown_error,
@@ -65,6 +66,8 @@ CREATE TABLE IF NOT EXISTS turns (
 """
 
 _HEADER = "rollout_id, task, group_id, metadata, status, reward, metrics, reason, created_at, finished_at"
+_CHUNK = 500
+"""Ids per `IN (...)` query: well under SQLite's bound on host parameters."""
 _POLL_S = 0.05
 """How often a blocking claim looks again: SQLite has no cross-process notification."""
 
@@ -149,8 +152,8 @@ class SQLiteStore:
     def append(self, turn: Turn) -> int:
         with self._write() as db:
             self._require_running(db, turn.rollout_id, "append a turn to")
-            # Turns are numbered 0, 1, ... and never deleted, so the count is the last index + 1: one
-            # seek to the end of the rollout's key range, where COUNT(*) walked every turn's page.
+            # Turns are numbered 0, 1, ... and never deleted while the rollout runs, so the count is the last
+            # index + 1: one seek to the end of the rollout's key range, where COUNT(*) walked every turn's page.
             (index,) = db.execute("SELECT COALESCE(MAX(idx), -1) + 1 FROM turns WHERE rollout_id = ?", (turn.rollout_id,)).fetchone()
             check_index(turn, index)
             db.execute("INSERT INTO turns VALUES (?, ?, ?)", (turn.rollout_id, index, turn_json(turn)))
@@ -216,6 +219,27 @@ class SQLiteStore:
                 [(now, rollout_id, consumer) for rollout_id in rollout_ids],
             )
             return db.total_changes - before
+
+    # -- retention (TrajectoryPruner) -------------------------------------------------------------
+
+    def acknowledged(self) -> list[str]:
+        return [row[0] for row in self._db().execute("SELECT rollout_id FROM trajectories WHERE acked_at IS NOT NULL ORDER BY seq")]
+
+    def delete(self, rollout_ids: Iterable[str]) -> int:
+        ids = list(dict.fromkeys(rollout_ids))
+        with self._write() as db:
+            found: list[tuple[str, str, float | None]] = []
+            for start in range(0, len(ids), _CHUNK):
+                chunk = ids[start : start + _CHUNK]
+                marks = ", ".join("?" * len(chunk))
+                found += db.execute(f"SELECT rollout_id, status, acked_at FROM trajectories WHERE rollout_id IN ({marks})", chunk)
+            refused = [(rid, status) for rid, status, acked_at in found if acked_at is None]
+            if refused:
+                raise delete_refused(refused)
+            doomed = [(rid,) for rid, _, _ in found]
+            db.executemany("DELETE FROM turns WHERE rollout_id = ?", doomed)
+            db.executemany("DELETE FROM trajectories WHERE rollout_id = ?", doomed)
+        return len(doomed)
 
     # -- reading ----------------------------------------------------------------------------------
 
