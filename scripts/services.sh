@@ -31,6 +31,18 @@ ensure_bubblewrap() {
     _apt_install bubblewrap
 }
 
+# A headless Chromium (Debian's `chromium`) for the tests that open the replay report in a browser
+# (tests/browser.py). Installs it only as root; returns 1, saying why, where it cannot.
+ensure_chromium() {
+    command -v chromium >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "[services] no chromium, and installing it needs root" >&2
+        return 1
+    fi
+    echo "[services] installing chromium"
+    _apt_install chromium && command -v chromium >/dev/null 2>&1
+}
+
 # A Docker engine for the `docker` sandbox backend, and the sandbox image; DOCKER_HOST is exported
 # for the tests. An engine that already answers (at $DOCKER_HOST or the default socket) is used as
 # it is. Otherwise Debian's docker.io is installed and dockerd started on a private socket with a data

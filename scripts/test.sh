@@ -17,6 +17,8 @@ ensure_redis
 # The sandbox tests skip a backend that cannot run here, except under CI=true, where it must.
 ensure_bubblewrap || [ "${CI:-}" != "true" ] || { echo "[test] bubblewrap is required under CI=true" >&2; exit 1; }
 ensure_docker || [ "${CI:-}" != "true" ] || { echo "[test] a Docker engine is required under CI=true" >&2; exit 1; }
+# The replay report's browser tests skip without Chromium, except under CI=true.
+ensure_chromium || [ "${CI:-}" != "true" ] || { echo "[test] chromium is required under CI=true" >&2; exit 1; }
 
 set +e
 python -m pytest "$@"

@@ -92,8 +92,14 @@ def _soak(config, json_path, options=None):
     return run(config, json_path, options)
 
 
+def _replay(config, json_path, options=None):
+    from .replay import run
+
+    return run(config, json_path, options)
+
+
 def _registry() -> dict[str, Benchmark]:
-    from . import agentic, asyncloop, soak
+    from . import agentic, asyncloop, replay, soak
 
     return {
         "engine": Benchmark(_engine),
@@ -101,6 +107,7 @@ def _registry() -> dict[str, Benchmark]:
         "async": Benchmark(_async, asyncloop.PRESET, asyncloop.OVERRIDES, asyncloop.AsyncBenchOptions),
         "agentic": Benchmark(_agentic, agentic.PRESET, options=agentic.AgenticBenchOptions),
         "soak": Benchmark(_soak, options=soak.SoakBenchOptions),
+        "replay": Benchmark(_replay, replay.PRESET, options=replay.ReplayBenchOptions),
     }
 
 

@@ -36,6 +36,8 @@ class TokenScore:
     """exp(re-scored - rollout) per checkpoint."""
     decisions: dict[str, dict[str, Decision]] = field(default_factory=dict)
     """Per checkpoint, per objective (`double_sided_is`, `icepop_grpo`): kept, below or above."""
+    nearest_version: int | None = None
+    """Version of the checkpoint the `nearest` series scored this token with (the kept one closest to `version`)."""
 
 
 @dataclass
@@ -66,6 +68,9 @@ class RolloutScore:
     turns: list[TurnSummary]
     summary: dict[str, Any] = field(default_factory=dict)
     """Whole-sample figures: mean/max |delta| and masked fraction per checkpoint, KL between checkpoints."""
+    account: str | None = None
+    """What the learner's selection makes of this rollout in its recorded group (`trained`, `dropped_stale`, ...);
+    None when the group is incomplete in the store."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
