@@ -4,6 +4,7 @@
         config.yaml          the resolved config (policy.path points at the policy RL started from)
         metrics.jsonl        one record per learner step and per evaluation (wandb/ beside it, offline)
         curves.png           reward and held-out accuracy against step
+        consistency.png      learner-vs-rollout log-prob gap, masked tokens per side, ratio quantiles
         summary.json         eval_before, eval_after, wall_s, the ledger
         trajectories.db      the SQLite trajectory store (unless store.type is redis)
         checkpoints/step-N/  HF checkpoint + learner state (LearnerActor.save) + loop_state.json

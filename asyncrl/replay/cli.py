@@ -18,6 +18,18 @@ VERBS = {
 }
 
 
+def add_selection_arguments(parser: argparse.ArgumentParser, *, limit_help: str) -> None:
+    """The options that choose which recorded rollouts a verb replays (`run.Selection`)."""
+    pick = parser.add_argument_group("selection (every option given narrows it; none: every rollout of the run)")
+    pick.add_argument("--rollout", metavar="ID", help="one rollout")
+    pick.add_argument("--step", type=int, metavar="N", help="the rollouts learner step N trained (needs loop.record_batches)")
+    pick.add_argument("--task", metavar="T", help="rollouts of task T")
+    pick.add_argument("--status", metavar="S", help="rollouts that ended with status S (ok, env_crash, timeout, error)")
+    pick.add_argument("--reward-min", type=float, metavar="X", help="reward at least X")
+    pick.add_argument("--reward-max", type=float, metavar="X", help="reward at most X")
+    pick.add_argument("--limit", type=int, metavar="N", help=limit_help)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     replay = sub.add_parser("replay", help="replay a recorded run for debugging: score, train, episode, prune")
     verbs = replay.add_subparsers(dest="verb", required=True, metavar="VERB")

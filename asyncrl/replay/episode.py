@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cli import add_selection_arguments
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -28,12 +30,7 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "exit status: 0 every replayed rollout matched its record, 2 some diverged, 1 bad input"
-    choose = parser.add_argument_group("selection (every option given narrows it; none: every rollout of the run)")
-    choose.add_argument("--rollout", metavar="ID", help="one rollout")
-    choose.add_argument("--step", type=int, metavar="N", help="the rollouts learner step N trained (needs loop.record_batches)")
-    choose.add_argument("--task", metavar="T", help="rollouts of task T")
-    choose.add_argument("--status", metavar="S", help="rollouts that ended with status S (ok, env_crash, timeout, error)")
-    choose.add_argument("--limit", type=int, metavar="N", help="at most N rollouts (of those that can be replayed)")
+    add_selection_arguments(parser, limit_help="at most N rollouts (of those that can be replayed)")
     parser.add_argument("--concurrency", type=int, default=8, metavar="N", help="episodes replayed at once (default 8)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -54,7 +51,10 @@ def main(args: argparse.Namespace) -> int:
         player = _player(view.config)
         if args.task is not None and args.task not in player.tasks:
             raise ReplayError(f"task {args.task!r} is not in the run's config; its tasks are {', '.join(sorted(player.tasks))}")
-        chosen = view.select(Selection(rollout_id=args.rollout, step=args.step, task=args.task, status=args.status))
+        chosen = view.select(Selection(
+            rollout_id=args.rollout, step=args.step, task=args.task, status=args.status,
+            reward_min=args.reward_min, reward_max=args.reward_max,
+        ))  # fmt: skip
         if not chosen:
             raise ReplayError(f"no rollout of {view.path} matches the selection")
         reasons = {t.rollout_id: player.unreplayable(t) for t in chosen}

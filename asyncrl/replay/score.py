@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cli import add_selection_arguments
+
 if TYPE_CHECKING:
     from .rescore import Series
     from .run import CheckpointRef, RunView
@@ -35,14 +37,7 @@ DEFAULT_SHOWN = 10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pick = parser.add_argument_group("selection (every one given narrows it)")
-    pick.add_argument("--rollout", metavar="ID", help="one rollout")
-    pick.add_argument("--step", type=int, metavar="N", help="the rollouts learner step N trained (needs loop.record_batches)")
-    pick.add_argument("--task", metavar="T", help="rollouts of this task")
-    pick.add_argument("--status", metavar="S", help="rollouts that ended with this status (ok, env_crash, timeout, error)")
-    pick.add_argument("--reward-min", type=float, metavar="X", help="reward at least X")
-    pick.add_argument("--reward-max", type=float, metavar="X", help="reward at most X")
-    pick.add_argument("--limit", type=int, metavar="N", help="at most N rollouts (the first recorded)")
+    add_selection_arguments(parser, limit_help="at most N rollouts (the first recorded)")
     parser.add_argument(
         "--checkpoint", nargs="+", action="extend", metavar="CKPT",
         help="version (12 or v12), start, final, nearest, or a checkpoint directory (default: nearest final)",
