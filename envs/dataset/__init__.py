@@ -1,0 +1,1 @@
+"""Tasks from dataset files (docs/DATASETS.md): `env: dataset` in `tasks.mix`."""
