@@ -82,7 +82,7 @@ def test_the_constraints_rule_is_the_share_of_constraints_met():
 
 
 def test_bad_references_say_what_is_wrong():
-    with pytest.raises(RewardNotFound, match="unknown reward 'nope'; known: constraints, http, judge"):
+    with pytest.raises(RewardNotFound, match="unknown reward 'nope'; known: code_tests, constraints, exact, http, judge, math, regex"):
         load_reward("nope")
     with pytest.raises(RewardNotFound, match="reward 'no_such_module:x': cannot import"):
         load_reward("no_such_module:x")

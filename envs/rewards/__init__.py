@@ -1,8 +1,9 @@
 """Reward plug-ins: how an answer is scored, separate from the environment that asks the question.
 
-One small interface (`Reward.score`, base.py) and three kinds of implementation: rule functions
-(rules.py), a reward-model service over HTTP (http.py) and an LLM judge with a rubric behind any
-OpenAI-compatible endpoint (judge.py). `load_reward` (registry.py) builds one from a config
+One small interface (`Reward.score`, base.py) and these implementations: rule functions (rules.py),
+a reward-model service over HTTP (http.py), an LLM judge with a rubric behind any OpenAI-compatible
+endpoint (judge.py), answer checks (answers.py: math-verify, exact, regex) and unit tests run in the
+sandbox (code_tests.py). `load_reward` (registry.py) builds one from a config
 reference, by name or import path, as environments are loaded.
 """
 

@@ -1,8 +1,8 @@
 """Rewards by name or import path, loaded the way environments are (envs/registry.py).
 
-A reference is a built-in name (`constraints`, `http`, `judge`), a name registered by an installed
-package in the entry-point group `asyncrl.rewards`, or an import path `package.module:attr`. The
-target may be
+A reference is a built-in name (`constraints`, `http`, `judge`, `math`, `exact`, `regex`,
+`code_tests`), a name registered by an installed package in the entry-point group `asyncrl.rewards`,
+or an import path `package.module:attr`. The target may be
 - a rule (a function decorated with `@rule`): options are bound as its keyword arguments;
 - a class or factory: built with `from_config(context, **options)` when it has that hook (an
   `EnvContext`, configs/context.py: the built-in `http` and `judge` read its `rewards` this way),
@@ -25,6 +25,10 @@ BUILTIN: dict[str, str] = {
     "constraints": "asyncrl.envs.rewards.rules:constraints",
     "http": "asyncrl.envs.rewards.http_model:HTTPReward",
     "judge": "asyncrl.envs.rewards.judge:JudgeReward",
+    "math": "asyncrl.envs.rewards.answers:MathReward",
+    "exact": "asyncrl.envs.rewards.answers:ExactReward",
+    "regex": "asyncrl.envs.rewards.answers:RegexReward",
+    "code_tests": "asyncrl.envs.rewards.code_tests:CodeTestsReward",
 }
 
 
