@@ -206,8 +206,43 @@ class TasksConfig(Section):
         return self
 
 
+class SFTDataConfig(Section):
+    """Chat-format rows to train on (`sft.data`): one conversation per row, loss on assistant tokens only."""
+
+    path: str | None = None
+    """A JSONL file, a Parquet file or a Hugging Face `datasets` directory (`save_to_disk`) of rows with a
+    messages column (OpenAI chat format, tool calls and tool results included); None: demonstrations only."""
+    messages_column: str = Field("messages", min_length=1)
+    """Column holding each row's list of messages."""
+    tools_column: str = Field("tools", min_length=1)
+    """Column holding each row's tool definitions (OpenAI format); optional in the file."""
+    fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """Share of each step's conversations drawn from the file; the rest are built-in demonstrations (their own mix)."""
+    heldout_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of rows held out for the held-out loss, chosen by a hash of each conversation (stable across runs)."""
+    eval_path: str | None = None
+    """A file of held-out rows (same format and columns) instead of heldout_fraction."""
+    heldout_max_rows: int = Field(256, ge=1)
+    """Held-out rows scored at each evaluation (`eval_loss` in metrics.jsonl)."""
+    max_length: int = Field(2048, ge=8, le=1 << 20)
+    """Longest conversation in tokens (longer rows are skipped and counted); with packing, the length of a packed row."""
+    packing: bool = False
+    """Pack several conversations into each row of a micro-batch, each attending only to its own tokens."""
+    on_malformed: Literal["skip", "refuse"] = "skip"
+    """A malformed row (bad JSON, missing messages, an unknown role, no assistant message, too long) is counted and
+    skipped, or refused at start-up."""
+
+    @model_validator(mode="after")
+    def _check_heldout(self) -> SFTDataConfig:
+        if self.eval_path is not None and self.heldout_fraction > 0:
+            raise ValueError("set sft.data.eval_path or sft.data.heldout_fraction, not both")
+        if self.path is None and self.eval_path is not None:
+            raise ValueError("sft.data.eval_path needs sft.data.path (the rows to train on)")
+        return self
+
+
 class SFTConfig(Section):
-    """Supervised warm start on synthetic demonstrations of the built-in tasks."""
+    """Supervised warm start on demonstrations of the built-in tasks and, with `data.path`, on chat rows from a file."""
 
     max_steps: int = Field(3000, ge=1)
     """Hard cap on optimizer steps."""
@@ -232,6 +267,8 @@ class SFTConfig(Section):
     """Evaluate held-out accuracy every this many steps."""
     stop_at_accuracy: float | None = Field(0.3, ge=0.0, le=1.0)
     """Stop at the first evaluation at or above this held-out accuracy (leaves room for RL); None disables."""
+    data: SFTDataConfig = SFTDataConfig()
+    """Chat rows from a file, mixed with the demonstrations by `data.fraction`."""
 
     @model_validator(mode="after")
     def _check_fractions(self) -> SFTConfig:

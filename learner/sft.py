@@ -1,18 +1,76 @@
-"""The SFT training step: the next-token loss (and the MTP layer's) over rendered demonstrations.
+"""The SFT training step: the next-token loss (and the MTP layer's) over rendered conversations, padded or packed.
 
 The warm start's entry point (config, engine, evaluation, checkpoints, reporting) is `sched/sft.py`;
-the demonstrations come from the environments and are rendered by `sft_data.py`.
+the conversations are rendered by `sft_data.py`.
+
+Packing (`sft.data.packing`) lays several conversations end to end in one row of a micro-batch
+instead of one per padded row. Each conversation's position ids restart at 0 and the attention mask
+is left out, which is how transformers reads packed rows (`find_packed_sequence_indices`: a position
+id that does not follow the one before starts a new sequence, and every token attends only to the
+earlier tokens of its own sequence; qwen3 and glm_moe_dsa alike, the DSA indexer included, as it
+selects from the same mask). The first token of each conversation is no target (it would be
+predicted from the previous one's last token; a padded row never trains its first token either),
+and the MTP layer's targets that lie in another conversation than the position predicting them are
+dropped, so a packed step has the loss and the gradient of the padded one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.policy.mtp import mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.mtp import draft_step, mtp_loss, policy_hidden_and_logits
 
 from .sft_data import Demo, collate, length_buckets
+
+
+@dataclass
+class Packed:
+    """Conversations laid end to end: `position_ids` restart at 0 at the start of each one."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    position_ids: list[int]
+
+
+def pack(demos: Sequence[Demo], length: int) -> list[Packed]:
+    """First-fit decreasing into rows of at most `length` tokens (a longer conversation gets a row to itself)."""
+    rows: list[Packed] = []
+    for demo in sorted(demos, key=lambda d: len(d.token_ids), reverse=True):
+        n = len(demo.token_ids)
+        row = next((r for r in rows if len(r.token_ids) + n <= length), None)
+        if row is None:
+            row = Packed([], [], [])
+            rows.append(row)
+        row.token_ids += demo.token_ids
+        row.loss_mask += [0, *demo.loss_mask[1:]]
+        row.position_ids += list(range(n))
+    return rows
+
+
+def collate_packed(rows: Sequence[Packed], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """`collate`'s tensors plus position_ids, all [batch, longest]; the padding is a sequence of its
+    own (positions from 0), so no real token attends to it (the attention_mask only counts tokens)."""
+    batch = collate(rows, pad_token_id)
+    positions = torch.arange(batch["input_ids"].shape[1]).repeat(len(rows), 1)
+    for index, row in enumerate(rows):
+        positions[index, : len(row.position_ids)] = torch.tensor(row.position_ids)
+        positions[index, len(row.position_ids) :] -= len(row.position_ids)
+    return {**batch, "position_ids": positions}
+
+
+def micro_batches(demos: Sequence[Demo], pad_token_id: int, pack_length: int | None) -> Iterator[dict[str, torch.Tensor]]:
+    """Length-bucketed micro-batches: padded rows, or with `pack_length` packed rows (with position_ids)."""
+    if pack_length is None:
+        for bucket in length_buckets(list(demos)):
+            yield collate(bucket, pad_token_id)
+    else:
+        for rows in length_buckets(pack(demos, pack_length)):
+            yield collate_packed(rows, pad_token_id)
 
 
 def next_token_loss(
@@ -26,26 +84,64 @@ def next_token_loss(
     return (per_token * weights).sum() / count
 
 
-def train_step(config: RunConfig, model, mtp, demos: list[Demo], pad_token_id: int) -> tuple[float, float | None, int]:
-    """Accumulate the gradients of one optimizer step over length-bucketed micro-batches.
+def _forward(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    if "position_ids" not in batch:
+        return policy_hidden_and_logits(model, batch["input_ids"], batch["attention_mask"])
+    # No attention mask and no cache: transformers then builds the per-sequence mask from the position ids.
+    decoder = model.get_submodule("model")
+    hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+    return hidden, model.get_submodule("lm_head")(hidden)
+
+
+def _packed_mtp_loss(model, mtp, hidden: torch.Tensor, batch: dict[str, torch.Tensor], depth: int, num_tokens: float) -> torch.Tensor:
+    """`mtp_loss` over packed rows: packed positions, and targets in another sequence than their source dropped."""
+    ids, positions, loss_mask = batch["input_ids"], batch["position_ids"], batch["loss_mask"]
+    sequence = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
+    losses, previous = [], hidden
+    for k in range(1, depth + 1):
+        logits, previous = draft_step(model, mtp, previous, F.pad(ids[:, k:], (0, k), value=0), positions, None)
+        weights = loss_mask[:, k + 1 :] * (sequence[:, k + 1 :] == sequence[:, : -k - 1])
+        per_token = F.cross_entropy(logits[:, : -k - 1].reshape(-1, logits.shape[-1]), ids[:, k + 1 :].reshape(-1), reduction="none")
+        losses.append((per_token * weights.reshape(-1)).sum() / num_tokens)
+    return torch.stack(losses).mean()
+
+
+def train_step(
+    config: RunConfig, model, mtp, demos: list[Demo], pad_token_id: int, pack_length: int | None = None
+) -> tuple[float, float | None, int]:
+    """Accumulate the gradients of one optimizer step over length-bucketed micro-batches (packed
+    into rows of `pack_length` tokens when given).
 
     Returns the step's next-token loss, MTP loss (None without MTP) and token count. Both losses
-    are token means over the whole step, so bucketing changes the cost and nothing else.
+    are token means over the whole step, so bucketing and packing change the cost and nothing else.
     """
     num_targets = float(sum(sum(d.loss_mask[1:]) for d in demos))
     depth, weight = config.policy.mtp.train_depth, config.policy.mtp.loss_weight
     loss_total, aux_total, tokens = 0.0, 0.0, 0
-    for bucket in length_buckets(demos):
-        batch = collate(bucket, pad_token_id)
-        ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        hidden, logits = policy_hidden_and_logits(model, ids, attention)
+    for batch in micro_batches(demos, pad_token_id, pack_length):
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        hidden, logits = _forward(model, batch)
         loss = next_token_loss(logits, ids, mask, num_targets)
         total = loss
         if mtp is not None:
-            aux = mtp_loss(model, mtp, hidden, ids, attention, mask, depth, num_targets)
+            if "position_ids" in batch:
+                aux = _packed_mtp_loss(model, mtp, hidden, batch, depth, num_targets)
+            else:
+                aux = mtp_loss(model, mtp, hidden, ids, batch["attention_mask"], mask, depth, num_targets)
             total = total + weight * aux
             aux_total += aux.item()
         total.backward()
         loss_total += loss.item()
-        tokens += int(attention.sum())
+        tokens += int(batch["attention_mask"].sum())
     return loss_total, (aux_total if mtp is not None else None), tokens
+
+
+@torch.no_grad()
+def evaluation_loss(model, demos: Sequence[Demo], pad_token_id: int, pack_length: int | None = None) -> float:
+    """The next-token loss over `demos` (token mean), no gradients: the held-out loss."""
+    num_targets = float(sum(sum(d.loss_mask[1:]) for d in demos))
+    total = 0.0
+    for batch in micro_batches(demos, pad_token_id, pack_length):
+        _, logits = _forward(model, batch)
+        total += next_token_loss(logits, batch["input_ids"], batch["loss_mask"], num_targets).item()
+    return total

@@ -1,12 +1,18 @@
-"""SFT demonstrations rendered for training: token IDs plus a loss mask that is 1 exactly on assistant tokens.
+"""SFT conversations rendered for training: token IDs plus a loss mask that is 1 exactly on assistant tokens.
 
-The demonstrations themselves come from the environments (their optional `demonstration(rng)`, see
-envs/base.py); `DemoStream` mixes their streams and renders each with the chat template.
+Two sources: the environments' demonstrations (their optional `demonstration(rng)`, see envs/base.py),
+mixed by `DemoStream`, and chat rows from a file (`sft.data`: JSONL, Parquet or a `datasets`
+directory, read and checked by `ChatRows.load`), mixed with them by `MixedStream`. Both are
+rendered by `render_demo`.
 
 "Assistant tokens" means what the model itself writes after the generation prompt: the answer, any
 tool-call markup, and the EOS that ends the turn. The role header `<|assistant|>` is not one of
 them (the harness appends it, as `add_generation_prompt` does), nor are system, user or tool
 tokens. This is the same rule as the RL sample's loss mask, so SFT and RL train the same positions.
+
+Text is text: rendering goes through a `ChatRenderer`. In a run that is the gateway's own
+(gateway/template.py, handed in by sched/sft.py, since a component does not import another), so a
+message that spells `<|assistant|>` is eight plain tokens in SFT exactly as in an RL prompt.
 """
 
 from __future__ import annotations
@@ -26,17 +32,48 @@ class Demo:
     """1 where token_ids[j] is a target the model is trained to produce."""
 
 
-def render_demo(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Demo:
+class ChatRenderer(Protocol):
+    """Renders template-form messages to text and encodes that text (gateway/template.py's `TokenizerTemplate`)."""
+
+    def render(self, messages: Sequence[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class TokenizerRenderer:
+    """A tokenizer's own `apply_chat_template` and `encode`, with no escaping of marker text in content:
+    for the built-in demonstrations, whose text the environments write."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def render(self, messages: Sequence[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+def as_renderer(tokenizer_or_renderer) -> ChatRenderer:
+    """A renderer as it is, a tokenizer wrapped in `TokenizerRenderer`."""
+    if hasattr(tokenizer_or_renderer, "render") and hasattr(tokenizer_or_renderer, "encode"):
+        return tokenizer_or_renderer
+    return TokenizerRenderer(tokenizer_or_renderer)
+
+
+def render_demo(renderer, messages: Sequence[dict], tools: list[dict] | None = None) -> Demo:
     """Tokenize a conversation with the chat template and mark the assistant-written spans.
 
-    Each assistant span is the difference between the conversation rendered through that message
-    and the conversation before it rendered with the generation prompt. The pieces are tokenized
-    one by one, which equals tokenizing the whole text because the tokenizer is character-level
-    with atomic special tokens.
+    `renderer`: a `ChatRenderer` or a tokenizer. Each assistant span is the difference between the
+    conversation rendered through that message and the conversation before it rendered with the
+    generation prompt, so the mask comes from the template's own rendering. The pieces are encoded
+    one by one; the result is checked against encoding the whole conversation at once, so a
+    tokenizer that would merge tokens across a turn boundary is refused rather than mis-masked.
     """
+    chat = as_renderer(renderer)
 
     def render(upto: int, generation_prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+        return chat.render(messages[:upto], tools, generation_prompt=generation_prompt)
 
     spans: list[tuple[str, int]] = []
     done = ""
@@ -48,15 +85,19 @@ def render_demo(tokenizer, messages: list[dict], tools: list[dict] | None = None
                 raise ValueError("chat template is not prefix-stable; cannot mark assistant tokens")
             spans += [(prompt[len(done) :], 0), (full[len(prompt) :], 1)]
         else:
+            if not full.startswith(done):
+                raise ValueError("chat template is not prefix-stable; cannot mark assistant tokens")
             spans.append((full[len(done) :], 0))
         done = full
 
     token_ids: list[int] = []
     loss_mask: list[int] = []
     for text, trained in spans:
-        ids = tokenizer.encode(text, add_special_tokens=False) if text else []
+        ids = chat.encode(text) if text else []
         token_ids += ids
         loss_mask += [trained] * len(ids)
+    if token_ids != chat.encode(done):
+        raise ValueError("the tokenizer merges tokens across a turn boundary; cannot mark assistant tokens")
     return Demo(token_ids, loss_mask)
 
 
@@ -74,10 +115,10 @@ class DemoStream:
     seeded generator, so a seed fixes the whole stream.
     """
 
-    def __init__(self, tokenizer, shares: Sequence[tuple[float, DemoSource]], rest: DemoSource, seed: int) -> None:
+    def __init__(self, renderer, shares: Sequence[tuple[float, DemoSource]], rest: DemoSource, seed: int) -> None:
         if sum(share for share, _ in shares) > 1.0 + 1e-9:
             raise ValueError("the demonstration shares must not exceed 1")
-        self.tokenizer, self.shares, self.rest = tokenizer, list(shares), rest
+        self.renderer, self.shares, self.rest = as_renderer(renderer), list(shares), rest
         self.rng = random.Random(seed)
 
     def next(self) -> Demo:
@@ -88,7 +129,33 @@ class DemoStream:
                 source = candidate
                 break
         demonstration = source.demonstration(self.rng)
-        return render_demo(self.tokenizer, demonstration.messages, tools=demonstration.tools)
+        return render_demo(self.renderer, demonstration.messages, tools=demonstration.tools)
+
+    def batch(self, size: int) -> list[Demo]:
+        return [self.next() for _ in range(size)]
+
+
+class MixedStream:
+    """Rows from a file mixed with a demonstration stream: each conversation is the file's next row
+    with probability `fraction` (one seeded draw, as the demonstrations' shares are drawn), else the
+    next demonstration. The file's rows come in a fresh seeded order on every pass."""
+
+    def __init__(self, rows: Sequence[Demo], fraction: float, demos: DemoStream | None, seed: int) -> None:
+        if not rows:
+            raise ValueError("no rows to mix")
+        if fraction < 1.0 and demos is None:
+            raise ValueError("a fraction below 1 needs a demonstration stream for the rest")
+        self.rows, self.fraction, self.demos = list(rows), fraction, demos
+        self.rng = random.Random(f"sft.data:{seed}")
+        self.order: list[int] = []
+
+    def next(self) -> Demo:
+        if self.demos is not None and self.rng.random() >= self.fraction:
+            return self.demos.next()
+        if not self.order:
+            self.order = list(range(len(self.rows)))
+            self.rng.shuffle(self.order)
+        return self.rows[self.order.pop()]
 
     def batch(self, size: int) -> list[Demo]:
         return [self.next() for _ in range(size)]

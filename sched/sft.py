@@ -8,9 +8,13 @@ Everything lands in `<runs_dir>/<name>/sft/`: the checkpoint (a Hugging Face dir
 
 The demonstrations are the built-in environments' (`demonstration(rng)`, envs/base.py): the agentic
 task's tool calls for `sft.tool_demo_fraction` of them, the general task's instructions for
-`sft.general_demo_fraction`, arithmetic for the rest. The held-out evaluation is the arithmetic
-environment's own episodes through an in-process gateway over an embedded engine fed the current
-weights: the one evaluation path (envs/evaluation.py) that RL runs report too.
+`sft.general_demo_fraction`, arithmetic for the rest. With `sft.data.path`, chat rows from a file
+make up `sft.data.fraction` of the conversations (learner/sft_data.py), rendered and normalised
+exactly as the gateway renders a prompt (gateway/template.py, gateway/toolcalls.py): the rows'
+text stays text. The held-out evaluation is the arithmetic environment's own episodes through an
+in-process gateway over an embedded engine fed the current weights: the one evaluation path
+(envs/evaluation.py) that RL runs report too; with a held-out split of the file, its loss
+(`eval_loss`) is recorded at each evaluation as well.
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ from asyncrl.envs.evaluation import evaluate_env
 from asyncrl.envs.registry import load_environment
 from asyncrl.gateway.engines import LocalEngine
 from asyncrl.gateway.serving import episode_http_client, evaluation_gateway
-from asyncrl.learner.sft import train_step
-from asyncrl.learner.sft_data import DemoStream
+from asyncrl.gateway.template import chat_template
+from asyncrl.gateway.toolcalls import to_template_messages, to_template_tools
+from asyncrl.learner.sft import evaluation_loss, train_step
+from asyncrl.learner.sft_data import ChatRenderer, DemoStream, MixedStream
+from asyncrl.learner.sft_rows import ChatRows
 from asyncrl.policy.checkpoint import build_policy, save_policy
 from asyncrl.rollout import EmbeddedEngine
 from asyncrl.runlog import MetricsLog, Panel, plot_panels
@@ -51,15 +58,37 @@ class SFTResult:
     """'accuracy', 'time_budget' or 'max_steps'."""
 
 
-def demo_stream(config: RunConfig, tokenizer, seed: int | None = None) -> DemoStream:
-    """The configured mix of the built-in environments' demonstrations (seed: `config.seed` by default)."""
+def demo_stream(config: RunConfig, tokenizer, seed: int | None = None, renderer: ChatRenderer | None = None) -> DemoStream:
+    """The configured mix of the built-in environments' demonstrations (seed: `config.seed` by default),
+    rendered by `renderer` (default: the tokenizer's own chat template)."""
     sft, context = config.sft, EnvContext.of(config)
     shares = [
         (share, _demonstrator(name, context))
         for share, name in ((sft.tool_demo_fraction, "agentic"), (sft.general_demo_fraction, "general"))
         if share  # an environment that contributes nothing is not built (the general one loads its reward)
     ]
-    return DemoStream(tokenizer, shares, _demonstrator("reasoning", context), seed=config.seed if seed is None else seed)
+    seed = config.seed if seed is None else seed
+    return DemoStream(renderer or tokenizer, shares, _demonstrator("reasoning", context), seed=seed)
+
+
+def gateway_form(messages, tools) -> tuple[list[dict], list[dict] | None]:
+    """A chat row's messages and tools as the gateway hands them to the template (ValueError if malformed)."""
+    return to_template_messages(messages), to_template_tools(tools)
+
+
+def chat_rows(config: RunConfig, tokenizer) -> ChatRows:
+    """The rows of `sft.data`, rendered as the gateway renders a prompt."""
+    return ChatRows.load(config.sft.data, chat_template(tokenizer), gateway_form)
+
+
+def training_stream(config: RunConfig, tokenizer, rows: ChatRows | None) -> DemoStream | MixedStream:
+    """The demonstrations, or the file's rows mixed with them by `sft.data.fraction`."""
+    renderer = chat_template(tokenizer)
+    fraction = config.sft.data.fraction
+    if rows is None:
+        return demo_stream(config, tokenizer, renderer=renderer)
+    demos = demo_stream(config, tokenizer, renderer=renderer) if fraction < 1.0 else None
+    return MixedStream(rows.train, fraction, demos, config.seed)
 
 
 def _demonstrator(name: str, context: EnvContext) -> OffersDemonstrations:
@@ -135,9 +164,19 @@ class _Reporter:
 
 def plot_curves(records: list[dict], path: Path) -> None:
     """Training loss (and MTP loss) and held-out accuracy against optimizer step."""
-    loss = Panel("SFT loss", "loss", [("loss", "next-token loss"), ("mtp_loss", "MTP loss")], yscale="log")
+    series = [("loss", "next-token loss"), ("mtp_loss", "MTP loss"), ("eval_loss", "held-out loss")]
+    loss = Panel("SFT loss", "loss", series, yscale="log")
     accuracy = Panel("held-out greedy accuracy", "accuracy", [("eval_accuracy", "held-out")], ylim=(0, 1), marker="o")
-    plot_panels([r for r in records if "loss" in r or "eval_accuracy" in r], [loss, accuracy], path)
+    plot_panels([r for r in records if "loss" in r or "eval_accuracy" in r or "eval_loss" in r], [loss, accuracy], path)
+
+
+def _report_rows(reporter: _Reporter, rows: ChatRows) -> None:
+    """What `sft.data` gave: rows to train on, held out and skipped (by reason), said and recorded at step 0."""
+    skipped = sum(rows.skipped.values())
+    reasons = "".join(f", {count} {reason}" for reason, count in rows.skipped.most_common())
+    reporter.say(f"sft.data: {len(rows.train)} rows to train on, {len(rows.heldout)} held out, {skipped} skipped{reasons}")
+    by_reason = {f"data_skipped/{reason}": count for reason, count in rows.skipped.items()}
+    reporter.record({"step": 0, "data_rows": len(rows.train), "data_heldout_rows": len(rows.heldout), "data_skipped": skipped, **by_reason})
 
 
 def run_sft(config: RunConfig) -> SFTResult:
@@ -154,13 +193,22 @@ def run_sft(config: RunConfig) -> SFTResult:
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=sft.lr, weight_decay=sft.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, sft.warmup_steps)))
-    stream = demo_stream(config, tokenizer)
+    data = sft.data
+    rows = chat_rows(config, tokenizer) if data.path is not None else None
+    stream = training_stream(config, tokenizer, rows)
+    pack_length = data.max_length if data.packing else None
+    heldout_rows = rows.heldout[: data.heldout_max_rows] if rows is not None else []
     heldout = HeldOut(config, model, tokenizer)
 
-    def evaluate() -> float:
-        return heldout.accuracy(model.state_dict(), step)
+    def evaluate() -> dict:
+        scores = {"eval_accuracy": heldout.accuracy(model.state_dict(), step)}
+        if heldout_rows:
+            scores["eval_loss"] = evaluation_loss(model, heldout_rows, tokenizer.pad_token_id, pack_length)
+        return scores
 
     reporter = _Reporter(config, out_dir)
+    if rows is not None:
+        _report_rows(reporter, rows)
     start = time.perf_counter()
     window_tokens, window_train_s = 0, 0.0
     accuracy: float | None = None
@@ -168,7 +216,7 @@ def run_sft(config: RunConfig) -> SFTResult:
     try:
         while step < sft.max_steps:
             step_start = time.perf_counter()
-            loss, aux, tokens = train_step(config, model, mtp, stream.batch(sft.batch_size), tokenizer.pad_token_id)
+            loss, aux, tokens = train_step(config, model, mtp, stream.batch(sft.batch_size), tokenizer.pad_token_id, pack_length)
             torch.nn.utils.clip_grad_norm_(params, sft.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -177,17 +225,20 @@ def run_sft(config: RunConfig) -> SFTResult:
             window_tokens += tokens
             window_train_s += time.perf_counter() - step_start
 
-            accuracy_now = evaluate() if step % sft.eval_every == 0 else None
+            scores = evaluate() if step % sft.eval_every == 0 else None
+            accuracy_now = scores["eval_accuracy"] if scores is not None else None
             elapsed = time.perf_counter() - start
-            if step % LOG_EVERY == 0 or accuracy_now is not None:
+            if step % LOG_EVERY == 0 or scores is not None:
                 record = {
                     "step": step, "loss": loss, "mtp_loss": aux,
                     "lr": schedule.get_last_lr()[0], "tokens_per_s": window_tokens / window_train_s,
                     "elapsed_s": elapsed,
                 }  # fmt: skip
-                if accuracy_now is not None:
-                    accuracy = record["eval_accuracy"] = accuracy_now
-                    reporter.say(f"step {step}  {elapsed:6.1f}s  loss {loss:.3f}  held-out {accuracy_now:.1%}")
+                if scores is not None:
+                    record.update(scores)
+                    accuracy = accuracy_now
+                    held_loss = f"  held-out loss {scores['eval_loss']:.3f}" if "eval_loss" in scores else ""
+                    reporter.say(f"step {step}  {elapsed:6.1f}s  loss {loss:.3f}  held-out {accuracy_now:.1%}{held_loss}")
                 reporter.record(record)
                 window_tokens, window_train_s = 0, 0.0
             reporter.advance(step, f"loss {loss:.3f}  acc {'-' if accuracy is None else f'{accuracy:.1%}'}")
@@ -199,8 +250,9 @@ def run_sft(config: RunConfig) -> SFTResult:
                 stop_reason = "time_budget"
                 break
         if accuracy is None or step % sft.eval_every != 0:
-            accuracy = evaluate()  # the checkpoint's own accuracy, not an earlier step's
-            reporter.record({"step": step, "eval_accuracy": accuracy, "elapsed_s": time.perf_counter() - start})
+            scores = evaluate()  # the checkpoint's own accuracy, not an earlier step's
+            accuracy = scores["eval_accuracy"]
+            reporter.record({"step": step, **scores, "elapsed_s": time.perf_counter() - start})
             reporter.say(f"final  step {step}  held-out {accuracy:.1%}")
     finally:
         reporter.close()
