@@ -267,6 +267,9 @@ class SFTConfig(Section):
     """Evaluate held-out accuracy every this many steps."""
     stop_at_accuracy: float | None = Field(0.3, ge=0.0, le=1.0)
     """Stop at the first evaluation at or above this held-out accuracy (leaves room for RL); None disables."""
+    task: str | None = None
+    """A task of `tasks.mix` whose environment's demonstrations replace the arithmetic ones and whose held-out split
+    SFT is scored on (e.g. a reasoning_gym task); None: the built-in reasoning task."""
     data: SFTDataConfig = SFTDataConfig()
     """Chat rows from a file, mixed with the demonstrations by `data.fraction`."""
 
@@ -760,4 +763,7 @@ class RunConfig(Section):
             raise ValueError("loop.max_inflight must be at least learner.group_size (groups are admitted whole)")
         if self.distill.teachers and self.learner.group_size != 1:
             raise ValueError("distillation trains on single rollouts: set learner.group_size to 1 (it has no groups)")
+        if self.sft.task is not None and self.sft.task not in self.tasks.mix:
+            known = ", ".join(self.tasks.mix) or "none"
+            raise ValueError(f"sft.task {self.sft.task!r} is not a task of tasks.mix (its tasks: {known})")
         return self

@@ -63,12 +63,12 @@ def demo_stream(config: RunConfig, tokenizer, seed: int | None = None, renderer:
     rendered by `renderer` (default: the tokenizer's own chat template)."""
     sft, context = config.sft, EnvContext.of(config)
     shares = [
-        (share, _demonstrator(name, context))
+        (share, _demonstrator(name, {}, context))
         for share, name in ((sft.tool_demo_fraction, "agentic"), (sft.general_demo_fraction, "general"))
         if share  # an environment that contributes nothing is not built (the general one loads its reward)
     ]
     seed = config.seed if seed is None else seed
-    return DemoStream(renderer or tokenizer, shares, _demonstrator("reasoning", context), seed=seed)
+    return DemoStream(renderer or tokenizer, shares, _demonstrator(*base_task(config), context), seed=seed)
 
 
 def gateway_form(messages, tools) -> tuple[list[dict], list[dict] | None]:
@@ -91,8 +91,19 @@ def training_stream(config: RunConfig, tokenizer, rows: ChatRows | None) -> Demo
     return MixedStream(rows.train, fraction, demos, config.seed)
 
 
-def _demonstrator(name: str, context: EnvContext) -> OffersDemonstrations:
-    env = load_environment(name, {}, context)
+def base_task(config: RunConfig) -> tuple[str, dict]:
+    """The environment (reference, options) whose demonstrations fill the rest of the stream and whose held-out
+    split SFT is scored on: the `tasks.mix` task named by `sft.task`, else the built-in reasoning task."""
+    if config.sft.task is None:
+        return "reasoning", {}
+    spec = config.tasks.mix.get(config.sft.task)
+    if spec is None:
+        raise ValueError(f"sft.task {config.sft.task!r} is not a task of tasks.mix (its tasks: {', '.join(config.tasks.mix) or 'none'})")
+    return spec.env, spec.options
+
+
+def _demonstrator(name: str, options: dict, context: EnvContext) -> OffersDemonstrations:
+    env = load_environment(name, options, context)
     if not isinstance(env, OffersDemonstrations):
         raise TypeError(f"environment {name!r} offers no demonstrations (no `demonstration(rng)`, see envs/base.py)")
     return env
@@ -106,7 +117,7 @@ class HeldOut:
         self.engine = EmbeddedEngine(model, config.rollout.embedded().model_copy(update={"torch_threads": config.torch_threads}))
         # Each answer gets the evaluation's budget, as the warm start has always been scored.
         context = EnvContext.of(config).model_copy(update={"episode_max_tokens": config.eval.max_tokens})
-        self.env = load_environment("reasoning", {}, context)
+        self.env = load_environment(*base_task(config), context)
 
     def accuracy(self, weights: dict, step: int) -> float:
         self.engine.update_weights(weights, step)
