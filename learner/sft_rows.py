@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.configs.paths import data_path
 from asyncrl.configs.schema import SFTDataConfig
 
 from .sft_data import ChatRenderer, Demo, render_demo
@@ -97,7 +98,7 @@ def _rendered(path: str, data: SFTDataConfig, renderer: ChatRenderer, prepare: P
 def _read(path: str, messages_column: str, tools_column: str) -> Iterator[tuple[str, Any]]:
     """(where, row) of a JSONL file, a Parquet file or a `datasets` directory; a line that is not JSON
     comes as its error. A messages column that no row has is refused with the columns the file has."""
-    file = Path(path)
+    file = data_path(path)
     if not file.exists():
         raise ChatDataError(f"{path}: no such file or directory")
     try:

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from asyncrl.configs.paths import data_path
+
 from .options import DatasetError, Format
 
 Scanned = tuple[int, dict[str, Any] | str]
@@ -44,9 +46,10 @@ class Source(Protocol):
 
 def open_source(path: str, format: Format = "auto", *, hf_split: str = "train", cache_dir: str | None = None) -> Source:
     """The reader for `path` in `format` (auto: by extension, or what a directory holds)."""
-    where = Path(path)
+    where = data_path(path)
     if not where.exists():
         raise DatasetError(f"dataset file {path} does not exist")
+    path = str(where)
     kind = detect_format(where) if format == "auto" else format
     try:
         if kind == "jsonl":
