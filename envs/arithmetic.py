@@ -17,6 +17,8 @@ from typing import Literal, Protocol
 
 from asyncrl.configs.schema import ArithmeticTaskConfig
 
+from .heldout import distinct_draws
+
 Op = Literal["+", "-"]
 
 # Short on purpose: a word problem must not cost the char-level model many more tokens than `a+b`.
@@ -122,23 +124,12 @@ class ArithmeticTask:
         raise RuntimeError("the problem space is too small for this held-out fraction")
 
     def heldout_set(self, num_problems: int, seed: int) -> list[Problem]:
-        """A fixed evaluation set of distinct problems: the same seed gives the same set in every process.
-
-        Distinct, because drawing with replacement repeats the few held-out one-digit problems ~5
-        times each in 500, so a handful of problems would weigh a tenth of the score.
-        """
-        rng = random.Random(seed)
-        problems: dict[str, Problem] = {}
-        misses = 0
-        while len(problems) < num_problems:
-            problem = self.sample(rng, heldout=True)
-            if problem.canonical in problems:
-                misses += 1
-                if misses > 100 * num_problems:
-                    raise ValueError(
-                        f"the held-out split has too few distinct problems for {num_problems} "
-                        f"(found {len(problems)}): lower eval.num_problems or widen the operand digits"
-                    )
-                continue
-            problems[problem.canonical] = problem
-        return list(problems.values())
+        """A fixed evaluation set of distinct problems (`envs/heldout.py`): drawing with replacement
+        repeats the few held-out one-digit problems ~5 times each in 500."""
+        return distinct_draws(
+            lambda rng: self.sample(rng, heldout=True), lambda p: p.canonical, num_problems, seed,
+            too_few=lambda found: ValueError(
+                f"the held-out split has too few distinct problems for {num_problems} "
+                f"(found {found}): lower eval.num_problems or widen the operand digits"
+            ),
+        )  # fmt: skip

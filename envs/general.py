@@ -32,6 +32,7 @@ from asyncrl.configs.schema import GeneralTaskConfig
 
 from .arithmetic import is_heldout
 from .base import Demonstration, EpisodeResult, Split
+from .heldout import distinct_draws
 from .rewards import Reward, RewardError, load_reward
 
 VOCAB = (
@@ -146,16 +147,10 @@ class GeneralTask:
 
     def heldout_set(self, num_problems: int, seed: int) -> list[Instruction]:
         """Distinct held-out instructions, the same for the same seed in every process."""
-        rng = random.Random(seed)
-        found: dict[str, Instruction] = {}
-        for _ in range(100 * num_problems):
-            if len(found) == num_problems:
-                break
-            instruction = self.sample(rng, heldout=True)
-            found.setdefault(instruction.canonical, instruction)
-        if len(found) < num_problems:
-            raise ValueError(f"the held-out split has too few distinct instructions for {num_problems} (found {len(found)})")
-        return list(found.values())
+        return distinct_draws(
+            lambda rng: self.sample(rng, heldout=True), lambda i: i.canonical, num_problems, seed,
+            too_few=lambda found: ValueError(f"the held-out split has too few distinct instructions for {num_problems} (found {found})"),
+        )  # fmt: skip
 
 
 class GeneralEnv:

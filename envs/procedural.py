@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from asyncrl.configs.context import EnvContext
 
 from .base import Demonstration, EpisodeResult, Split
+from .heldout import distinct_draws
 
 PROBE_ITEMS = 64
 """Items generated at start-up to check that the generator yields usable (ASCII, short enough) questions."""
@@ -146,19 +147,13 @@ class ReasoningGymEnv:
 
     def heldout_tasks(self, num_problems: int, seed: int) -> list[GymItem]:
         """Distinct held-out questions (a small generator would repeat some, weighing them several times)."""
-        rng, items, misses = random.Random(seed), dict[str, GymItem](), 0
-        while len(items) < num_problems:
-            item = self.sample_task(rng, "eval")
-            if item.question in items:
-                misses += 1
-                if misses > 100 * num_problems:
-                    raise GeneratorError(
-                        f"generator {self.options.generator!r}: the held-out split has {len(items)} distinct questions, fewer than "
-                        f"{num_problems}; lower eval_problems, raise heldout_fraction or widen generator_options"
-                    )
-                continue
-            items[item.question] = item
-        return list(items.values())
+        return distinct_draws(
+            lambda rng: self.sample_task(rng, "eval"), lambda item: item.question, num_problems, seed,
+            too_few=lambda found: GeneratorError(
+                f"generator {self.options.generator!r}: the held-out split has {found} distinct questions, fewer than "
+                f"{num_problems}; lower eval_problems, raise heldout_fraction or widen generator_options"
+            ),
+        )  # fmt: skip
 
     def messages(self, item: GymItem) -> list[dict]:
         prompt = self.options.prompt_template.format(question=item.question)

@@ -215,8 +215,7 @@ def _stop_ray(actors: list, started_ray: bool) -> None:
 
 def _open_store(config: RunConfig, rundir: RunDir, visibility_timeout_s: float | None = None):
     timeout = visibility_timeout_s or config.store.visibility_timeout_s
-    namespace = (config.store.namespace if config.store.type == "redis" else None) or config.name
-    return open_store(rundir.store_address(config), namespace=namespace, visibility_timeout_s=timeout)
+    return open_store(rundir.store_address(config), namespace=rundir.store_namespace(config), visibility_timeout_s=timeout)
 
 
 def _start_workers(config: RunConfig) -> tuple[RayWorkers, PreTrainedTokenizerBase]:

@@ -137,6 +137,12 @@ class RunDir:
             apply_override(data, override)
         return validate(data)
 
+    @staticmethod
+    def store_namespace(config: RunConfig) -> str:
+        """The key prefix the run's Redis store uses: `store.namespace`, else the run's name (a SQLite
+        file is one run already; the name is passed and ignored)."""
+        return (config.store.namespace if config.store.type == "redis" else None) or config.name
+
     def store_address(self, config: RunConfig) -> str:
         store = config.store
         return store.url if store.type == "redis" else str(store.path or self.path / SQLITE_FILENAME)

@@ -31,11 +31,12 @@ def open_run_store(config: RunConfig):
     """The run's trajectory store: config.store, SQLite under the run directory by default."""
     from asyncrl.gateway.store import SQLITE_FILENAME, open_store
 
+    from .rundir import RunDir
+
     store = config.store
     # The file, not the directory: open_store reads a path that does not exist yet as a file name.
     address = store.url if store.type == "redis" else (store.path or run_directory(config) / SQLITE_FILENAME)
-    namespace = (store.namespace if store.type == "redis" else None) or config.name
-    return open_store(address, namespace=namespace, visibility_timeout_s=store.visibility_timeout_s)
+    return open_store(address, namespace=RunDir.store_namespace(config), visibility_timeout_s=store.visibility_timeout_s)
 
 
 def _secret(run_dir: Path) -> bytes:

@@ -96,7 +96,7 @@ def test_every_rollout_records_the_seed_that_draws_its_problem_again(recorded):
         for t in trajectories:
             problem = env.sample_task(random.Random(t.metadata["task_seed"]), "train")
             # CoinEnv's prompt is the problem itself: the recorded first prompt must contain it.
-            assert view.config and str(problem) in _first_prompt_text(t)
+            assert str(problem) in _first_prompt_text(t)
 
 
 def _first_prompt_text(trajectory) -> str:

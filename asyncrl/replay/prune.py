@@ -60,9 +60,7 @@ def main(args: argparse.Namespace) -> int:
         deleted_any |= bool(doomed)
         print(f"checkpoints ({retention.describe()}): {verb} {len(doomed)}" + "".join(f"\n  {path}" for path in doomed))
     if args.trajectories:
-        # The namespace the run wrote under (sched/run.py): store.namespace, else the run's name.
-        namespace = (config.store.namespace if config.store.type == "redis" else None) or config.name
-        store = open_store(address, namespace=namespace)
+        store = open_store(address, namespace=rundir.store_namespace(config))
         assert isinstance(store, TrajectoryPruner)  # both backends delete
         try:
             acknowledged = store.acknowledged()

@@ -69,9 +69,8 @@ class RunView:
         except FileNotFoundError as e:
             raise ReplayError(str(e)) from None
         address = rundir.store_address(config)
-        namespace = (config.store.namespace if config.store.type == "redis" else None) or config.name
         try:
-            store = open_reader(address, namespace=namespace)
+            store = open_reader(address, namespace=rundir.store_namespace(config))
         except FileNotFoundError:
             raise ReplayError(f"{run}: the run's trajectory store {address} does not exist") from None
         return cls(rundir, config, store)

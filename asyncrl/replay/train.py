@@ -287,8 +287,7 @@ def _shares(learner: RLLearner, samples: list[Sample], current_version: int, top
 def _logged(view: RunView, record: BatchRecord) -> dict[str, Any]:
     """What the run logged for the step: its metrics record (the one that stepped, the last if it was
     logged twice), else what the batch record kept."""
-    found = [r for r in view.metrics() if r.get("step") == record.step and "loss" in r and "event" not in r and r.get("stepped", True)]
-    logged = found[-1] if found else (view.step_metrics(record.step) or {})
+    logged = view.step_metrics(record.step) or {}
     fallback = {"loss": record.loss, "grad_norm": record.grad_norm, "padded": record.padded, "ledger": record.ledger}
     return {k: logged.get(k, fallback.get(k)) for k in (*COMPARED, "ledger")}
 
