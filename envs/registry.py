@@ -1,7 +1,8 @@
 """Environments by name: the built-ins, plug-ins registered through entry points, or an import path.
 
 A reference is one of
-- a registered name: a built-in (`reasoning`, `agentic`, `general`, `dataset`, `reasoning_gym`) or an entry point in the group
+- a registered name: a built-in (`reasoning`, `agentic`, `general`, `dataset`, `reasoning_gym`,
+  `verifiers`) or an entry point in the group
   `asyncrl.envs` of any installed package (`[project.entry-points."asyncrl.envs"] name =
   "package.module:Class"`), found without importing anything but the one chosen;
 - an import path `package.module:Class` (a class or any factory function).
@@ -29,6 +30,7 @@ BUILTIN: dict[str, str] = {
     "general": "asyncrl.envs.general:GeneralEnv",
     "dataset": "asyncrl.envs.dataset.env:DatasetEnv",
     "reasoning_gym": "asyncrl.envs.procedural:ReasoningGymEnv",
+    "verifiers": "asyncrl.envs.verifiers_env:VerifiersEnv",
 }
 
 
