@@ -15,11 +15,10 @@ Errors say what went wrong in the user's terms: an unknown name lists the known 
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import entry_points
 from typing import Any
 
 from asyncrl.configs.context import EnvContext
+from asyncrl.plugins import import_target, registered_names
 
 from .base import Environment
 
@@ -43,20 +42,6 @@ def registered() -> dict[str, str]:
     return registered_names(BUILTIN, GROUP, "environment", EnvironmentNotFound)
 
 
-def registered_names(builtin: dict[str, str], group: str, kind: str, error: type[LookupError]) -> dict[str, str]:
-    """`builtin` plus the entry points of `group`; a name registered twice raises `error` naming both.
-    Shared with the reward registry (envs/rewards/registry.py), which has its own names and group."""
-    names = dict(builtin)
-    for point in entry_points(group=group):
-        if point.name in names and names[point.name] != point.value:
-            raise error(
-                f"{kind} name {point.name!r} is registered twice: {names[point.name]} and {point.value} "
-                f"(entry point of {_dist_name(point)}); rename one, or use an import path in the config"
-            )
-        names[point.name] = point.value
-    return names
-
-
 def resolve(ref: str) -> Any:
     """The class or factory a reference points at (imported, not called)."""
     path = ref if ":" in ref else registered().get(ref)
@@ -67,23 +52,6 @@ def resolve(ref: str) -> Any:
             f"{GROUP!r}, or give an import path 'package.module:Class'"
         )
     return import_target(ref, path, "environment", EnvironmentNotFound)
-
-
-def import_target(ref: str, path: str, kind: str, error: type[LookupError]) -> Any:
-    """The callable at `path` ('package.module:Attr.attr'); `ref` is what the user wrote, for messages."""
-    module_name, _, attribute = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as failure:
-        raise error(f"{kind} {ref!r}: cannot import module {module_name!r} ({failure})") from failure
-    target: Any = module
-    for part in attribute.split("."):
-        if not part or not hasattr(target, part):
-            raise error(f"{kind} {ref!r}: module {module_name!r} has no attribute {attribute!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise error(f"{kind} {ref!r}: {path} is not a class or factory")
-    return target
 
 
 def load_environment(ref: str, options: dict | None = None, context: EnvContext | None = None) -> Environment:
@@ -98,8 +66,3 @@ def load_environment(ref: str, options: dict | None = None, context: EnvContext 
     if missing:
         raise TypeError(f"environment {ref!r} built a {type(env).__name__}, which lacks {', '.join(missing)} (see envs/base.py)")
     return env
-
-
-def _dist_name(point: Any) -> str:
-    dist = getattr(point, "dist", None)
-    return getattr(dist, "name", None) or "an installed package"

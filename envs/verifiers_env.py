@@ -153,7 +153,9 @@ def _load(options: VerifiersOptions) -> Any:
     ref, args = options.environment, options.environment_args
     try:
         if ":" in ref:
-            from .registry import EnvironmentNotFound, import_target
+            from asyncrl.plugins import import_target
+
+            from .registry import EnvironmentNotFound
 
             try:
                 env = import_target(ref, ref, "verifiers environment", EnvironmentNotFound)(**args)

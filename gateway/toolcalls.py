@@ -51,13 +51,18 @@ class ParsedCompletion:
     """OpenAI tool calls: {id, type: "function", function: {name, arguments: JSON string}}."""
     parse_error: str | None = None
     """Why the tool-call markup could not be parsed; None when it could (or there was none)."""
+    reasoning_content: str | None = None
+    """The reply's thinking section, when the run has a reasoning parser and the reply had one."""
 
     def message(self) -> dict:
         """The OpenAI assistant message the gateway returns (and later expects echoed back)."""
-        if not self.tool_calls:
-            return {"role": "assistant", "content": self.content}
-        # OpenAI sends null, not "", for a tool-call-only reply; both normalise to "" in a conversation.
-        return {"role": "assistant", "content": self.content or None, "tool_calls": self.tool_calls}
+        message: dict = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            # OpenAI sends null, not "", for a tool-call-only reply; both normalise to "" in a conversation.
+            message.update(content=self.content or None, tool_calls=self.tool_calls)
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
 
     def finish_reason(self, engine_finish: str) -> str:
         """OpenAI finish reason: a clean stop that produced tool calls is `tool_calls`."""

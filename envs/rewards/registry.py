@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 
 from asyncrl.configs.context import EnvContext
-from asyncrl.envs.registry import import_target, registered_names
+from asyncrl.plugins import import_target, registered_names
 
 from .base import Reward
 from .rules import RuleReward
