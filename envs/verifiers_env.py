@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import random
 from typing import Any
@@ -82,6 +83,9 @@ class VerifiersEnv:
                 "forms the groups), so use individual reward functions"
             )
         self.train_rows, self.eval_rows = self._splits()
+        # verifiers logs every empty reply as an aborted rollout; here it is an ordinary sample (see
+        # _result), and a weak policy writes hundreds a minute, which would bury the run's display.
+        self.vf_env.logger.addFilter(_not_an_empty_reply)
 
     @classmethod
     def from_config(cls, context: EnvContext, **options: Any) -> VerifiersEnv:
@@ -170,6 +174,10 @@ def _load(options: VerifiersOptions) -> Any:
     if not isinstance(env, verifiers.Environment):
         raise VerifiersError(f"verifiers environment {ref!r} built a {type(env).__name__}, not a verifiers Environment")
     return env
+
+
+def _not_an_empty_reply(record: logging.LogRecord) -> bool:
+    return "EmptyModelResponseError" not in record.getMessage()
 
 
 def _prompt_hash(prompt: Any) -> float:

@@ -73,6 +73,13 @@ def test_a_single_turn_environment_is_scored_by_its_rubric():
     assert (wrong.status, wrong.reward, wrong.metrics["exact_answer"], wrong.metrics["replied"]) == ("ok", 0.0, 0.0, 1.0)
 
 
+def test_an_empty_reply_is_a_sample_worth_nothing_not_an_error(caplog):
+    env = env_of("load_single_turn")
+    result, prompts = episode(env, env.sample_task(random.Random(0)), [EOS])  # the policy ends its reply at once
+    assert (result.status, result.reward, result.metrics["empty_reply"]) == ("ok", 0.0, True) and len(prompts) == 1
+    assert not [r for r in caplog.records if "EmptyModelResponseError" in r.getMessage()]  # not logged as an aborted rollout
+
+
 def test_a_multi_turn_environment_sees_each_reply_and_answers_it():
     env = env_of("load_multi_turn", environment_args={"max_turns": 4})
     task = next(t for t in (env.sample_task(random.Random(s)) for s in range(50)) if t["answer"] not in ("0", "9"))

@@ -27,7 +27,7 @@ def _sums(rng: random.Random, count: int, taken: set[str]) -> list[dict]:
 
 def exact_sum(completion, answer, **_) -> float:
     """1 when the reply is the sum, and nothing else."""
-    return float((completion[-1]["content"] or "").strip() == answer)
+    return float(bool(completion) and (completion[-1]["content"] or "").strip() == answer)
 
 
 def load_environment(train_rows: int = 20_000, eval_rows: int = 200, seed: int = 0) -> vf.Environment:
