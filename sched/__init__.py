@@ -6,8 +6,11 @@ components and drive them (docs/ARCHITECTURE.md, "Three floors").
     admission.py  how many GRPO groups may start now (a pure function of the loop's numbers)
     episodes.py   the episodes in flight (asyncio tasks, one rollout each)
     evaluation.py the loop's evaluate verb (held-out success through evaluation rollouts)
+    steps.py      one learner step: taking it, and its metrics record, batch record and warnings
     resume.py     the books: ledger, acknowledgement at checkpoints (the commit point), recovery
-    parts.py      what the loop drives, typed: the learner and worker-group client Protocols, `Parts`
+    recovery.py   parts that die mid-run: worker replacements recorded, the learner restarted
+    shutdown.py   `close`: the end of a run, every rollout in exactly one account
+    parts.py      what the loop drives, typed: the learner and worker-group clients, the store's loop side, `Parts`
     clients.py    those clients over Ray actors, or over objects in this process
     groups.py     GRPO groups from admission until the learner takes them; trajectories -> samples
     tasks.py      the task mix (ratios, rate limits) and the distillation prompt mix

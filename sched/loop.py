@@ -1,25 +1,19 @@
 """The scheduler loop: a few named verbs, repeated until the learner has taken `loop.steps` steps.
 
     admit     start GRPO groups of episodes while the admission rule allows (`sched/admission.py`:
-              in-flight and staleness bounds), each group's task picked by the task mix (shares and
-              rate limits: `sched/tasks.py`)
+              in-flight and staleness bounds), each group's task picked by the task mix (`sched/tasks.py`)
     collect   claim finished trajectories (aborted ones too) from the store into their groups
     train     hand complete groups to the learner (episodes keep running meanwhile), scored by their
-              stages' teachers first in a distillation run (distill/); when the step returns, book
-              its ledger, push weights when due, checkpoint when due
+              stages' teachers first in a distillation run; when the step returns, book it (`sched/steps.py`),
+              push weights when due, checkpoint when due
     evaluate  each task's held-out greedy success every `loop.eval_every` versions (`sched/evaluation.py`)
     report    the live display
 
 Async and sync runs are this same loop with a different admission rule. The learner and the engines
-are reached through two small clients (`sched/parts.py`): Ray actors in `asyncrl run`, or objects in
-this process (`sched/clients.py`). Trajectories are acknowledged in the store only at a checkpoint,
-so a run that dies loses nothing and re-trains nothing (`recover`, `sched/resume.py`); `close` ends
-a run with every rollout in exactly one account of the ledger.
-
-Parts that die mid-run: a rollout worker is replaced by its worker group (the loop admits nothing
-while no engine serves, and notes each replacement); a learner is restarted from the last
-checkpoint by `restart_learner`, which is a resume without leaving the process. Each recovery is a
-record in the metrics (`event`) and in `recoveries`, with how long it took.
+are reached through two small clients (`sched/parts.py`). Trajectories are acknowledged in the store
+only at a checkpoint, so a run that dies loses nothing and re-trains nothing (`recover`,
+`sched/resume.py`). A part that dies mid-run comes back without ending it (`sched/recovery.py`);
+`close` ends a run with every rollout in exactly one account of the ledger (`sched/shutdown.py`).
 """
 
 from __future__ import annotations
@@ -30,22 +24,21 @@ import time
 import uuid
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.gateway.store import TrajectoryStore
-from asyncrl.records import Sample
+from asyncrl.gateway.store import TrajectoryHandOff
 
+from . import shutdown
 from .admission import groups_to_admit
 from .episodes import Episodes
 from .evaluation import heldout_scores, record_evaluation
 from .groups import Group, GroupBuffer, group_samples
 from .parts import LearnerDied, Parts
-from .resume import CONSUMER, Books, abort_running
-from .rundir import BatchRecord, LoopState, Retention
+from .recovery import Recovery
+from .resume import CONSUMER, Books
+from .rundir import LoopState, Retention
+from .steps import batch_record, consistency_warnings, learn, step_record
 
 TICK_S = 0.05
 """Pause between rounds of the loop; episodes and the learner run on without it."""
-
-LEARNER_RESTARTS = 3
-"""Learner deaths one run process recovers from; the next one ends the run (`asyncrl run --resume` goes on)."""
 
 
 class Loop:
@@ -64,8 +57,8 @@ class Loop:
         self.t0, self.collected = time.monotonic(), 0
         self.last: dict = {}  # the last step's record
         self.accuracy = state.eval_before
-        self.recoveries: list[dict] = []  # every part that died and came back, in order
-        self.restarts = 0
+        self.recovery = Recovery(self)
+        self.recoveries = self.recovery.records  # every part that died and came back, in order
 
     async def run(self) -> None:
         while not self.finished():
@@ -76,7 +69,7 @@ class Loop:
                 await self.evaluate()
                 self.report()
             except LearnerDied as died:
-                await self.restart_learner(died)
+                await self.recovery.restart_learner(died)
             await asyncio.sleep(TICK_S)
 
     def finished(self) -> bool:
@@ -122,54 +115,32 @@ class Loop:
 
     async def train(self) -> None:
         if self.pending is not None and self.pending[0].done():
-            await self._finish_step()
+            await self.finish_step()
         if self.pending is None and self.groups.ready >= self.batch_groups and not self.finished():
             groups = self.groups.take(self.batch_groups)
             samples = group_samples(groups, self.config.learner.crash_statuses)
-            self.pending = asyncio.ensure_future(self._learn(samples)), groups
+            self.pending = asyncio.ensure_future(learn(self.p, samples)), groups
 
-    async def _learn(self, samples: list[Sample]) -> dict:
-        """One learner step; in distillation the teachers score the samples first (their metrics join the step's)."""
-        scored: dict = {}
-        if self.p.teachers is not None:
-            samples, scored = await self.p.teachers.score(samples)
-        return {**await self.p.learner.train_step(samples), **scored}
-
-    async def _finish_step(self) -> None:
-        """Book the step in flight once it returns: its ledger, then a push and a checkpoint when due."""
+    async def finish_step(self) -> None:
+        """Book the step in flight once it returns: its ledger, a push and a checkpoint when due, its records."""
         assert self.pending is not None
         (future, groups), self.pending = self.pending, None
         metrics = await future
         self.books.book(metrics["ledger"], [t.rollout_id for group in groups for t in group.trajectories])
         before, self.state.version = self.state.version, metrics["version"]
         if self.config.loop.record_batches and metrics["stepped"]:
-            self._record_batch(before, groups, metrics)
+            self.p.rundir.write_batch(batch_record(metrics, groups, learner_version=before, distilled=self.p.teachers is not None))
         if metrics["push_due"]:
             await self.push()
         if self.state.version // self.config.learner.checkpoint_every > before // self.config.learner.checkpoint_every:
             await self.books.checkpoint()
-        rewards = [t.reward for group in groups for t in group.trajectories if t.status != "aborted" and t.reward is not None]
-        lags = metrics.pop("staleness")
-        self.last = {
-            "step": self.state.version, "elapsed_s": self.books.elapsed(), "reward": sum(rewards) / max(len(rewards), 1),
-            "staleness_mean": sum(int(k) * v for k, v in lags.items()) / max(sum(lags.values()), 1),
-            "staleness_max": max(map(int, lags), default=0), "pushed_version": self.pushed,
-            "in_flight": len(self.episodes), "ahead": self.groups.rollouts, **metrics,
-        }  # fmt: skip
+        self.last = step_record(
+            metrics, groups, elapsed_s=self.books.elapsed(), pushed_version=self.pushed,
+            in_flight=len(self.episodes), ahead=self.groups.rollouts,
+        )  # fmt: skip
         self.p.metrics.record(self.last)
-        for gap in metrics.get("consistency_warnings", ()):
-            self.p.display.say(f"step {self.state.version}: task {gap['task']!r} turn {gap['turn']}: mean |learner - rollout| "
-                               f"log-prob {gap['gap']:.3f} over {gap['tokens']} tokens > learner.logprob_gap_warning")  # fmt: skip
-
-    def _record_batch(self, before: int, groups: list[Group], metrics: dict) -> None:
-        """What this step trained, by reference (`asyncrl replay train` re-runs it). Only a step that
-        stepped: one that did not leaves the version, and so the record of the step that made it, alone."""
-        self.p.rundir.write_batch(BatchRecord(
-            step=metrics["version"], learner_version=before,
-            groups=[[t.rollout_id for t in group.trajectories] for group in groups],
-            ledger=dict(metrics["ledger"]), padded=metrics["padded"], loss=metrics["loss"],
-            grad_norm=metrics["grad_norm"], distilled=self.p.teachers is not None,
-        ))  # fmt: skip
+        for warning in consistency_warnings(metrics):
+            self.p.display.say(warning)
 
     async def push(self) -> None:
         """Weights to every engine; the loop waits (no admission meanwhile), the episodes do not."""
@@ -185,18 +156,14 @@ class Loop:
     async def evaluate(self, force: bool = False) -> float | None:
         if not force and self.pushed - self.evaluated < self.config.loop.eval_every:
             return None
-        if not self.p.workers.serving():  # the only engine is being replaced: evaluate once its replacement serves
-            if not force:
-                return None
-            while not self.p.workers.serving():
-                self.p.workers.check()
-                await asyncio.sleep(TICK_S)
+        if not await self.recovery.serving(wait=force):  # the only engine is being replaced: later, or wait if forced
+            return None
         scores = await heldout_scores(self.config, self.p)
         self.accuracy, self.evaluated = record_evaluation(self.p, scores, self.pushed, self.books.elapsed()), self.pushed
         return self.accuracy
 
     def report(self) -> None:
-        self.note_replacements()
+        self.recovery.note_replacements()
         elapsed = max(self.books.elapsed(), 1e-9)
         self.p.display.update({
             "mode": self.config.loop.mode, "step": self.state.version, "steps": self.config.loop.steps,
@@ -207,91 +174,10 @@ class Loop:
             "ahead": self.groups.rollouts, "ledger": self.state.ledger,
         })  # fmt: skip
 
-    # -- parts that die ------------------------------------------------------------------------
-
-    def note_replacements(self) -> None:
-        """Record the rollout workers the worker group replaced since the last look."""
-        for replaced in self.p.workers.replaced():
-            self._recovered({"event": "worker_replaced", **replaced})
-            self.p.display.say(f"rollout worker {replaced['engine_id']} died; {replaced['replacement']} serves version "
-                               f"{replaced['version']} after {replaced['recovery_s']:.1f} s")  # fmt: skip
-
-    async def restart_learner(self, died: LearnerDied) -> None:
-        """A learner that died is restarted from the last checkpoint, the run's commit point, and the run
-        goes on as `--resume` would have it: the books go back to that checkpoint's, the episodes in
-        flight are aborted, and every rollout not acknowledged (trained by the dead learner since the
-        checkpoint, in its lost step, waiting in groups, just aborted) is claimed again, whole groups,
-        and trained once by the new learner. Raises `died` when it cannot (no way to reclaim, or
-        `LEARNER_RESTARTS` already used)."""
-        while True:
-            if self.p.reclaim_store is None or self.restarts >= LEARNER_RESTARTS:
-                raise died
-            self.restarts += 1
-            detected_at, began = time.time(), time.monotonic()
-            try:
-                checkpoint, recovered = await self._restart_learner()
-            except LearnerDied as again:
-                died = again
-                continue
-            break
-        self._recovered({
-            "event": "learner_restarted", "checkpoint": checkpoint, "recovered": recovered, "died": str(died),
-            "detected_at": detected_at, "serving_at": time.time(), "recovery_s": time.monotonic() - began,
-        })  # fmt: skip
-        self.p.display.say(f"the learner died; restarted from {checkpoint or 'the starting policy'} at version "
-                           f"{self.state.version}, {recovered} trajectories claimed again")  # fmt: skip
-
-    async def _restart_learner(self) -> tuple[str | None, int]:
-        assert self.p.reclaim_store is not None
-        self.pending = None  # the step in flight died with the learner; its groups are claimed again below
-        await self.episodes.stop()
-        latest = self.p.rundir.latest_checkpoint()
-        checkpoint, saved = latest if latest else (None, LoopState(eval_before=self.state.eval_before))
-        self.books.rewind(saved)
-        self.groups = GroupBuffer()
-        await self.p.learner.restart(None if checkpoint is None else str(checkpoint))
-        await self.push()
-        self.evaluated = min(self.evaluated, self.pushed)
-        reclaim = self.p.reclaim_store()
-        try:
-            recovered = await self.recover(reclaim)
-        finally:
-            reclaim.close()
-        return None if checkpoint is None else str(checkpoint), recovered
-
-    def _recovered(self, record: dict) -> None:
-        record = {**record, "step": self.state.version}
-        self.recoveries.append(record)
-        self.p.metrics.record(record)
-
-    # -- the ends of a run ---------------------------------------------------------------------
-
-    async def recover(self, reclaim_store: TrajectoryStore) -> int:
+    async def recover(self, reclaim_store: TrajectoryHandOff) -> int:
         """Take back what a dead run of this run directory left (`Books.recover`); how many trajectories."""
         return await self.books.recover(reclaim_store, self.groups)
 
     async def close(self) -> float | None:
-        """End with balanced books: finish the learner's step, abort the episodes still running, push
-        and evaluate the final weights, count what was never trained as aborted, checkpoint. A learner
-        that dies meanwhile is restarted and the run goes on to its end again."""
-        while True:
-            try:
-                return await self._close()
-            except LearnerDied as died:
-                await self.restart_learner(died)
-                await self.run()
-
-    async def _close(self) -> float | None:
-        if self.pending is not None:
-            await self._finish_step()
-        await self.episodes.stop()
-        await asyncio.to_thread(abort_running, self.p.store, "the run ended")
-        if self.state.version > self.pushed:
-            await self.push()
-        fresh = self.evaluated == self.pushed and self.accuracy is not None
-        accuracy = self.accuracy if fresh else await self.evaluate(force=True)
-        await self.collect()
-        self.books.book_untrained(self.groups.drain())
-        await self.books.checkpoint()
-        self.note_replacements()
-        return accuracy
+        """End the run with balanced books (`sched/shutdown.py`); the final held-out accuracy."""
+        return await shutdown.close(self)

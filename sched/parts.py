@@ -1,17 +1,21 @@
-"""What the loop drives, as types: two small clients (the learner, the rollout engines) and `Parts`.
+"""What the loop drives, as types: two small clients (the learner, the rollout engines), the store
+as the loop may use it, and `Parts`.
 
     LearnerClient  train_step, weights (what a push sends), save, and after a death: check, restart
     WorkerGroup    engines (the gateway's handles), update_weights, versions, health, and the
                    replacement of engines that die: attach (to the gateway's routing), serving,
                    replaced, check, close
+    LoopStore      the store's hand-off (claim, ack, counts) and aborting the rollouts no episode
+                   drives any more (list, abort); nothing that records
+    ReclaimStore   the hand-off of the run's store opened to take back a dead learner's leases, and close
 
-`sched/clients.py` implements both over Ray actors (`asyncrl run`) and over objects in this
+`sched/clients.py` implements the two clients over Ray actors (`asyncrl run`) and over objects in this
 process (the same loop without Ray); `sched/run.py` builds the Parts.
 
 A dead rollout worker is the group's own business: it leaves routing and pushes at once and a
 replacement joins routing once it serves the current weights; the loop only reads what happened
 (`replaced`). A dead learner is the loop's: its clients raise `LearnerDied`, and the loop restarts
-it from the last checkpoint (`Loop.restart_learner`).
+it from the last checkpoint (`sched/recovery.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncrl.records import Sample
+from asyncrl.gateway.store import TrajectoryHandOff
+from asyncrl.records import Sample, Trajectory
 
 if TYPE_CHECKING:
     from openai import DefaultAioHttpClient
@@ -28,7 +33,6 @@ if TYPE_CHECKING:
 
     from asyncrl.distill.teachers import Teachers
     from asyncrl.gateway.engines import EngineHandle
-    from asyncrl.gateway.store import TrajectoryStore
     from asyncrl.lifecycle import RolloutLifecycle
     from asyncrl.runlog import MetricsLog
 
@@ -117,9 +121,33 @@ class WorkerGroup(Protocol):
         ...
 
 
+class LoopStore(TrajectoryHandOff, Protocol):
+    """The trajectory store as the loop may use it: the hand-off of terminal trajectories to the learner
+    (`TrajectoryHandOff`: claim, ack, counts), and ending the rollouts no episode drives any more, at a
+    resume and at the end of a run (`sched/resume.py` abort_running). It opens and records nothing: the
+    gateway records, the loop takes what was recorded. With `store.keep_trajectories=false` the books also
+    delete what they acknowledged, from a store that is a `TrajectoryPruner` too (checked when they do)."""
+
+    def abort(self, rollout_id: str, reason: str = "") -> None:
+        """End a running rollout without a reward (status aborted); RolloutClosed if it already ended."""
+        ...
+
+    def list(
+        self, *, status: str | None = None, group_id: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> list[Trajectory]:
+        """Trajectories in the order they were opened (the loop lists the running ones only)."""
+        ...
+
+
+class ReclaimStore(TrajectoryHandOff, Protocol):
+    """This run's store with no visibility timeout, opened to claim again what a dead learner held, then closed."""
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class Parts:
-    store: TrajectoryStore
+    store: LoopStore
     gateway: RolloutLifecycle
     """What episodes (training and evaluation) open and finish their rollouts with: the in-process gateway's lifecycle."""
     http: DefaultAioHttpClient
@@ -133,6 +161,6 @@ class Parts:
     display: Display
     teachers: Teachers | None = None
     """A distillation run's teachers score every batch before the learner sees it; None in RL."""
-    reclaim_store: Callable[[], TrajectoryStore] | None = None
+    reclaim_store: Callable[[], ReclaimStore] | None = None
     """Opens this run's store with no visibility timeout (every lease counts as expired), to take back
     what a dead learner held; None: a learner that dies ends the run."""

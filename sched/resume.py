@@ -23,12 +23,12 @@ import dataclasses
 import time
 from collections import defaultdict
 
-from asyncrl.gateway.store import RolloutClosed, TrajectoryStore
+from asyncrl.gateway.store import RolloutClosed, TrajectoryHandOff
 from asyncrl.gateway.store.base import TrajectoryPruner
 from asyncrl.records import TERMINAL_STATUSES, Trajectory
 
 from .groups import GroupBuffer
-from .parts import LearnerClient
+from .parts import LearnerClient, LoopStore
 from .rundir import LoopState, Retention, RunDir
 
 CONSUMER = "learner"
@@ -37,7 +37,7 @@ CONSUMER = "learner"
 
 class Books:
     def __init__(
-        self, state: LoopState, store: TrajectoryStore, rundir: RunDir, learner: LearnerClient,
+        self, state: LoopState, store: LoopStore, rundir: RunDir, learner: LearnerClient,
         *, retention: Retention | None = None, keep_trajectories: bool = True,
     ) -> None:  # fmt: skip
         self.state, self.store, self.rundir, self.learner = state, store, rundir, learner
@@ -102,7 +102,7 @@ class Books:
             raise TypeError(f"{self.store!r} cannot delete trajectories (store.keep_trajectories=false needs one that can)")
         self.store.delete(acknowledged)
 
-    async def recover(self, reclaim_store: TrajectoryStore, groups: GroupBuffer) -> int:
+    async def recover(self, reclaim_store: TrajectoryHandOff, groups: GroupBuffer) -> int:
         """Take back what a dead run left into `groups`; returns how many trajectories it claimed again.
 
         `reclaim_store` is this store with no visibility timeout: the dead run's leases count as expired.
@@ -124,7 +124,7 @@ class Books:
         return sum(map(len, by_group.values()))
 
 
-def abort_running(store: TrajectoryStore, reason: str) -> int:
+def abort_running(store: LoopStore, reason: str) -> int:
     """Abort every rollout the store still holds as running (episodes the run no longer drives)."""
     running = store.list(status="running")
     for trajectory in running:

@@ -21,7 +21,7 @@ leaves the ledger balanced. A crash or Ctrl-C skips `close`: `asyncrl run --resu
 
 Ray starts its actors at niceness 15 unless told otherwise (`rollout/worker.py` RAY_SYSTEM_CONFIG):
 a run's actors run at the driver's niceness. A rollout worker or the learner that dies is replaced
-while the run goes on (`sched/clients.py`, `Loop.restart_learner`); `summary.json` lists every such
+while the run goes on (`sched/clients.py`, `sched/recovery.py`); `summary.json` lists every such
 recovery (`recoveries`) and, for a resumed run, how long the resume took (`resumed`).
 """
 

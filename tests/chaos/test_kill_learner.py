@@ -1,7 +1,7 @@
 """Kill -9 the learner actor of a real `asyncrl run` mid-run, after a checkpoint and at least one step
 past it: the driver restarts the learner from that checkpoint (the run's commit point) and the run
 finishes, with the dead learner's steps since the checkpoint undone and their rollouts trained once
-by the new learner (sched/loop.py `restart_learner`)."""
+by the new learner (sched/recovery.py `Recovery.restart_learner`)."""
 
 from __future__ import annotations
 
