@@ -541,6 +541,19 @@ class GatewayConfig(Section):
     openai SDK: 5 s), so a client never reuses a connection the gateway is closing at that moment."""
     max_branches: int = Field(64, ge=1, le=100000)
     """Most forks one rollout may have (each rewrite of earlier context starts one)."""
+    max_rollout_turns: int | None = Field(4096, ge=1)
+    """Most turns (recorded generation calls) one rollout may take; calls in flight count, so concurrent
+    calls on one key cannot pass it together. None: no limit."""
+    max_rollout_tokens: int | None = Field(16_777_216, ge=1)
+    """Most completion tokens one rollout may sample over all its turns; each call in flight holds its
+    max_tokens until it is recorded, so concurrent calls cannot pass it together. None: no limit."""
+    tool_parser: str = Field("glm45", min_length=1)
+    """How replies' tool calls are read (gateway/parsers/): glm45 (GLM-4.5's XML-style arguments, the
+    tiny policy's markup), hermes or qwen (JSON in <tool_call> tags), llama3_json, an entry point of the
+    group asyncrl.tool_parsers, or an import path 'package.module:Class'."""
+    reasoning_parser: str | None = None
+    """How replies' thinking is split off into reasoning_content: think (<think>...</think>), an entry
+    point of the group asyncrl.reasoning_parsers, or an import path; None: replies are all content."""
     sampling_overrides: Literal["allow", "refuse"] = "refuse"
     """Requests whose temperature, top_p or top_k differ from rollout.sampling: "refuse" answers them 400, so
     every token of an RL run comes from the distribution it trains (the learner reproduces no top-k/top-p

@@ -26,9 +26,13 @@ the model writes: a marker token writes exactly its text, so `stop="<|user|>"` s
 
 Bounded work before validation: every message's characters (and a text prompt's) are checked against
 `gateway.max_message_chars` before anything is rendered or tokenized, and a prompt with more than
-OFFLOAD_CHARS characters of new text is rendered and tokenized in a worker thread, so one big request
+OFFLOAD_CHARS characters of new text is rendered and tokenized on a worker thread (`offload`), so one big request
 does not hold up the others' event loop. A rollout's conversation is prepared and committed under
 its own lock (uncontended, it does not yield), so the thread never races a commit.
+
+Per-rollout limits hold under concurrent calls on one key: branches (`conversation`), and turns and
+sampled tokens (`budget`: each call holds a turn and its max_tokens from before it is rendered until it
+is recorded or refused), each refused with a 400 naming its gateway.* key.
 
 Nothing here knows HTTP; `app.py` maps the exceptions raised here to status codes.
 """
@@ -36,6 +40,7 @@ Nothing here knows HTTP; `app.py` maps the exceptions raised here to status code
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -45,6 +50,7 @@ import random
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,18 +60,21 @@ from asyncrl.records import GenerationResult, SamplingParams, Turn
 
 from . import api
 from .auth import Credentials
+from .budget import Reservation, RolloutBudget, RolloutLimit
 from .conversation import Conversation, ConversationError, Prepared
+from .offload import CpuWorkers
+from .parsers import ParserNotFound, parse_reply, reasoning_parser, tool_call_parser
 from .pool import EnginePool
 from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryRecorder, UnknownRollout
 from .template import chat_template
-from .toolcalls import MessageError, parse_completion
+from .toolcalls import MessageError
 
 MAX_TOMBSTONES = 100_000
 """Ended rollouts remembered in memory (older ones are looked up in the store)."""
 TEXT_HISTORY = 8
 """Text-completion turns per rollout whose exact tokens a later prompt may reuse."""
 OFFLOAD_CHARS = 8192
-"""New prompt text (characters) above which rendering and tokenizing run in a worker thread: encoding
+"""New prompt text (characters) above which rendering and tokenizing run on a worker thread: encoding
 takes ~0.4 µs a character on a busy core, so this keeps the event loop's stalls to a few ms."""
 OFFLOAD_RENDER_CHARS = 32 * OFFLOAD_CHARS
 """Conversation size (characters) above which even the render alone (every turn renders it all) goes to the thread."""
@@ -91,6 +100,8 @@ def bad_request(message: str) -> GatewayError:
 class Rollout:
     id: str
     conversation: Conversation
+    budget: RolloutBudget
+    """Its turns and sampled tokens against gateway.max_rollout_turns and max_rollout_tokens."""
     texts: list[tuple[str, list[int]]] = field(default_factory=list)
     """(text, its exact tokens) of recent text-completion turns, prompt plus completion."""
     abandon: set[asyncio.Future] = field(default_factory=set)
@@ -101,7 +112,7 @@ class Rollout:
     turns: int = 0
     """Turns an evaluation rollout has taken (the store counts a recorded rollout's)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-    """Held while the conversation prepares or commits a turn (preparing may run in a worker thread)."""
+    """Held while the conversation prepares or commits a turn (preparing may run on a worker thread)."""
 
 
 class GatewayService:
@@ -120,6 +131,11 @@ class GatewayService:
         self.store, self.tokenizer, self.pool = store, tokenizer, pool
         self.config, self.sampling, self.model_name = config, sampling, model_name
         self.template = chat_template(tokenizer)
+        try:
+            self.tool_parser = tool_call_parser(config.tool_parser)
+            self.reasoning_parser = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        except ParserNotFound as error:
+            raise ValueError(f"gateway: {error}") from None
         self._secret = secret or secrets.token_bytes(32)
         self.credentials = Credentials.from_secret(self._secret)
         """The run token (lifecycle, scoring) and the engine token (registration) of this gateway."""
@@ -134,8 +150,11 @@ class GatewayService:
         ids = random.Random(secrets.randbits(128))
         self._call_id = lambda: f"call_{ids.getrandbits(96):024x}"
         self.in_flight = 0
+        self._cpu = CpuWorkers()
+        """Where big prompts are rendered and tokenized; a stop signal does not wait for them."""
 
     def close(self) -> None:
+        self._cpu.close()
         self._io_pool.shutdown(wait=True)
 
     async def _io(self, fn, *args, **kwargs):
@@ -206,8 +225,11 @@ class GatewayService:
             if not wake.done():
                 wake.set_result(f"rollout {rollout_id} was {status or 'ended'} while this request was running; nothing was recorded")
 
-    def _new_rollout(self, rollout_id: str) -> Rollout:
-        return Rollout(rollout_id, Conversation(self.tokenizer, max_branches=self.config.max_branches, template=self.template))
+    def _new_rollout(self, rollout_id: str, recorded: Sequence[Turn] = ()) -> Rollout:
+        """A rollout's in-memory state; `recorded`: its turns in the store (one a restarted gateway picks up)."""
+        conversation = Conversation(self.tokenizer, max_branches=self.config.max_branches, template=self.template)
+        budget = RolloutBudget(self.config.max_rollout_turns, self.config.max_rollout_tokens).resume(recorded)
+        return Rollout(rollout_id, conversation, budget)
 
     def _key(self, rollout_id: str) -> str:
         return f"rk-{rollout_id}.{self._mac(rollout_id)}"
@@ -234,11 +256,12 @@ class GatewayService:
         status = self._ended.get(rollout_id)
         if status is None:  # issued before a restart, or ended long ago: the store knows
             try:
-                status = (await self._io(self.store.get, rollout_id)).status
+                stored = await self._io(self.store.get, rollout_id)
             except UnknownRollout:
                 raise GatewayError(401, "invalid_api_key", f"rollout {rollout_id} is not in this gateway's store") from None
+            status = stored.status
             if status == "running":
-                return self._live.setdefault(rollout_id, self._new_rollout(rollout_id))
+                return self._live.setdefault(rollout_id, self._new_rollout(rollout_id, stored.turns))
         raise GatewayError(409, "rollout_closed", f"rollout {rollout_id} is {status}; it takes no more calls")
 
     # --- generation ---------------------------------------------------------------------------
@@ -255,16 +278,20 @@ class GatewayService:
         for i, message in enumerate(messages):
             self._check_chars(f"messages[{i}]", _message_chars(message))
         conversation = rollout.conversation
-        async with rollout.lock:
-            prepared = await self._prepare(conversation, messages, request.tools)
-        try:
-            result, timings = await self._generate(rollout, prepared.prompt_token_ids, sampling)
-            parsed = parse_completion(result.token_ids, self.tokenizer, request.tools, self._call_id)
-            message = parsed.message()
+        with self._budgeted(rollout, sampling.max_tokens) as reservation:
             async with rollout.lock:
-                branch = conversation.commit(prepared, result.token_ids, message)  # past max_branches: refused, not recorded
-        finally:
-            conversation.release(prepared)  # a turn that failed gives back its branch reservation
+                prepared = await self._prepare(conversation, messages, request.tools)
+            try:
+                result, timings = await self._generate(rollout, prepared.prompt_token_ids, sampling)
+                parsed = parse_reply(
+                    result.token_ids, self.tokenizer, request.tools, self._call_id, self.tool_parser, self.reasoning_parser
+                )
+                message = parsed.message()
+                async with rollout.lock:
+                    branch = conversation.commit(prepared, result.token_ids, message)  # past max_branches: refused, not recorded
+            finally:
+                conversation.release(prepared)  # a turn that failed gives back its branch reservation
+            reservation.spend(len(result.token_ids))
         index = await self._record(rollout, prepared.prompt_token_ids, result, sampling, branch, timings, started)
         logprobs = self._token_logprobs(result) if request.logprobs else None
         return api.chat_response(
@@ -278,8 +305,10 @@ class GatewayService:
         if request.echo or request.suffix:
             raise bad_request("echo and suffix are not supported")
         sampling = self._sampling(request, request.max_tokens)
-        text, prompt, reused = await self._text_prompt(rollout, request.prompt)
-        result, timings = await self._generate(rollout, prompt, sampling)
+        with self._budgeted(rollout, sampling.max_tokens) as reservation:
+            text, prompt, reused = await self._text_prompt(rollout, request.prompt)
+            result, timings = await self._generate(rollout, prompt, sampling)
+            reservation.spend(len(result.token_ids))
         completion = _strip_eos(result.token_ids, self.tokenizer)
         completion_text = self.tokenizer.decode(completion, skip_special_tokens=False)
         if text is not None:
@@ -295,7 +324,9 @@ class GatewayService:
         started = time.perf_counter()
         rollout = await self.rollout_for_key(key)
         sampling = self._sampling(request, request.max_tokens)
-        result, timings = await self._generate(rollout, request.prompt_token_ids, sampling)
+        with self._budgeted(rollout, sampling.max_tokens) as reservation:
+            result, timings = await self._generate(rollout, request.prompt_token_ids, sampling)
+            reservation.spend(len(result.token_ids))
         index = await self._record(rollout, request.prompt_token_ids, result, sampling, 0, timings, started)
         return api.TokenGenerateResponse(
             rollout_id=rollout.id, turn_index=index, token_ids=result.token_ids, logprobs=result.logprobs,
@@ -362,7 +393,7 @@ class GatewayService:
         base_text, base = max(((t, ids) for t, ids in rollout.texts if prompt.startswith(t)), key=lambda e: len(e[0]), default=("", []))
         rest = prompt[len(base_text) :]
         if len(rest) > OFFLOAD_CHARS:
-            return prompt, base + await asyncio.to_thread(self.template.encode_text, rest), len(base)
+            return prompt, base + await self._cpu.run(self.template.encode_text, rest), len(base)
         return prompt, base + self.template.encode_text(rest), len(base)
 
     def _check_chars(self, what: str, chars: int) -> None:
@@ -370,13 +401,25 @@ class GatewayService:
             raise bad_request(f"{what} has {chars} characters; gateway.max_message_chars is {self.config.max_message_chars}")
 
     async def _prepare(self, conversation: Conversation, messages: list[dict], tools: list | None) -> Prepared:
-        """The turn's prompt, rendered and tokenized in a worker thread when it is big (the caller holds the rollout's lock)."""
+        """The turn's prompt, rendered and tokenized on a worker thread when it is big (the caller holds the rollout's lock)."""
         plan = _refusing(conversation.plan, messages, tools)
         if plan.new_chars > OFFLOAD_CHARS or plan.chars > OFFLOAD_RENDER_CHARS:
-            draft = await asyncio.to_thread(_refusing, conversation.render, plan)
+            draft = await self._cpu.run(_refusing, conversation.render, plan)
         else:
             draft = _refusing(conversation.render, plan)
         return conversation.admit(draft)
+
+    @contextlib.contextmanager
+    def _budgeted(self, rollout: Rollout, max_tokens: int) -> Iterator[Reservation]:
+        """A call's hold on its rollout's turns and tokens, taken before any work and booked or given back at the end."""
+        try:
+            reservation = rollout.budget.reserve(max_tokens)
+        except RolloutLimit as limit:
+            raise GatewayError(400, limit.code, str(limit)) from None
+        try:
+            yield reservation
+        finally:
+            rollout.budget.release(reservation)
 
     async def _generate(self, rollout: Rollout, prompt: list[int], sampling: SamplingParams) -> tuple[GenerationResult, dict]:
         if len(prompt) > self.config.max_prompt_tokens:

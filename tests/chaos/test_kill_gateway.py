@@ -1,6 +1,6 @@
 """Kill -9 `asyncrl serve` (the gateway on its own, with its engines and its SQLite store) in the middle of
 episodes driven over HTTP, restart it with the same config, and check the books; and stop it with
-SIGTERM while requests hang in flight.
+SIGTERM while requests hang in flight or big prompts are being tokenized: it exits within a few seconds.
 
 The rollout keys and the run token are HMACs under the secret in the run directory, so a gateway
 restarted on that directory honours what the killed one issued; a rollout's conversation lived in the
@@ -10,11 +10,15 @@ killed process's memory, so its next turn starts a fresh branch in the store (a 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -142,6 +146,36 @@ def test_rollouts_survive_a_kill_9_of_the_gateway_and_end_in_one_account_each(se
     )  # fmt: skip
 
 
+EXIT_MARGIN_S = 5.0
+"""What an exit may take past the graceful period: closing the store and engines, and the interpreter's own exit."""
+
+
+def _hang(port: int, api_key: str, body: bytes, declared: int) -> socket.socket:
+    """A chat request on its own connection: `body`, of a body declared `declared` bytes long."""
+    client = socket.create_connection(("127.0.0.1", port))
+    client.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer " + api_key.encode() + b"\r\ncontent-length: " + str(declared).encode() + b"\r\n\r\n" + body
+    )
+    return client
+
+
+def _terminate(server: Served, clients: list[socket.socket], name: str) -> None:
+    """SIGTERM the gateway while `clients` are in flight: it exits cleanly within the graceful period and a margin."""
+    signalled = time.monotonic()
+    server.process.terminate()
+    try:
+        server.process.wait(GRACEFUL_SHUTDOWN_S + EXIT_MARGIN_S + 60.0)  # a hang guard; the verdict is below
+    finally:
+        exited = time.monotonic() - signalled
+        for client in clients:
+            client.close()
+    figures = {"exit_s": round(exited, 2), "requests_in_flight": len(clients), "returncode": server.process.returncode}
+    record_figures(name, figures)
+    assert server.process.returncode == 128 + signal.SIGTERM  # a clean exit: serve() closed its store and engines
+    assert exited <= GRACEFUL_SHUTDOWN_S + EXIT_MARGIN_S, f"SIGTERM to exit took {exited:.1f} s"
+
+
 def test_the_gateway_exits_on_sigterm_with_requests_in_flight(served):
     server = served("gw-term")
     token = server.token()
@@ -149,28 +183,35 @@ def test_the_gateway_exits_on_sigterm_with_requests_in_flight(served):
         rollout = gateway.open_rollout(task="term")
     ask(rollout.base_url, rollout.api_key, "1+1")  # it serves
     # Requests that never finish arriving: without a bound, uvicorn's graceful shutdown waits for them forever.
-    hanging = []
-    for _ in range(4):
-        client = socket.create_connection(("127.0.0.1", server.port))
-        client.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"authorization: Bearer " + rollout.api_key.encode() + b'\r\ncontent-length: 100000\r\n\r\n{"model": '
-        )
-        hanging.append(client)
+    hanging = [_hang(server.port, rollout.api_key, b'{"model": ', 100_000) for _ in range(4)]
     wait_for(lambda: _held_connections(server.process.pid, server.port) >= len(hanging), "the gateway to hold the hanging requests")
-    signalled = time.monotonic()
-    server.process.terminate()
-    server.process.wait(GRACEFUL_SHUTDOWN_S + 20.0)
-    exited = time.monotonic() - signalled
-    for client in hanging:
-        client.close()
-    figures = {"exit_s": round(exited, 2), "requests_hanging": len(hanging), "returncode": server.process.returncode}
-    record_figures("gateway_sigterm", figures)
-    assert server.process.returncode == 128 + signal.SIGTERM  # a clean exit: serve() closed its store and engines
+    _terminate(server, hanging, "gateway_sigterm")
 
 
-def _held_connections(pid: int, port: int) -> int:
-    """Client connections the gateway process has accepted on `port` and holds open (from /proc)."""
+def test_the_gateway_exits_on_sigterm_while_big_prompts_are_tokenized(served):
+    """Prompts of ~7 MB (every message just under max_message_chars, the body under max_body_bytes) take
+    the tokenizer tens of seconds in worker threads; a stop signal must not wait for them."""
+    server = served("gw-term-big")
+    token = server.token()
+    with GatewayClient(server.url, token=token) as gateway:
+        rollouts = [gateway.open_rollout(task=f"big-{i}") for i in range(2)]
+    content = "ab c" * 249_999  # 999,996 characters, under gateway.max_message_chars
+    body = json.dumps({"messages": [{"role": "user", "content": content}] * 7, "max_tokens": 4}).encode()
+    big = [_hang(server.port, rollout.api_key, body, len(body)) for rollout in rollouts]
+    # Every byte read: the gateway has the whole body, and goes on to validate, render and tokenize it.
+    wait_for(lambda: not any(_unsent(c) for c in big), "the big bodies to be sent")
+    wait_for(lambda: _held_connections(server.process.pid, server.port, unread=False) >= len(big), "the gateway to read the big bodies")
+    _terminate(server, big, "gateway_sigterm_tokenizing")
+
+
+def _unsent(client: socket.socket) -> int:
+    """Bytes of `client`'s sends the gateway's side has not yet acknowledged."""
+    return struct.unpack("i", fcntl.ioctl(client.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def _held_connections(pid: int, port: int, *, unread: bool = True) -> int:
+    """Client connections the gateway process has accepted on `port` and holds open (from /proc); with
+    `unread` false, only those it has read every byte of."""
     sockets = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         with contextlib.suppress(OSError):
@@ -179,6 +220,7 @@ def _held_connections(pid: int, port: int) -> int:
     held = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for row in Path(table).read_text().splitlines()[1:]:
-            local, state, inode = row.split()[1], row.split()[3], row.split()[9]
-            held += state == "01" and int(local.rsplit(":", 1)[1], 16) == port and inode in sockets  # 01: ESTABLISHED
+            local, state, queues, inode = row.split()[1], row.split()[3], row.split()[4], row.split()[9]
+            read_all = unread or int(queues.split(":")[1], 16) == 0
+            held += state == "01" and int(local.rsplit(":", 1)[1], 16) == port and inode in sockets and read_all  # 01: ESTABLISHED
     return held
