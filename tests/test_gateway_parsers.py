@@ -167,3 +167,50 @@ def test_parsers_are_found_by_name_or_import_path_and_unknown_names_list_the_kno
         reasoning_parser("test_gateway_parsers:UpperParser")
     with pytest.raises(ParserNotFound, match="cannot import module"):
         tool_call_parser("no_such_module:Parser")
+
+
+class OneCall:
+    """An environment that makes one chat call and keeps the reply."""
+
+    name = "one_call"
+
+    def sample_task(self, rng, split="train"):
+        return None
+
+    async def run_episode(self, task, client):
+        from asyncrl.envs.base import EpisodeResult
+
+        self.reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "6*7?"}], max_tokens=32)
+        return EpisodeResult(0.0)
+
+
+def gateway_reply(sampled: str, **gateway):
+    """(the reply message, the completion token IDs the engine sampled) of one call through the real gateway."""
+    import asyncio
+
+    from gateway_helpers import ScriptedEngine
+
+    from asyncrl.configs.schema import RunConfig
+    from asyncrl.envs.runner import run_recorded_episode
+    from asyncrl.gateway.serving import evaluation_gateway
+
+    tokenizer, env = build_tokenizer(), OneCall()
+    engine = ScriptedEngine(lambda _prompt: sampled)
+
+    async def go():
+        async with evaluation_gateway(RunConfig(gateway=gateway), [engine], tokenizer) as served:
+            await run_recorded_episode(env, None, served, sandboxes=None, evaluation=True)
+
+    asyncio.run(go())
+    return env.reply.choices[0].message, env.reply
+
+
+def test_the_gateway_answers_with_the_runs_parsers():
+    sampled = f"<think>six sevens</think>42{EOS}"
+    message, reply = gateway_reply(sampled, reasoning_parser="think")
+    assert (message.content, message.reasoning_content) == ("42", "six sevens")
+    assert reply.usage.completion_tokens == len(build_tokenizer().encode(sampled, add_special_tokens=False))  # all of it sampled
+    plain, _ = gateway_reply(sampled)  # no reasoning parser (the default): the thinking stays in the content
+    assert plain.content == "<think>six sevens</think>42" and getattr(plain, "reasoning_content", None) is None
+    with pytest.raises(ValueError, match="gateway: unknown tool-call parser 'mistral'; known: glm45"):
+        gateway_reply("42", tool_parser="mistral")
