@@ -4,8 +4,9 @@ trajectory store and the checkpoints, and the figures each test measured.
 
 The books a killed run must still balance, from what is on disk (not from what the run says):
 
-- the store: every rollout that was started is terminal and acknowledged (none running, pending or
-  claimed). The loop acknowledges a rollout only after booking it, at a checkpoint, so none was lost;
+- the store (the run's own, SQLite or Redis, as its config.yaml says): every rollout that was started
+  is terminal and acknowledged (none running, pending or claimed). The loop acknowledges a rollout
+  only after booking it, at a checkpoint, so none was lost;
 - the checkpoints: each lists the rollouts it acknowledged (`acking` in its loop_state.json; the run's
   last checkpoint rewrites the one of its version, so not every list survives); no rollout is in two
   of them and each is a rollout of the store;
@@ -42,8 +43,8 @@ from services_helpers import record_figures  # noqa: E402
 PATIENCE_S = 180.0
 """Longest wait for any event of a run on a loaded 2-core machine; only a hang ever reaches it."""
 
-RUN = [*TINY, "tasks.mix.coin.env=loop_helpers:CoinEnv", "tasks.mix.coin.eval_problems=8"]
-"""A tiny `asyncrl run`: the parity task (a random policy's groups have signal), one rollout worker."""
+COIN = ["tasks.mix.coin.env=loop_helpers:CoinEnv", "tasks.mix.coin.eval_problems=8"]
+"""The task mix of most chaos runs: the parity task (a random policy's groups have signal)."""
 
 
 class RunProcess:
@@ -51,8 +52,9 @@ class RunProcess:
 
     def __init__(self, run_dir: Path, argv: list[str], log: Path) -> None:
         self.run_dir, self.log = run_dir, log
-        tests = str(HERE.parent)  # the parity task lives in tests/loop_helpers.py
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+        # The tasks live in tests/loop_helpers.py (the parity task) and beside the tests that use them.
+        path = [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, path))}
         with log.open("w") as out:
             self.process = subprocess.Popen([sys.executable, "-m", "asyncrl", "run", *argv], stdout=out, stderr=subprocess.STDOUT,
                                             env=env, start_new_session=True)  # fmt: skip
@@ -160,13 +162,14 @@ class RunProcess:
 
 @pytest.fixture
 def start_run(tmp_path):
-    """`start_run(name, *overrides, resume=False)`: a tiny `asyncrl run` under tmp_path (or `--resume`
-    of that run). Every run a test starts is killed with its whole session when the test ends."""
+    """`start_run(name, *overrides, resume=False, tasks=COIN)`: a tiny `asyncrl run` (TINY, one rollout
+    worker) of the task mix `tasks` under tmp_path (or `--resume` of that run). Every run a test starts
+    is killed with its whole session when the test ends."""
     runs: list[RunProcess] = []
 
-    def start(name: str, *overrides: str, resume: bool = False) -> RunProcess:
+    def start(name: str, *overrides: str, resume: bool = False, tasks: list[str] = COIN) -> RunProcess:
         run_dir = tmp_path / name
-        fresh = ["quickstart", *RUN, f"runs_dir={tmp_path}", f"name={name}", *overrides]
+        fresh = ["quickstart", *TINY, *tasks, f"runs_dir={tmp_path}", f"name={name}", *overrides]
         argv = ["--resume", str(run_dir), *overrides] if resume else fresh
         run = RunProcess(run_dir, argv, tmp_path / f"{name}-{len(runs)}.log")
         runs.append(run)
@@ -181,6 +184,12 @@ def start_run(tmp_path):
 def books():
     """`books(run_dir)`: assert the books of the module docstring; returns their figures."""
     return check_books
+
+
+@pytest.fixture
+def store():
+    """`store(run_dir)`: the run's trajectory store, read-only, wherever its config puts it (close it when done)."""
+    return run_store
 
 
 @pytest.fixture
@@ -202,11 +211,19 @@ def figures(record_property):
     return record
 
 
+def run_store(run_dir: Path):
+    """The run's trajectory store, read-only, wherever its config puts it (a SQLite file, a Redis namespace)."""
+    from asyncrl.gateway.store import open_reader
+    from asyncrl.sched.rundir import RunDir
+
+    rundir = RunDir(run_dir)
+    config = rundir.read_config()
+    return open_reader(rundir.store_address(config), namespace=RunDir.store_namespace(config))
+
+
 def check_books(run_dir: Path) -> dict:
     """Assert the module docstring's books from the store and the checkpoints; returns their figures."""
-    from asyncrl.gateway.store import open_store
-
-    store = open_store(run_dir)
+    store = run_store(run_dir)
     try:
         counts, rollouts = store.counts(), {t.rollout_id for t in store.list()}
     finally:
@@ -226,9 +243,7 @@ def check_books(run_dir: Path) -> dict:
 
 def turns_by_engine(run_dir: Path) -> dict[str, list]:
     """Every recorded turn of the run, by the engine that sampled it."""
-    from asyncrl.gateway.store import open_store
-
-    store = open_store(run_dir)
+    store = run_store(run_dir)
     try:
         by_engine: dict[str, list] = {}
         for trajectory in store.list():

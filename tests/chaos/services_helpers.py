@@ -74,24 +74,26 @@ def kill9(process: subprocess.Popen) -> None:
 
 
 class RedisServer:
-    """redis-server on a free port with an append-only file (fsync every second) in `directory`.
+    """redis-server on a free port with an append-only file in `directory`, fsynced as `appendfsync`
+    says (`everysec`: once a second; `always`: before each reply).
 
     `kill()` is a kill -9; `start()` again brings it back on the same port from the same files.
     """
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None, appendfsync: str = "everysec") -> None:
         if shutil.which("redis-server") is None:
             missing("redis-server is not installed: the Redis chaos test did NOT run (scripts/services.sh installs it)")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.appendfsync = appendfsync
         self.process: subprocess.Popen | None = None
 
     def start(self) -> RedisServer:
         argv = [
             "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
+            "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--daemonize", "no",
             "--logfile", str(self.directory / "redis.log"),
         ]  # fmt: skip
         self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

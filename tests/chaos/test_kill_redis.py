@@ -1,35 +1,34 @@
-"""Kill -9 the Redis server under a run whose trajectory store it is, and restart it from its AOF.
+"""Kill -9 the Redis server that is a real `asyncrl run`'s trajectory store, mid-run, and restart it
+on the same port from its append-only file; and what the AOF keeps and what the store's retries do.
 
-The run is the real loop (sched/loop.py: admission, claims, learner steps, pushes, checkpoints, the
-books) over in-process engine and learner, the real gateway over loopback and the Redis store, as
-tests/test_loop_inprocess.py runs it; only Redis is a separate process, started with
-`--appendonly yes --appendfsync everysec` and killed when the store shows enough finished rollouts.
+The run (tests/chaos/conftest.py: `asyncrl run` in its own session, `store.type=redis`) has a private
+redis-server (services_helpers.RedisServer) with `--appendonly yes --appendfsync always`. It is killed
+after a checkpoint and a learner step past it, stays down until the run's store calls have met the
+outage, comes back from its files, and the run must finish with its books balanced from the store
+and the checkpoints.
 
-What Redis loses: with `appendfsync everysec` Redis writes its AOF buffer to the file (the kernel's
-page cache) before it sends the replies of the commands in it, and fsyncs once a second. A kill -9 of
-redis-server alone therefore loses nothing already written to the file (the kernel still has it), and
-the first test shows it; a host crash loses up to the last second that was not fsynced. The one gap:
-while a background fsync is still running (a busy disk) Redis defers the write up to 2 s but still
-replies, so a kill in that spell can lose writes it acknowledged (`aof_buffer_length` > 0 in INFO).
+Why `always`: Redis then writes and fsyncs each command to the AOF before it replies, so a kill at any
+moment loses nothing the run was told is done, however slow the disk. With `everysec` Redis writes its
+AOF buffer to the file (the kernel's page cache) before it sends the replies of the commands in it
+and fsyncs once a second, so a kill -9 of redis-server alone loses nothing already written to the
+file (the first test shows it) and a host crash up to the last second. The one gap: while a
+background fsync is still running (a busy disk) Redis defers the write up to 2 s but still replies,
+so a kill in that spell can lose writes it acknowledged (`aof_buffer_length` > 0 in INFO); the run
+test's verdict would then depend on the disk's speed.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import shutil
-import threading
 import time
 import uuid
 
 import pytest
-from loop_helpers import CoinEnv, run_config, run_in_process, started
-from services_helpers import PATIENCE_S, RedisServer, ReplyDroppingProxy, hold_port_down, record_figures, wait_for
+from services_helpers import RedisServer, ReplyDroppingProxy, hold_port_down, record_figures, wait_for
 
-from asyncrl.gateway.store import StoreError, open_store
+from asyncrl.gateway.store import StoreError, open_reader
 from asyncrl.gateway.store.redis import RedisStore, RedisUnavailable
 from asyncrl.records import TERMINAL_STATUSES, Turn
-from asyncrl.sched.rundir import LOOP_STATE_FILE
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -100,81 +99,55 @@ def test_a_redis_that_stays_down_or_comes_back_empty_is_a_clear_error(redis_serv
     store.close()
 
 
-class KillRedisWhen:
-    """Watches the run's store from another thread; when `at` rollouts are terminal, kills Redis -9,
-    keeps it down until the run's calls have met the outage `attempts` times, restarts it from its
-    files and measures how long until the store records progress again."""
-
-    def __init__(self, server: RedisServer, namespace: str, at: int, attempts: int = 8) -> None:
-        self.server, self.at, self.attempts, self.figures = server, at, attempts, {}
-        self.store = open_store(server.url, namespace=namespace)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-
-    def terminal(self) -> int:
-        counts = self.store.counts()
-        return sum(counts[status] for status in TERMINAL_STATUSES)
-
-    def _watch(self) -> None:
-        try:
-            wait_for(lambda: self.terminal() >= self.at, f"{self.at} finished rollouts in the store")
-            before = self.terminal()
-            killed = time.monotonic()
-            self.server.kill()
-            hold_port_down(self.server.port, self.attempts)
-            self.server.start()
-            restarted = time.monotonic()
-            wait_for(lambda: self.terminal() > before, "the store to record a rollout after the restart")
-            progress = time.monotonic()
-            self.figures = {
-                "terminal_at_kill": before, "calls_that_met_the_outage": self.attempts, "redis_down_s": round(restarted - killed, 3),
-                "recovery_after_restart_s": round(progress - restarted, 3), "kill_to_progress_s": round(progress - killed, 3),
-            }  # fmt: skip
-        except BaseException as error:
-            self.error = error
-
-    def result(self) -> dict:
-        self.thread.join(PATIENCE_S)
-        self.store.close()
-        if self.error is not None:
-            raise self.error
-        assert self.figures, "Redis was never killed: the run ended before the store showed enough rollouts"
-        return self.figures
+STEPS = 8
+OUTAGE_CALLS = 8
+"""Connections the run's store clients make to the dead Redis's port before it comes back (an outage they surely met)."""
 
 
-def test_a_run_survives_a_kill_9_of_its_redis_and_accounts_for_every_rollout_once(redis_server, tmp_path, monkeypatch):
-    name = "redis-chaos"
-    config = run_config(
-        tmp_path, f"name={name}", "loop.steps=8", "learner.checkpoint_every=2", "store.type=redis", f"store.url={redis_server.url}"
-    )
-    handed: list[str] = []  # every trajectory the store hands the loop, over the whole run
-    claim = RedisStore.claim
+@pytest.fixture
+def durable_redis(tmp_path):
+    """The run's store: a private redis-server whose every acknowledged write is fsynced (module docstring)."""
+    server = RedisServer(tmp_path / "redis-aof", appendfsync="always").start()
+    yield server
+    server.stop()
 
-    def observed_claim(self, consumer, max_n, block_s=0.0):
-        claimed = claim(self, consumer, max_n, block_s)
-        handed.extend(t.rollout_id for t in claimed)
-        return claimed
 
-    monkeypatch.setattr(RedisStore, "claim", observed_claim)
-    watcher = KillRedisWhen(redis_server, name, at=20)
-    began = time.monotonic()
-    result = asyncio.run(run_in_process(config, CoinEnv()))
-    figures = watcher.result()
-    state, counts = result["state"], result["counts"]
+def terminal(store) -> int:
+    counts = store.counts()
+    return sum(counts[status] for status in TERMINAL_STATUSES)
 
-    everyone = {t.rollout_id for t in open_store(redis_server.url, namespace=name).list()}
-    assert started(counts) == len(everyone) > figures["terminal_at_kill"]
-    # Every rollout started ended in exactly one account, each was handed to the learner once, and every one is acknowledged.
-    assert sum(state.ledger.values()) == started(counts)
-    assert sorted(handed) == sorted(everyone)
-    assert counts["acked"] == started(counts) and counts["running"] == counts["pending"] == counts["claimed"] == 0
-    assert state.version == 8 and result["versions"] == [8]
-    # The checkpoints: the last holds the same books, and no rollout was acknowledged by two of them.
-    states = [json.loads(path.read_text()) for path in sorted(result["rundir"].checkpoints.glob(f"step-*/{LOOP_STATE_FILE}"))]
-    assert states[-1]["ledger"] == state.ledger
-    acked_by_checkpoints = [rollout_id for saved in states for rollout_id in saved["acking"]]
-    assert len(acked_by_checkpoints) == len(set(acked_by_checkpoints)) and set(acked_by_checkpoints) <= everyone
-    record_figures(
-        "kill_redis", {**figures, "rollouts": started(counts), "lost": 0, "trained_twice": 0, "run_s": round(time.monotonic() - began, 1)}
-    )
+
+def test_a_run_whose_redis_is_killed_and_restarted_from_its_aof_finishes_with_every_rollout_once(durable_redis, start_run, books, figures):
+    name = "redis"  # the run's name is its store namespace
+    run = start_run(name, f"loop.steps={STEPS}", "store.type=redis", f"store.url={durable_redis.url}")
+    run.wait_until(lambda: run.step() > run.committed() >= 2, "a learner step past a checkpoint")
+    store = open_reader(durable_redis.url, namespace=name)
+    terminal_at_kill, step_at_kill = terminal(store), run.step()
+    killed_at = time.time()
+    durable_redis.kill()
+    hold_port_down(durable_redis.port, OUTAGE_CALLS)
+    down_for = time.time() - killed_at
+    durable_redis.start()
+    restarted_at = time.time()
+    recorded_at_restart = terminal(store)  # the test's first call on the restarted server
+    run.wait_until(lambda: terminal(store) > recorded_at_restart, "the store to record a rollout after the restart")
+    recorded_at = time.time()
+    run.wait_until(lambda: run.step() > step_at_kill, "a learner step after the restart")
+    stepped_at = time.time()
+    store.close()
+
+    assert run.finish() == 0, run.tail()
+    summary = run.summary()
+    assert summary["version"] == STEPS and summary["engine_versions"] == [STEPS]
+    assert "DB loaded from append only file" in (durable_redis.directory / "redis.log").read_text()
+    accounts = books(run.run_dir)  # from the restarted Redis: what was there before the kill is all still there
+    assert accounts["started"] > terminal_at_kill
+
+    figures("kill_redis", {
+        "redis_down_s": round(down_for, 3), "calls_that_met_the_outage": OUTAGE_CALLS,
+        "restart_to_store_progress_s": round(recorded_at - restarted_at, 3),
+        "kill_to_store_progress_s": round(recorded_at - killed_at, 3),
+        "kill_to_next_step_s": round(stepped_at - killed_at, 2),
+        "appendfsync": durable_redis.appendfsync, "terminal_at_kill": terminal_at_kill, "step_at_kill": step_at_kill,
+        "steps": STEPS, **accounts,
+    })  # fmt: skip
