@@ -547,6 +547,9 @@ class GatewayConfig(Section):
     max_rollout_tokens: int | None = Field(16_777_216, ge=1)
     """Most completion tokens one rollout may sample over all its turns; each call in flight holds its
     max_tokens until it is recorded, so concurrent calls cannot pass it together. None: no limit."""
+    max_ended_rollouts: int = Field(100_000, ge=1, le=10_000_000)
+    """Ended rollouts whose status the gateway keeps in memory (~200 B each), so that a late call on one
+    is refused without a store lookup; older ones are looked up in the store."""
     tool_parser: str = Field("glm45", min_length=1)
     """How replies' tool calls are read (gateway/parsers/): glm45 (GLM-4.5's XML-style arguments, the
     tiny policy's markup), hermes or qwen (JSON in <tool_call> tags), llama3_json, an entry point of the

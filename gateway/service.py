@@ -69,8 +69,6 @@ from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryRecorder, U
 from .template import chat_template
 from .toolcalls import MessageError
 
-MAX_TOMBSTONES = 100_000
-"""Ended rollouts remembered in memory (older ones are looked up in the store)."""
 TEXT_HISTORY = 8
 """Text-completion turns per rollout whose exact tokens a later prompt may reuse."""
 OFFLOAD_CHARS = 8192
@@ -219,7 +217,7 @@ class GatewayService:
         rollout = self._live.pop(rollout_id, None)
         if status is not None:
             self._ended[rollout_id] = status
-            while len(self._ended) > MAX_TOMBSTONES:
+            while len(self._ended) > self.config.max_ended_rollouts:
                 self._ended.popitem(last=False)
         for wake in list(rollout.abandon if rollout else ()):
             if not wake.done():

@@ -11,11 +11,21 @@ descriptors (/proc), the store's size (rollouts, turns, bytes), the chat calls' 
 that interval, and episodes done. At the end, a least-squares slope over the second half of the
 samples: a quantity "grows" when its fitted change over that half exceeds both a relative and an
 absolute tolerance (GROWTH_TOLERANCE). The store grows with the episodes it records by design, so
-its verdict is on bytes per episode. Output: the JSON, and a PNG of every series next to it; while it
-runs, PATH.partial.json holds the samples so far.
+its verdict is on bytes per episode.
 
-    asyncrl bench soak bench.minutes=30 --json runs/soak/soak30.json
-    asyncrl bench soak bench.minutes=10 bench.store=redis --json runs/soak/redis.json
+The gateway remembers the ids of ended rollouts up to a cap (`gateway.max_ended_rollouts`,
+100,000, ~20 MiB when full): a soak shorter than ~100,000 episodes would see that memory still
+filling and could only call it bounded with a tolerance as big as the cap. So the soak's gateway
+runs with `bench.ended_cap` (2,000 by default, ~0.4 MiB): its plateau comes within the first
+minutes, the RSS tolerance is tight (2 MiB over the second half), and a run whose episodes had not
+filled the cap before the second half began is "inconclusive", never "bounded".
+
+Output: the JSON (with the RSS slope over the second half, MiB/min), and a PNG of every series next
+to it; while it runs, PATH.partial.json holds the samples so far.
+
+    asyncrl bench soak --minutes 30 --json runs/soak/soak30.json
+    asyncrl bench soak --minutes 10 bench.store=redis --json runs/soak/redis.json
+    asyncrl bench soak --minutes 120 bench.ended_cap=100000 --json runs/soak/served-cap.json
 """
 
 from __future__ import annotations
@@ -46,14 +56,17 @@ from .gateway import TOOLS, StubEngine, _completion_ids
 ENGINES = 2
 
 GROWTH_TOLERANCE: dict[str, tuple[float, float]] = {
-    "rss_mib": (0.05, 16.0),
+    "rss_mib": (0.0, 2.0),
     "open_fds": (0.10, 4.0),
     "store_bytes_per_episode": (0.10, 512.0),
     "latency_p50_ms": (0.50, 10.0),
     "latency_p99_ms": (0.50, 50.0),
 }
 """Quantity -> (relative to its mean, absolute): the fitted change over the second half must exceed both
-to count as growth. Latency is loose: the machine is shared, and a neighbour's load is not a leak."""
+to count as growth. RSS: 2 MiB whatever the gateway's size (0.13 MiB/min over a 30-minute soak's second
+half): above the ~1.2 MiB of pydantic-core's JSON string cache (16,384 short strings, filling over the
+first ~20,000 requests), a tenth of the served cap of ended rollouts (~19 MiB). Latency is loose: the machine is shared, and a
+neighbour's load is not a leak."""
 
 
 class SoakBenchOptions(Section):
@@ -71,10 +84,13 @@ class SoakBenchOptions(Section):
     """Time each model call takes at the stub engines."""
     think_s: float = Field(0.4, ge=0.0, le=60.0)
     """Most time a client waits between its calls (uniform), so calls do not arrive in lockstep."""
+    ended_cap: int = Field(2_000, ge=1, le=10_000_000)
+    """Ended rollouts the soak's gateway remembers (its gateway.max_ended_rollouts, 100,000 as served): low, so that this
+    capped memory is full within the first minutes and growth after that is a leak; 100000 soaks the served cap."""
 
 
-def _serve(store: str, namespace: str, latency_s: float, ready) -> None:
-    """Child process: the gateway over stub engines; sends (port, run token or None, engine token or None)."""
+def _serve(store: str, namespace: str, latency_s: float, ended_cap: int, ready) -> None:
+    """Child process: the gateway over stub engines; sends (port, run token or None)."""
     from asyncrl.configs.schema import GatewayConfig, SamplingConfig
     from asyncrl.gateway.app import create_app, gateway_server, run_loop, settle_heap
     from asyncrl.gateway.pool import EnginePool
@@ -82,7 +98,7 @@ def _serve(store: str, namespace: str, latency_s: float, ready) -> None:
     from asyncrl.gateway.store import open_store
     from asyncrl.policy.tokenizer import build_tokenizer
 
-    config = GatewayConfig()
+    config = GatewayConfig(max_ended_rollouts=ended_cap)
     pool = EnginePool(config)
     for i in range(ENGINES):
         pool.add_local(StubEngine(f"stub-{i}", _completion_ids(), latency_s))
@@ -112,10 +128,10 @@ def _serve(store: str, namespace: str, latency_s: float, ready) -> None:
 
 
 class _GatewayProcess:
-    def __init__(self, store: str, namespace: str, latency_s: float) -> None:
+    def __init__(self, store: str, namespace: str, latency_s: float, ended_cap: int) -> None:
         context = multiprocessing.get_context("spawn")
         self.ready = context.Queue()
-        self.process = context.Process(target=_serve, args=(store, namespace, latency_s, self.ready), daemon=True)
+        self.process = context.Process(target=_serve, args=(store, namespace, latency_s, ended_cap, self.ready), daemon=True)
 
     def __enter__(self) -> tuple[str, dict, int]:
         self.process.start()
@@ -313,9 +329,11 @@ def _slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
 
 
-def verdict(samples: list[dict]) -> dict:
+def verdict(samples: list[dict], ended_cap: int | None = None) -> dict:
     """Per quantity of GROWTH_TOLERANCE: its fitted slope per minute over the second half of the run, the
-    change that implies across that half, and whether that is growth; plus the overall answer."""
+    change that implies across that half, and whether that is growth; plus the overall answer, which is
+    "inconclusive" when the gateway's capped memory of `ended_cap` ended rollouts was still filling as
+    the second half began (its filling would read as growth, or hide a leak behind a loose tolerance)."""
     end = samples[-1]["t_min"] if samples else 0.0
     second_half = [s for s in samples if s["t_min"] >= end / 2]
     fits: dict[str, dict] = {}
@@ -339,7 +357,13 @@ def verdict(samples: list[dict]) -> dict:
             growing.append(f"{name} grows {slope:+.3g}/min over the second half ({points[0][1]} -> {points[-1][1]})")
     fitted = [f for f in fits.values() if f["verdict"] != "too few samples"]
     overall = "; ".join(growing) if growing else ("bounded" if fitted else "too few samples")
-    return {"result": overall, "fits": fits}
+    filled = next((s["t_min"] for s in samples if ended_cap is not None and s.get("episodes_done", 0) >= ended_cap), None)
+    if ended_cap is not None and fitted and (filled is None or filled > end / 2):
+        when = "not by the end" if filled is None else f"only at minute {filled}"
+        overall = (f"inconclusive: the {ended_cap} ended rollouts the gateway remembers (bench.ended_cap) filled {when}, "
+                   f"after the second half began at minute {end / 2:g}; lower bench.ended_cap or raise bench.minutes")  # fmt: skip
+    rss = fits.get("rss_mib", {})
+    return {"result": overall, "rss_mib_per_min": rss.get("slope_per_min"), "ended_cap_filled_at_min": filled, "fits": fits}
 
 
 def plot(samples: list[dict], path: Path) -> None:
@@ -381,7 +405,7 @@ def run(config: RunConfig, json_path: str | None = None, options: SoakBenchOptio
         progress = functools.partial(_write_progress, Path(json_path) if json_path else None, options)
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the `with` below stops the gateway
         try:
-            with _GatewayProcess(address, namespace, options.engine_latency_s) as (url, run_headers, pid):
+            with _GatewayProcess(address, namespace, options.engine_latency_s, options.ended_cap) as (url, run_headers, pid):
                 consumer.start()
                 results = asyncio.run(_soak(url, run_headers, pid, options, store_size, progress))
         finally:
@@ -392,9 +416,10 @@ def run(config: RunConfig, json_path: str | None = None, options: SoakBenchOptio
             if options.store == "redis":
                 _drop_namespace(address, namespace)
     results = {
-        **verdict(results["samples"]), **results, "acked": consumer.acked,
+        **verdict(results["samples"], options.ended_cap), **results, "acked": consumer.acked,
         "setup": {
             **options.model_dump(), "engines": f"{ENGINES} StubEngine (asyncio.sleep)", "started_at": started,
+            "ended_cap_as_served": _served_ended_cap(),
             "tolerances": {k: {"relative": r, "absolute": a} for k, (r, a) in GROWTH_TOLERANCE.items()},
             "machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count(),
         },
@@ -416,7 +441,15 @@ def _write_progress(path: Path | None, options: SoakBenchOptions, samples: list[
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial.json")
-    partial.write_text(json.dumps({**verdict(samples), "samples": samples, "setup": options.model_dump()}, indent=2) + "\n")
+    partial.write_text(
+        json.dumps({**verdict(samples, options.ended_cap), "samples": samples, "setup": options.model_dump()}, indent=2) + "\n"
+    )
+
+
+def _served_ended_cap() -> int:
+    from asyncrl.configs.schema import GatewayConfig
+
+    return GatewayConfig().max_ended_rollouts
 
 
 def _exit_on_sigterm(signum, frame) -> None:
