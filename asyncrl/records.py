@@ -106,6 +106,16 @@ class GenerationResult:
 
 
 @dataclass
+class TokenDelta:
+    """Tokens a streaming request sampled since its last delta, in order; the stream ends with the
+    request's `GenerationResult`, which holds every token again."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+@dataclass
 class ScoreResult:
     """One prefill-only scoring call (`rollout/scoring.py`): per sequence, the log-prob of each token
     given the ones before it (entry 0 is 0.0), and the policy version of the weights that scored."""

@@ -530,6 +530,10 @@ class GatewayConfig(Section):
     """Longest prompt, in tokens, the gateway forwards."""
     max_tokens: int = Field(4096, ge=1)
     """Largest max_tokens a request may ask for (requests without one get rollout.sampling.max_tokens)."""
+    max_tokens_fit: Literal["clamp", "refuse"] = "clamp"
+    """A request whose max_tokens is above gateway.max_tokens, or more than the engines' context leaves after
+    its prompt: "clamp" samples at most what fits (agent harnesses ask for tens of thousands of tokens whatever
+    the model), "refuse" answers 400."""
     max_messages: int = Field(1024, ge=1)
     """Most messages in one chat request."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)

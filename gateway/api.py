@@ -67,12 +67,22 @@ class SamplingFields(_Open):
     stop_token_ids: list[int] | None = None
     n: int | None = Field(None, ge=1, le=2**31)
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
 
+class StreamOptions(_Open):
+    include_usage: bool | None = None
+    """Send a last chunk with the usage (and no choices) before `data: [DONE]`."""
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Passed to the chat template as variables (vLLM's name): e.g. {"enable_thinking": false}."""
+    reasoning_effort: str | None = Field(None, max_length=64)
+    """Passed to the chat template as `reasoning_effort` (templates that read it switch thinking with it)."""
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1, le=2**31)

@@ -181,8 +181,10 @@ class Conversation:
         """
         return self.admit(self.render(self.plan(messages, tools)))
 
-    def plan(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None) -> Plan:
+    def plan(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, template_kwargs: Mapping | None = None) -> Plan:
         """Validate and match the request: which recorded turns it reuses, how much text is new."""
+        if template_kwargs:
+            raise ConversationError(f"chat_template_kwargs / reasoning_effort are not supported yet (got {sorted(template_kwargs)})")
         msgs, tool_defs = to_template_messages(messages), to_template_tools(tools)
         keys = tuple(message_key(m) for m in msgs)
         tools_key = json.dumps(tool_defs, sort_keys=True, ensure_ascii=False)

@@ -21,10 +21,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 from asyncrl.configs.schema import GatewayConfig
-from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult
+from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
 
 from .engines import EngineFailure, EngineHandle, ScoringUnsupported
 from .registry import EngineIdTaken, EngineRegistry, RegistryEvent
@@ -144,6 +144,29 @@ class EnginePool:
 
         route = lambda failed: self.router.route(key, self.registry.loads(), exclude=failed)  # noqa: E731
         return await self._with_retries(route, call, "generating", deadline, abandon)
+
+    async def stream(
+        self,
+        key: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        deadline: float,
+        abandon: set[asyncio.Future] | None = None,
+    ) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """`generate`, as it comes: TokenDeltas, then the GenerationResult. Leaving early (`aclose`) aborts the
+        request. Raises as `generate` does."""
+        result, retries = await self.generate(key, prompt_token_ids, sampling, deadline=deadline, abandon=abandon)
+        yield TokenDelta(list(result.token_ids), list(result.logprobs), list(result.versions))
+        result.timings = {**result.timings, "retries": float(retries)}
+        yield result
+
+    def context_tokens(self) -> int | None:
+        """The longest sequence (prompt + completion) every live engine takes, from their health
+        reports' `max_model_len`; None when none reports one."""
+        lengths = [e.health.get("max_model_len") for e in self.registry.alive()]
+        known = [n for n in lengths if isinstance(n, int) and n > 0]
+        return min(known) if known else None
 
     async def score(self, sequences: list[list[int]], temperature: float, *, deadline: float) -> tuple[ScoreResult, int]:
         """(scores, retries used) from the least loaded engine: scoring keeps no KV cache worth

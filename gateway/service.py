@@ -50,13 +50,13 @@ import random
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.configs.schema import GatewayConfig, SamplingConfig
-from asyncrl.records import GenerationResult, SamplingParams, Turn
+from asyncrl.records import GenerationResult, SamplingParams, TokenDelta, Turn
 
 from . import api
 from .auth import Credentials
@@ -67,7 +67,7 @@ from .parsers import ParserNotFound, parse_reply, reasoning_parser, tool_call_pa
 from .pool import EnginePool
 from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryRecorder, UnknownRollout
 from .template import chat_template
-from .toolcalls import MessageError
+from .toolcalls import MessageError, ParsedCompletion
 
 TEXT_HISTORY = 8
 """Text-completion turns per rollout whose exact tokens a later prompt may reuse."""
@@ -111,6 +111,44 @@ class Rollout:
     """Turns an evaluation rollout has taken (the store counts a recorded rollout's)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     """Held while the conversation prepares or commits a turn (preparing may run on a worker thread)."""
+
+
+@dataclass(eq=False)
+class _Turn:
+    rollout: Rollout
+    sampling: SamplingParams
+    """What it samples with: the request's options, max_tokens fitted to the context (`_fit`)."""
+    reservation: Reservation
+    started: float
+    """perf_counter() when the call arrived (the record's gateway_s counts from here)."""
+
+
+@dataclass(eq=False)
+class ChatTurn(_Turn):
+    """A chat call between its prompt and its record: what the plain, streamed and Anthropic routes share."""
+
+    prepared: Prepared | None = None
+    tools: list | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        assert self.prepared is not None
+        return self.prepared.prompt_token_ids
+
+    @property
+    def reused_tokens(self) -> int:
+        assert self.prepared is not None
+        return self.prepared.reused_tokens
+
+
+@dataclass(eq=False)
+class TextTurn(_Turn):
+    """A text completion between its prompt and its record."""
+
+    text: str | None = None
+    """The prompt text (None: the prompt was token ids)."""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    reused_tokens: int = 0
 
 
 class GatewayService:
@@ -265,6 +303,20 @@ class GatewayService:
     # --- generation ---------------------------------------------------------------------------
 
     async def chat(self, key: str | None, request: api.ChatCompletionRequest) -> dict:
+        if request.stream:
+            raise bad_request("stream=true is not supported by this gateway; send stream=false (or leave it out)")
+        turn = await self.begin_chat(key, request)
+        result, timings = await self.generate(turn)
+        index, branch, parsed = await self.end_chat(turn, result, timings)
+        logprobs = self._token_logprobs(result) if request.logprobs else None
+        return api.chat_response(
+            self.model_name, turn.rollout.id, index, branch, parsed.message(), parsed.finish_reason(result.finish_reason),
+            result, len(turn.prompt_token_ids), turn.reused_tokens, logprobs, turn.rollout.evaluation is not None,
+        )  # fmt: skip
+
+    async def begin_chat(self, key: str | None, request: api.ChatCompletionRequest) -> ChatTurn:
+        """Everything before a chat call samples: its rollout, sampling options, budget and exact prompt.
+        The turn must then reach `end_chat` or `drop` (`generate` and `stream` drop it themselves when they fail)."""
         started = time.perf_counter()
         rollout = await self.rollout_for_key(key)
         if len(request.messages) > self.config.max_messages:
@@ -275,48 +327,88 @@ class GatewayService:
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         for i, message in enumerate(messages):
             self._check_chars(f"messages[{i}]", _message_chars(message))
-        conversation = rollout.conversation
-        with self._budgeted(rollout, sampling.max_tokens) as reservation:
+        template_kwargs = _template_kwargs(request)
+        reservation = self._reserve(rollout, sampling.max_tokens)
+        try:
             async with rollout.lock:
-                prepared = await self._prepare(conversation, messages, request.tools)
-            try:
-                result, timings = await self._generate(rollout, prepared.prompt_token_ids, sampling)
-                parsed = parse_reply(
-                    result.token_ids, self.tokenizer, request.tools, self._call_id, self.tool_parser, self.reasoning_parser
-                )
-                message = parsed.message()
-                async with rollout.lock:
-                    branch = conversation.commit(prepared, result.token_ids, message)  # past max_branches: refused, not recorded
-            finally:
-                conversation.release(prepared)  # a turn that failed gives back its branch reservation
-            reservation.spend(len(result.token_ids))
-        index = await self._record(rollout, prepared.prompt_token_ids, result, sampling, branch, timings, started)
-        logprobs = self._token_logprobs(result) if request.logprobs else None
-        return api.chat_response(
-            self.model_name, rollout.id, index, branch, message, parsed.finish_reason(result.finish_reason),
-            result, len(prepared.prompt_token_ids), prepared.reused_tokens, logprobs, rollout.evaluation is not None,
-        )  # fmt: skip
+                prepared = await self._prepare(rollout.conversation, messages, request.tools, template_kwargs)
+        except BaseException:
+            rollout.budget.release(reservation)
+            raise
+        turn = ChatTurn(rollout, sampling, reservation, started, prepared, request.tools)
+        try:
+            turn.sampling = self._fit(sampling, len(prepared.prompt_token_ids))
+        except BaseException:
+            self.drop(turn)
+            raise
+        return turn
+
+    async def end_chat(self, turn: ChatTurn, result: GenerationResult, timings: dict) -> tuple[int, int, ParsedCompletion]:
+        """(turn index, branch, parsed reply) of a chat call that sampled `result`: the reply is parsed,
+        committed to the conversation and recorded. Past max_branches the commit is refused and nothing
+        is recorded."""
+        rollout, prepared = turn.rollout, turn.prepared
+        assert prepared is not None
+        try:
+            parsed = self.parse(result.token_ids, turn.tools)
+            async with rollout.lock:
+                branch = rollout.conversation.commit(prepared, result.token_ids, parsed.message())
+            turn.reservation.spend(len(result.token_ids))
+        finally:
+            self.drop(turn)
+        index = await self._record(rollout, prepared.prompt_token_ids, result, turn.sampling, branch, timings, turn.started)
+        return index, branch, parsed
+
+    def parse(self, token_ids: Sequence[int], tools: list | None) -> ParsedCompletion:
+        """A reply's content, reasoning and tool calls, read by this gateway's parsers."""
+        return parse_reply(token_ids, self.tokenizer, tools, self._call_id, self.tool_parser, self.reasoning_parser)
+
+    def drop(self, turn: ChatTurn | TextTurn) -> None:
+        """Give back what a turn holds (its branch reservation, its budget); harmless after `end_chat`."""
+        if isinstance(turn, ChatTurn) and turn.prepared is not None:
+            turn.rollout.conversation.release(turn.prepared)
+        turn.rollout.budget.release(turn.reservation)
 
     async def complete(self, key: str | None, request: api.CompletionRequest) -> dict:
+        if request.stream:
+            raise bad_request("stream=true is not supported by this gateway; send stream=false (or leave it out)")
+        turn = await self.begin_text(key, request)
+        result, timings = await self.generate(turn)
+        index, text = await self.end_text(turn, result, timings)
+        logprobs = self._token_logprobs(result) if request.logprobs is not None else None
+        return api.completion_response(
+            self.model_name, turn.rollout.id, index, text, result, len(turn.prompt_token_ids), turn.reused_tokens, logprobs,
+            turn.rollout.evaluation is not None,
+        )  # fmt: skip
+
+    async def begin_text(self, key: str | None, request: api.CompletionRequest) -> TextTurn:
+        """Everything before a text completion samples; then `end_text` or `drop`, as for `begin_chat`."""
         started = time.perf_counter()
         rollout = await self.rollout_for_key(key)
         if request.echo or request.suffix:
             raise bad_request("echo and suffix are not supported")
         sampling = self._sampling(request, request.max_tokens)
-        with self._budgeted(rollout, sampling.max_tokens) as reservation:
-            text, prompt, reused = await self._text_prompt(rollout, request.prompt)
-            result, timings = await self._generate(rollout, prompt, sampling)
-            reservation.spend(len(result.token_ids))
+        reservation = self._reserve(rollout, sampling.max_tokens)
+        turn = TextTurn(rollout, sampling, reservation, started)
+        try:
+            turn.text, turn.prompt_token_ids, turn.reused_tokens = await self._text_prompt(rollout, request.prompt)
+            turn.sampling = self._fit(sampling, len(turn.prompt_token_ids))
+        except BaseException:
+            self.drop(turn)
+            raise
+        return turn
+
+    async def end_text(self, turn: TextTurn, result: GenerationResult, timings: dict) -> tuple[int, str]:
+        """(turn index, completion text) of a text completion that sampled `result`, recorded."""
+        rollout = turn.rollout
+        turn.reservation.spend(len(result.token_ids))
+        self.drop(turn)
         completion = _strip_eos(result.token_ids, self.tokenizer)
         completion_text = self.tokenizer.decode(completion, skip_special_tokens=False)
-        if text is not None:
-            rollout.texts = ([*rollout.texts, (text + completion_text, prompt + completion)])[-TEXT_HISTORY:]
-        index = await self._record(rollout, prompt, result, sampling, 0, timings, started)
-        logprobs = self._token_logprobs(result) if request.logprobs is not None else None
-        evaluation = rollout.evaluation is not None
-        return api.completion_response(
-            self.model_name, rollout.id, index, completion_text, result, len(prompt), reused, logprobs, evaluation
-        )
+        if turn.text is not None:
+            rollout.texts = ([*rollout.texts, (turn.text + completion_text, turn.prompt_token_ids + completion)])[-TEXT_HISTORY:]
+        index = await self._record(rollout, turn.prompt_token_ids, result, turn.sampling, 0, timings, turn.started)
+        return index, completion_text
 
     async def generate_tokens(self, key: str | None, request: api.TokenGenerateRequest) -> api.TokenGenerateResponse:
         started = time.perf_counter()
@@ -342,8 +434,6 @@ class GatewayService:
         return api.TokenScoreResponse(logprobs=result.logprobs, engine_id=result.engine_id, version=result.version)
 
     def _sampling(self, request: Any, max_tokens: int | None) -> SamplingParams:
-        if getattr(request, "stream", None):
-            raise bad_request("stream=true is not supported by this gateway; send stream=false (or leave it out)")
         if (getattr(request, "n", None) or 1) != 1:
             raise bad_request("n must be 1; send n requests (each is recorded as its own turn)")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -352,7 +442,9 @@ class GatewayService:
         defaults, cap = self.sampling, self.config.max_tokens
         max_tokens = max_tokens or min(defaults.max_tokens, cap)
         if max_tokens > cap:
-            raise bad_request(f"max_tokens {max_tokens} exceeds gateway.max_tokens {cap}")
+            if self.config.max_tokens_fit != "clamp":
+                raise bad_request(f"max_tokens {max_tokens} exceeds gateway.max_tokens {cap} (gateway.max_tokens_fit is refuse)")
+            max_tokens = cap
         stop = getattr(request, "stop", None)
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         if len(stops) > MAX_STOPS:
@@ -398,26 +490,76 @@ class GatewayService:
         if chars > self.config.max_message_chars:
             raise bad_request(f"{what} has {chars} characters; gateway.max_message_chars is {self.config.max_message_chars}")
 
-    async def _prepare(self, conversation: Conversation, messages: list[dict], tools: list | None) -> Prepared:
+    async def _prepare(self, conversation: Conversation, messages: list[dict], tools: list | None, template_kwargs: dict) -> Prepared:
         """The turn's prompt, rendered and tokenized on a worker thread when it is big (the caller holds the rollout's lock)."""
-        plan = _refusing(conversation.plan, messages, tools)
+        plan = _refusing(conversation.plan, messages, tools, template_kwargs)
         if plan.new_chars > OFFLOAD_CHARS or plan.chars > OFFLOAD_RENDER_CHARS:
             draft = await self._cpu.run(_refusing, conversation.render, plan)
         else:
             draft = _refusing(conversation.render, plan)
         return conversation.admit(draft)
 
-    @contextlib.contextmanager
-    def _budgeted(self, rollout: Rollout, max_tokens: int) -> Iterator[Reservation]:
-        """A call's hold on its rollout's turns and tokens, taken before any work and booked or given back at the end."""
+    def _reserve(self, rollout: Rollout, max_tokens: int) -> Reservation:
+        """A call's hold on its rollout's turns and tokens, taken before any work; given back by `drop`."""
         try:
-            reservation = rollout.budget.reserve(max_tokens)
+            return rollout.budget.reserve(max_tokens)
         except RolloutLimit as limit:
             raise GatewayError(400, limit.code, str(limit)) from None
+
+    @contextlib.contextmanager
+    def _budgeted(self, rollout: Rollout, max_tokens: int) -> Iterator[Reservation]:
+        reservation = self._reserve(rollout, max_tokens)
         try:
             yield reservation
         finally:
             rollout.budget.release(reservation)
+
+    def _fit(self, sampling: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        """gateway.max_tokens_fit=clamp: a max_tokens past what the engines' context leaves after the prompt is
+        cut to fit (agent harnesses ask for far more than a small policy's context); refuse: the engine says no."""
+        context = self.pool.context_tokens()
+        if self.config.max_tokens_fit != "clamp" or context is None or prompt_tokens + sampling.max_tokens <= context:
+            return sampling
+        room = context - prompt_tokens
+        if room < 1:
+            raise bad_request(f"prompt is {prompt_tokens} tokens; the engines' context is {context} tokens, which leaves no room to sample")
+        return dataclasses.replace(sampling, max_tokens=room)
+
+    async def generate(self, turn: ChatTurn | TextTurn) -> tuple[GenerationResult, dict]:
+        """Sample a turn's completion whole (result, timings); a failure drops the turn."""
+        try:
+            return await self._generate(turn.rollout, turn.prompt_token_ids, turn.sampling)
+        except BaseException:
+            self.drop(turn)
+            raise
+
+    async def stream(self, turn: ChatTurn | TextTurn) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """Sample a turn's completion as it comes: TokenDeltas, then the whole GenerationResult (whose
+        timings hold the gateway's too). A failure, or the caller leaving (`aclose`), drops the turn; the
+        caller records what it has (`end_chat` / `end_text`) before it leaves, if it wants it kept."""
+        rollout, sampling = turn.rollout, turn.sampling
+        if len(turn.prompt_token_ids) > self.config.max_prompt_tokens:
+            self.drop(turn)
+            tokens, cap = len(turn.prompt_token_ids), self.config.max_prompt_tokens
+            raise bad_request(f"prompt is {tokens} tokens; gateway.max_prompt_tokens is {cap}")
+        if rollout.evaluation is not None:
+            sampling = dataclasses.replace(sampling, temperature=0.0)
+        loop = asyncio.get_running_loop()
+        began = time.perf_counter()
+        self.in_flight += 1
+        try:
+            stream = self.pool.stream(
+                rollout.id, turn.prompt_token_ids, sampling, deadline=loop.time() + self.config.request_timeout_s, abandon=rollout.abandon
+            )
+            async for item in stream:
+                if isinstance(item, GenerationResult):
+                    item.timings = {**item.timings, "engine_call_s": time.perf_counter() - began}
+                yield item
+        except BaseException:
+            self.drop(turn)
+            raise
+        finally:
+            self.in_flight -= 1
 
     async def _generate(self, rollout: Rollout, prompt: list[int], sampling: SamplingParams) -> tuple[GenerationResult, dict]:
         if len(prompt) > self.config.max_prompt_tokens:
@@ -480,6 +622,14 @@ def _refusing(step, *args):
         raise
     except Exception as error:  # e.g. a template error on content the template cannot render
         raise bad_request(f"the messages cannot be rendered with the chat template: {type(error).__name__}: {error}") from None
+
+
+def _template_kwargs(request: api.ChatCompletionRequest) -> dict:
+    """What the request asks of the chat template beyond the messages (thinking switches)."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+    return kwargs
 
 
 def _message_chars(message: dict) -> int:

@@ -21,7 +21,7 @@ from hypothesis.errors import Unsatisfiable
 
 from asyncrl.gateway.store import open_store
 
-LIMITS = dict(max_tokens=8, max_messages=4, max_prompt_tokens=64, max_body_bytes=4096, max_branches=2)
+LIMITS = dict(max_tokens=8, max_messages=4, max_prompt_tokens=64, max_body_bytes=4096, max_branches=2, max_tokens_fit="refuse")
 USER = [{"role": "user", "content": "hi"}]
 EXAMPLES = 15
 """Generated requests per operation and mode: bounded so the run stays a few seconds."""
