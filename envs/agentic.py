@@ -11,6 +11,9 @@ Reward: 1 for the verified product; a wrong answer after a python call that ran 
 small `format_reward`, so early on the group advantage still favours using the tool. The held-out
 split is fixed by a hash of `A*B`, as for arithmetic.
 
+Option `context` (envs/context.py; default `full`) trims what each call sends, e.g. `{strategy: keep_last,
+turns: 5}`; the episode keeps its full history and the gateway records each trimmed call as a fork.
+
 Its SFT demonstrations (`demonstration`) are drawn from the whole problem space, held-out products
 included, as the warm start has always drawn them: the product comes from the tool's output, so what
 they teach is the call format, not the answers.
@@ -27,6 +30,7 @@ from asyncrl.configs.schema import AgenticTaskConfig
 
 from .arithmetic import is_heldout, verify
 from .base import Demonstration, EpisodeResult, Split
+from .context import ContextSpec, context_strategy
 from .tool_demos import PYTHON_TOOL, ToolProblem, sample_tool_problem
 
 if TYPE_CHECKING:
@@ -37,15 +41,18 @@ class AgenticEnv:
     name = "agentic"
     needs_sandbox = True
 
-    def __init__(self, config: AgenticTaskConfig | None = None, *, temperature: float = 1.0) -> None:
+    def __init__(self, config: AgenticTaskConfig | None = None, *, temperature: float = 1.0, context: ContextSpec = None) -> None:
         self.config = config or AgenticTaskConfig()
         self.temperature = temperature
+        self.context = context_strategy(context)
 
     @classmethod
-    def from_config(cls, context: EnvContext, **options) -> AgenticEnv:
-        """`tasks.agentic` with `options` overriding its fields, sampling at the learner's temperature."""
+    def from_config(cls, context: EnvContext, /, **options) -> AgenticEnv:
+        """`tasks.agentic` with `options` overriding its fields, sampling at the learner's temperature;
+        the option `context` is the context strategy (envs/context.py), hence the positional-only run context."""
+        strategy = options.pop("context", None)
         task = AgenticTaskConfig(**{**context.tasks.agentic.model_dump(), **options})
-        return cls(task, temperature=context.sampling.temperature)
+        return cls(task, temperature=context.sampling.temperature, context=strategy)
 
     def sample_task(self, rng: random.Random, split: Split = "train") -> ToolProblem:
         c = self.config
@@ -66,7 +73,7 @@ class AgenticEnv:
         answer = None
         for _ in range(self.config.max_turns):
             reply = await client.chat.completions.create(
-                model="policy", messages=messages, tools=[PYTHON_TOOL],
+                model="policy", messages=self.context.apply(messages), tools=[PYTHON_TOOL],
                 max_tokens=self.config.max_tokens, temperature=self.temperature,
             )  # fmt: skip
             message = reply.choices[0].message
