@@ -3,14 +3,19 @@
 - `LocalEngine`: an engine object in the gateway's own process (`EmbeddedEngine`, or anything with
   its `generate` / `health` verbs, and `score` to score).
 - `RayEngine`: a `RolloutWorker` actor (`rollout/worker.py`), by handle or by name.
-- `HttpEngine`: an engine in another process that serves `engine_app(engine)` (three routes:
-  `POST /generate`, `POST /score`, `GET /health`). Remote engines announce themselves to the gateway with
+- `HttpEngine`: an engine in another process that serves `engine_app(engine)` (four routes:
+  `POST /generate`, `POST /generate_stream`, `POST /score`, `GET /health`). Remote engines announce themselves to the gateway with
   `POST /engines/register` and keep themselves alive with `POST /engines/{id}/heartbeat`, both with the
   gateway's engine token and the lease the registration returned (`Announcement` does this).
 
 Handles keep the engine's own error split: `RequestError` is the request's fault (the client gets a
 400), `EngineFailure` is the engine's (the gateway may retry the same prompt tokens elsewhere).
 `ScoringUnsupported` is an engine that has no `score` (vLLM): another engine may have one.
+
+`stream` is `generate` as it comes: TokenDeltas, then the GenerationResult; closing the iterator early
+aborts the request on the engine (in process, by cancelling the Ray task, or by closing the HTTP
+response). It is optional: for a handle or engine without one, `streamed` and `LocalEngine` send the
+whole completion as one delta.
 """
 
 from __future__ import annotations
@@ -18,12 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Callable
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult
+from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
+
+Streamed = AsyncGenerator[TokenDelta | GenerationResult, None]
+"""What `stream` yields: TokenDeltas, then the GenerationResult."""
 
 
 class EngineFailure(RuntimeError):
@@ -36,6 +45,9 @@ class ScoringUnsupported(EngineFailure):
 
 @runtime_checkable
 class EngineHandle(Protocol):
+    """What the pool calls. A handle may also have `stream(prompt_token_ids, sampling, session_id) -> Streamed`
+    (the three here do); `streamed` calls it, or falls back to `generate` for a handle without one."""
+
     engine_id: str
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str) -> GenerationResult: ...
@@ -54,6 +66,12 @@ class LocalEngine:
 
     async def generate(self, prompt_token_ids, sampling, session_id):
         return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
+
+    def stream(self, prompt_token_ids, sampling, session_id) -> Streamed:
+        stream = getattr(self.engine, "stream", None)
+        if stream is None:
+            return _whole(lambda: self.generate(prompt_token_ids, sampling, session_id))
+        return stream(prompt_token_ids, sampling, session_id=session_id)
 
     async def score(self, sequences, temperature) -> ScoreResult:
         score = getattr(self.engine, "score", None)
@@ -78,24 +96,49 @@ class RayEngine:
     async def generate(self, prompt_token_ids, sampling, session_id):
         return await self._call("generate", prompt_token_ids, dataclasses.asdict(sampling), session_id)
 
+    async def stream(self, prompt_token_ids, sampling, session_id) -> Streamed:
+        import ray
+
+        with _ray_errors():
+            refs = self.actor.stream.options(num_returns="streaming").remote(prompt_token_ids, dataclasses.asdict(sampling), session_id)
+        ended = False
+        try:
+            while not ended:
+                with _ray_errors():
+                    item = await (await refs.__anext__())
+                ended = isinstance(item, GenerationResult)
+                yield item
+        except StopAsyncIteration:
+            raise EngineFailure(f"engine {self.engine_id}'s stream ended without a result") from None
+        finally:
+            if not ended:  # the worker's generator leaves with CancelledError, which aborts the request
+                ray.cancel(refs)
+
     async def score(self, sequences, temperature) -> ScoreResult:
         return await self._call("score", sequences, temperature)
 
     async def _call(self, method: str, *args):
-        import ray
-
-        try:
+        with _ray_errors():
             return await getattr(self.actor, method).remote(*args)
-        except RequestError as error:
-            # Ray's re-raised instance prints the actor's traceback; the client gets the refusal only.
-            raise RequestError(str(getattr(error, "cause", error))) from None
-        except NotImplementedError as error:  # checked before RayError: Ray's instance is both
-            raise ScoringUnsupported(str(getattr(error, "cause", error))) from None
-        except ray.exceptions.RayError as error:
-            raise EngineFailure(f"Ray actor failed: {type(error).__name__}: {error}") from None
 
     async def health(self) -> dict:
         return await self.actor.health.remote()
+
+
+@contextlib.contextmanager
+def _ray_errors():
+    """Ray's errors in the handle's split: RequestError, ScoringUnsupported, or EngineFailure (the actor is gone)."""
+    import ray
+
+    try:
+        yield
+    except RequestError as error:
+        # Ray's re-raised instance prints the actor's traceback; the client gets the refusal only.
+        raise RequestError(str(getattr(error, "cause", error))) from None
+    except NotImplementedError as error:  # checked before RayError: Ray's instance is both
+        raise ScoringUnsupported(str(getattr(error, "cause", error))) from None
+    except ray.exceptions.RayError as error:
+        raise EngineFailure(f"Ray actor failed: {type(error).__name__}: {error}") from None
 
 
 class HttpEngine:
@@ -110,6 +153,24 @@ class HttpEngine:
         body = {"prompt_token_ids": list(prompt_token_ids), "sampling": dataclasses.asdict(sampling), "session_id": session_id}
         return GenerationResult(**await self._post("/generate", body))
 
+    async def stream(self, prompt_token_ids, sampling, session_id) -> Streamed:
+        """Newline-delimited JSON from `POST /generate_stream`; closing this closes the response, which aborts the request."""
+        body = {"prompt_token_ids": list(prompt_token_ids), "sampling": dataclasses.asdict(sampling), "session_id": session_id}
+        try:
+            async with self._client.stream("POST", "/generate_stream", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    self._raise_for(response)
+                async for line in response.aiter_lines():
+                    if line:
+                        item = _decoded(json.loads(line))
+                        yield item
+                        if isinstance(item, GenerationResult):
+                            return
+        except httpx.HTTPError as error:
+            raise EngineFailure(f"{self.url} failed mid-stream: {type(error).__name__}: {error}") from None
+        raise EngineFailure(f"{self.url} ended the stream without a result")
+
     async def score(self, sequences, temperature) -> ScoreResult:
         return ScoreResult(**await self._post("/score", {"sequences": sequences, "temperature": temperature}))
 
@@ -118,13 +179,16 @@ class HttpEngine:
             response = await self._client.post(path, json=body)
         except httpx.HTTPError as error:
             raise EngineFailure(f"{self.url} unreachable: {type(error).__name__}: {error}") from None
+        if response.status_code != 200:
+            self._raise_for(response)
+        return response.json()
+
+    def _raise_for(self, response: httpx.Response) -> None:
         if response.status_code == 400:
             raise RequestError(response.json().get("detail", response.text))
         if response.status_code == 501:
             raise ScoringUnsupported(response.json().get("detail", response.text))
-        if response.status_code != 200:
-            raise EngineFailure(f"{self.url} answered HTTP {response.status_code}: {response.text[:200]}")
-        return response.json()
+        raise EngineFailure(f"{self.url} answered HTTP {response.status_code}: {response.text[:200]}")
 
     async def health(self) -> dict:
         response = await self._client.get("/health")
@@ -133,6 +197,35 @@ class HttpEngine:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def streamed(handle: Any, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str) -> Streamed:
+    """`handle.stream`, or for a handle without one (a test double), its `generate` as one delta."""
+    stream = getattr(handle, "stream", None)
+    if stream is None:
+        return _whole(lambda: handle.generate(prompt_token_ids, sampling, session_id))
+    return stream(prompt_token_ids, sampling, session_id)
+
+
+async def _whole(generate: Callable[[], Awaitable[GenerationResult]]) -> Streamed:
+    """A whole completion as a stream. A failed one sends no delta: nothing reached the caller, so the
+    gateway may still retry it elsewhere."""
+    result = await generate()
+    if result.token_ids and result.finish_reason not in ("error", "abort"):
+        yield TokenDelta(list(result.token_ids), list(result.logprobs), list(result.versions))
+    yield result
+
+
+def _encoded(item: TokenDelta | GenerationResult) -> bytes:
+    """One line of `/generate_stream`."""
+    kind = "result" if isinstance(item, GenerationResult) else "delta"
+    return json.dumps({kind: dataclasses.asdict(item)}).encode() + b"\n"
+
+
+def _decoded(chunk: dict) -> TokenDelta | GenerationResult:
+    if "result" in chunk:
+        return GenerationResult(**chunk["result"])
+    return TokenDelta(**chunk["delta"])
 
 
 def connect(address: str, engine_id: str) -> EngineHandle:
@@ -219,8 +312,20 @@ class Announcement:
 def engine_app(engine: Any):
     """A FastAPI app that serves one engine to gateways on other machines (see `HttpEngine`)."""
     from fastapi import Body, FastAPI, HTTPException
+    from fastapi.responses import StreamingResponse
+
+    class ClosingStream(StreamingResponse):
+        """Closes its body however the response ends, so a client that left aborts the request now, not
+        whenever the body's generator is collected."""
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
     app = FastAPI(title="asyncrl engine")
+    local = LocalEngine(engine, getattr(engine, "engine_id", "engine"))
 
     @app.post("/generate")
     async def generate(prompt_token_ids: list[int] = Body(...), sampling: dict = Body(...), session_id: str | None = Body(None)) -> dict:
@@ -229,6 +334,26 @@ def engine_app(engine: Any):
         except RequestError as error:
             raise HTTPException(400, str(error)) from None
         return dataclasses.asdict(result)
+
+    @app.post("/generate_stream")
+    async def generate_stream(
+        prompt_token_ids: list[int] = Body(...), sampling: dict = Body(...), session_id: str | None = Body(None)
+    ) -> StreamingResponse:
+        """`/generate` as newline-delimited JSON: `{"delta": TokenDelta}` lines, then `{"result": GenerationResult}`.
+        A client that closes the response aborts the request."""
+        try:
+            items = local.stream(prompt_token_ids, SamplingParams.from_dict(sampling), session_id)
+            first = await anext(items)  # bad input is a 400 before the response starts
+        except RequestError as error:
+            raise HTTPException(400, str(error)) from None
+
+        async def lines() -> AsyncGenerator[bytes, None]:
+            async with contextlib.aclosing(items):
+                yield _encoded(first)
+                async for item in items:
+                    yield _encoded(item)
+
+        return ClosingStream(lines(), media_type="application/x-ndjson")
 
     @app.post("/score")
     async def score(sequences: list[list[int]] = Body(...), temperature: float = Body(1.0)) -> dict:

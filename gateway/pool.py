@@ -4,8 +4,10 @@ retries and deadlines, so that no request waits forever on an engine that died.
 A request waits for the first of four things: its result; its engine leaving the registry (missed
 heartbeats, or deregistered); the caller abandoning it (its rollout was finished or aborted); the
 deadline. When the engine fails or leaves, the same prompt tokens go to another engine, up to
-`engine_retries` times; with 0 retries the failure is reported at once. Scoring calls (prefill-only
-log-probs, no rollout) go to the least loaded engine and fail over the same way.
+`engine_retries` times; with 0 retries the failure is reported at once. A streamed request (`stream`)
+is retried the same way only until its first delta: after that the caller has passed tokens on, and
+a failure is the caller's to report (EngineFailure). Scoring calls (prefill-only log-probs, no
+rollout) go to the least loaded engine and fail over the same way.
 
 Engines the gateway started itself (`add_local`) are heartbeated by its own loop, with the holder
 secret of their registration; their ids are the gateway's, so no remote registration can take one,
@@ -18,15 +20,17 @@ Everything here runs on the gateway's event loop; the registry and router are no
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 
 from asyncrl.configs.schema import GatewayConfig
 from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
 
-from .engines import EngineFailure, EngineHandle, ScoringUnsupported
+from .engines import EngineFailure, EngineHandle, ScoringUnsupported, streamed
 from .registry import EngineIdTaken, EngineRegistry, RegistryEvent
 from .routing import NoEngineError, Router
 
@@ -153,13 +157,85 @@ class EnginePool:
         *,
         deadline: float,
         abandon: set[asyncio.Future] | None = None,
-    ) -> AsyncIterator[TokenDelta | GenerationResult]:
-        """`generate`, as it comes: TokenDeltas, then the GenerationResult. Leaving early (`aclose`) aborts the
-        request. Raises as `generate` does."""
-        result, retries = await self.generate(key, prompt_token_ids, sampling, deadline=deadline, abandon=abandon)
-        yield TokenDelta(list(result.token_ids), list(result.logprobs), list(result.versions))
-        result.timings = {**result.timings, "retries": float(retries)}
-        yield result
+    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        """`generate`, as it comes: TokenDeltas, then the GenerationResult (`timings["retries"]` set). Routed,
+        retried, timed out and abandoned as `generate` is, except that a failure after the first delta is not
+        retried (the caller has passed those tokens on): it raises EngineFailure. Leaving early (`aclose`)
+        aborts the request."""
+        failed: list[str] = []
+        errors: list[str] = []
+        while True:
+            try:
+                engine_id = self.router.route(key, self.registry.loads(), exclude=failed)
+            except NoEngineError as error:
+                tried = f"; failed here: {'; '.join(errors)}" if errors else ""
+                raise EngineUnavailable(f"no engine can take the request ({error}){tried}") from None
+            sent = 0
+            with self.registry.acquire(engine_id) as lease:
+                attempt = self._attempt_stream(lease.info.handle, engine_id, key, prompt_token_ids, sampling, deadline, abandon)
+                try:
+                    async with contextlib.aclosing(attempt):
+                        async for item in attempt:
+                            if isinstance(item, GenerationResult):
+                                item.timings = {**item.timings, "retries": float(len(failed))}
+                            else:
+                                sent += len(item.token_ids)
+                            yield item
+                    return
+                except EngineFailure as error:
+                    if sent:
+                        raise EngineFailure(f"engine {engine_id} failed after streaming {sent} tokens: {error}") from None
+                    failed.append(engine_id)
+                    errors.append(f"{engine_id}: {error}")
+            if len(failed) > self.config.engine_retries:
+                raise EngineUnavailable(
+                    f"engine failed while generating ({'; '.join(errors)}); "
+                    f"gave up after {len(failed) - 1} retries (gateway.engine_retries={self.config.engine_retries})"
+                )
+
+    async def _attempt_stream(
+        self, handle: EngineHandle, engine_id: str, key: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        deadline: float, abandon: set[asyncio.Future] | None,
+    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:  # fmt: skip
+        """One engine's stream until its result, the engine leaving, `abandon` or the deadline (as `_attempt`).
+        A pump task reads the engine's stream into an inbox that the interruptions also post to, so waiting for
+        the next item costs no task of its own; deltas that piled up while the caller was busy go as one."""
+        loop = asyncio.get_running_loop()
+        inbox = _Inbox()
+        wake = loop.create_future()
+        wake.add_done_callback(inbox.interrupt)
+        timer = loop.call_at(deadline, inbox.post, _Interrupted(None))
+        watchers = self._waiting.setdefault(engine_id, set())
+        watchers.add(wake)
+        if abandon is not None:
+            abandon.add(wake)
+        pump = asyncio.ensure_future(_pump(handle, prompt_token_ids, sampling, key, inbox))
+        try:
+            while True:
+                item = await inbox.next()
+                if isinstance(item, TokenDelta):
+                    yield item
+                elif isinstance(item, GenerationResult):
+                    yield _completed(item, engine_id)
+                    return
+                elif isinstance(item, _Interrupted):
+                    if item.reason is None:
+                        raise GenerationTimeout(f"no answer within gateway.request_timeout_s={self.config.request_timeout_s}")
+                    if item.reason.startswith("engine "):
+                        raise EngineFailure(item.reason)
+                    raise Abandoned(item.reason)
+                elif isinstance(item, (RequestError, EngineFailure)):
+                    raise item
+                else:  # a handle that died in its own way: the engine, not the request, failed
+                    raise EngineFailure(f"{type(item).__name__}: {item}")
+        finally:
+            timer.cancel()
+            watchers.discard(wake)
+            if abandon is not None:
+                abandon.discard(wake)
+            if not pump.done():
+                pump.cancel()  # inside the engine's stream, which aborts the request
+                await asyncio.wait([pump])
 
     def context_tokens(self) -> int | None:
         """The longest sequence (prompt + completion) every live engine takes, from their health
@@ -236,6 +312,55 @@ class EnginePool:
                 raise EngineFailure(reason)
             raise Abandoned(reason)
         raise GenerationTimeout(f"no answer within gateway.request_timeout_s={self.config.request_timeout_s}")
+
+
+@dataclasses.dataclass
+class _Interrupted:
+    """Posted to a stream's inbox: the reason its wait future was resolved with, None for the deadline."""
+
+    reason: str | None
+
+
+class _Inbox:
+    """What a stream's reader waits for: the engine's items, what the engine's stream raised, interruptions."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._arrived = asyncio.Event()
+
+    def post(self, item: object) -> None:
+        self._items.append(item)
+        self._arrived.set()
+
+    def interrupt(self, wake: asyncio.Future) -> None:
+        """`wake` was resolved with a reason: the engine left, or the caller gave the request up."""
+        if not wake.cancelled():
+            self.post(_Interrupted(wake.result()))
+
+    async def next(self) -> object:
+        """The oldest item, waiting for one; deltas that piled up behind each other come out as one."""
+        while not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
+        item = self._items.popleft()
+        while isinstance(item, TokenDelta) and self._items and isinstance(self._items[0], TokenDelta):
+            more = self._items.popleft()
+            item = TokenDelta(item.token_ids + more.token_ids, item.logprobs + more.logprobs, item.versions + more.versions)
+        return item
+
+
+async def _pump(handle: EngineHandle, prompt_token_ids: list[int], sampling: SamplingParams, key: str, inbox: _Inbox) -> None:
+    """An engine's stream into `inbox`, up to its result; what it raised goes there too."""
+    try:
+        items = streamed(handle, prompt_token_ids, sampling, key)
+        async with contextlib.aclosing(items):
+            async for item in items:
+                inbox.post(item)
+                if isinstance(item, GenerationResult):
+                    return
+        inbox.post(EngineFailure("the engine's stream ended without a result"))
+    except Exception as error:  # the reader decides what it means
+        inbox.post(error)
 
 
 def _checked(task: asyncio.Future):

@@ -22,14 +22,14 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig
-from asyncrl.records import FinishReason, GenerationResult, SamplingParams, ScoreResult
+from asyncrl.records import FinishReason, GenerationResult, SamplingParams, ScoreResult, TokenDelta
 
 from .front import EngineFront
 from .kv_cache import ForwardBatch, KVCache, SlotManager
@@ -187,6 +187,17 @@ class EmbeddedEngine:
         """Sample a completion on the background thread; `session_id` enables prefix reuse across turns."""
         return await self.front.generate(self._request(prompt_token_ids, sampling, session_id))
 
+    def stream(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | dict | None = None,
+        *,
+        session_id: str | None = None,
+    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        """`generate`, as it comes: what each step sampled, then the result (`EngineFront.stream`). Bad input
+        raises RequestError here, before anything is iterated; closing the iterator early aborts the request."""
+        return self.front.stream(self._request(prompt_token_ids, sampling, session_id))
+
     def _request(self, prompt_token_ids, sampling, session_id: str | None) -> _Request:
         params = resolve_sampling(sampling, self.config.sampling.model_dump())
         prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
@@ -228,6 +239,7 @@ class EmbeddedEngine:
             # Shut down means not serving, even though a later `generate` would start it again.
             "alive": self.front.alive,
             "version": self.version,
+            "max_model_len": self.max_model_len,
             "running": len(self._running),
             "waiting": len(self._waiting) + self.front.queued,
             "retained_prefixes": self.slots.num_retained,
@@ -263,6 +275,9 @@ class EmbeddedEngine:
 
     def busy(self) -> bool:
         return bool(self._running or self._waiting)
+
+    def sampled(self, request: _Request) -> tuple[list[int], list[float], list[int]]:
+        return request.output, request.logprobs, request.versions
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         # Keys "mtp.*" (MTPLayer names) update the drafter; without them it keeps its weights,

@@ -13,6 +13,9 @@ same for both engines:
   `IDLE_EXIT_S` without any (the next request starts a new one); not serving, the owner steps by hand;
 - `generate`: a request as an awaitable, its result settled from the stepping thread onto the
   caller's event loop, which may have closed meanwhile;
+- `stream`: a request as an async iterator of what each step sampled for it (`TokenDelta`), then its
+  result. The stepping thread wakes the caller's loop once for whatever arrived while it was not
+  looking, so a caller that falls behind gets several steps in one delta, not one wake-up per token;
 - finished results handed to each request's callback; a failing callback costs nobody else theirs.
 
 The core's verbs (`EngineCore`) are called on the stepping thread only, or under the step lock by a
@@ -26,11 +29,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from asyncrl.records import GenerationResult
+from asyncrl.records import GenerationResult, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,10 @@ class EngineCore(Protocol):
 
     def busy(self) -> bool:
         """Whether admitted requests are unfinished."""
+        ...
+
+    def sampled(self, request) -> tuple[list[int], list[float], list[int]]:
+        """An unfinished request's tokens, log-probs and versions so far (only appended to: `stream` reads what is new)."""
         ...
 
     def load_weights(self, weights: Any, version: int) -> None:
@@ -93,6 +100,7 @@ class EngineFront:
         self._jobs: list[Callable[[], None]] = []
         self._push: _Push | None = None
         self._callbacks: dict[str, Callable[[GenerationResult], None] | None] = {}  # every unfinished request
+        self._streams: dict[str, tuple[Any, _Sink]] = {}  # the streamed ones among them: request, sink
         self._thread: threading.Thread | None = None
         self._serving = False
         self._stopping = False
@@ -128,6 +136,29 @@ class EngineFront:
         except asyncio.CancelledError:
             self.abort(request.id)
             raise
+
+    async def stream(self, request) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        """Submit `request` and serve; yields the tokens each step sampled (several steps in one delta when
+        the caller was busy), then the result. Leaving early (`aclose`, a cancelled caller) aborts the request."""
+        sink = _Sink(asyncio.get_running_loop())
+        with self._cv:
+            self._streams[request.id] = (request, sink)
+        try:
+            self.submit(request, on_finish=sink.finish)
+        except BaseException:
+            with self._cv:
+                self._streams.pop(request.id, None)
+            raise
+        self.start()
+        finished = False
+        try:
+            while not finished:
+                item = await sink.next()
+                finished = isinstance(item, GenerationResult)
+                yield item
+        finally:
+            if not finished:
+                self.abort(request.id)
 
     async def call(self, job: Callable[[], T]) -> T:
         """Run `job` on the stepping thread between two steps (so it never overlaps a step or a weight
@@ -220,14 +251,26 @@ class EngineFront:
                 self.core.admit(inbox)
             finished = self.core.cancel(aborts) if aborts else []
             finished += self.core.advance()
+            if self._streams:
+                self._publish(finished)
         # Outside the step lock: a callback may push weights, which a caller without a stepping thread applies itself.
         self._deliver(finished)
         return finished
+
+    def _publish(self, finished: list[GenerationResult]) -> None:
+        """Hand each unfinished streamed request's new tokens to its sink (the finished ones' go with their result)."""
+        done = {result.request_id for result in finished}
+        with self._cv:
+            streams = [(request, sink) for request_id, (request, sink) in self._streams.items() if request_id not in done]
+        for request, sink in streams:
+            token_ids, logprobs, versions = self.core.sampled(request)
+            sink.take(token_ids, logprobs, versions)
 
     def _deliver(self, results: list[GenerationResult]) -> None:
         for result in results:
             with self._cv:
                 on_finish = self._callbacks.pop(result.request_id, None)
+                self._streams.pop(result.request_id, None)
             if on_finish is None:
                 continue
             try:
@@ -317,6 +360,52 @@ class EngineFront:
                 self.core.admit(inbox)
             finished = self.core.cancel(unfinished, error=message) if unfinished else []
         self._deliver(finished)
+
+
+class _Sink:
+    """What a streamed request sampled, from the stepping thread (`take`, `finish`) to its caller's loop (`next`)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.sent = 0  # tokens handed over so far; the stepping thread's
+        self._lock = threading.Lock()
+        self._delta = TokenDelta([], [], [])
+        self._result: GenerationResult | None = None
+        self._woken = False  # a wake-up is on its way to the loop and the caller has not looked since
+        self._arrived = asyncio.Event()  # the loop's
+
+    def take(self, token_ids: list[int], logprobs: list[float], versions: list[int], result: GenerationResult | None = None) -> None:
+        """The request's tokens so far (and its result, once finished): queue what is new and wake the caller."""
+        new = slice(self.sent, len(token_ids))
+        self.sent = len(token_ids)
+        with self._lock:
+            self._delta.token_ids += token_ids[new]
+            self._delta.logprobs += logprobs[new]
+            self._delta.versions += versions[new]
+            if result is not None:
+                self._result = result
+            if self._woken or not (self._delta.token_ids or self._result):
+                return
+            self._woken = True
+        # RuntimeError: the caller's loop closed; nobody is listening, and the stepping thread must carry on.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._arrived.set)
+
+    def finish(self, result: GenerationResult) -> None:
+        self.take(result.token_ids, result.logprobs, result.versions, result)
+
+    async def next(self) -> TokenDelta | GenerationResult:
+        """What arrived since the last call, waiting for it if nothing has: a delta, else the result."""
+        while True:
+            self._arrived.clear()
+            with self._lock:
+                self._woken = False
+                if self._delta.token_ids:
+                    delta, self._delta = self._delta, TokenDelta([], [], [])
+                    return delta
+                if self._result is not None:
+                    return self._result
+            await self._arrived.wait()
 
 
 def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result=None, error: Exception | None = None) -> None:

@@ -8,9 +8,10 @@ with the gateway and the learner; this module holds what only engines need.
 from __future__ import annotations
 
 import operator
+from collections.abc import AsyncGenerator
 from typing import Protocol, runtime_checkable
 
-from asyncrl.records import GenerationResult, RequestError, SamplingParams
+from asyncrl.records import GenerationResult, RequestError, SamplingParams, TokenDelta
 
 
 def resolve_sampling(sampling: SamplingParams | dict | None, defaults: dict) -> SamplingParams:
@@ -47,10 +48,17 @@ class Engine(Protocol):
         """Sample a completion. `session_id` groups the turns of one rollout for prefix reuse."""
         ...
 
+    def stream(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, *, session_id: str | None = None
+    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        """`generate`, as it comes: a TokenDelta per step (a speculative step may add several tokens), then
+        the GenerationResult, which holds every token again. Closing the iterator early aborts the request."""
+        ...
+
     def update_weights(self, state_dict: dict, version: int) -> None:
         """Swap in new weights between decode steps; tokens sampled afterwards carry `version`."""
         ...
 
     def health(self) -> dict:
-        """Liveness and load: version, running and waiting requests, tokens generated."""
+        """Liveness and load: version, max_model_len, running and waiting requests, tokens generated."""
         ...

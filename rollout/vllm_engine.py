@@ -27,13 +27,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from asyncrl.configs.schema import VLLMRolloutConfig
-from asyncrl.records import FinishReason, GenerationResult, RequestError, SamplingParams, ScoreResult
+from asyncrl.records import FinishReason, GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
 
 from .front import EngineFront
 from .types import resolve_sampling, validate_prompt
@@ -114,6 +114,17 @@ class VLLMEngine:
     ) -> GenerationResult:
         return await self.front.generate(self._request(prompt_token_ids, sampling))
 
+    def stream(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | dict | None = None,
+        *,
+        session_id: str | None = None,
+    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        """`generate`, as it comes: what each vLLM step sampled, then the result (`EngineFront.stream`). Bad input
+        raises RequestError here; closing the iterator early aborts the request."""
+        return self.front.stream(self._request(prompt_token_ids, sampling))
+
     def _request(self, prompt_token_ids, sampling) -> _Request:
         params = resolve_sampling(sampling, self.config.sampling.model_dump())
         if self.loaded.plain_sampling_only and not (params.temperature in (0.0, 1.0) and params.top_p == 1.0 and params.top_k == 0):
@@ -166,6 +177,7 @@ class VLLMEngine:
             "engine_id": self.engine_id,
             "alive": self.front.alive,
             "version": self.version,
+            "max_model_len": self.max_model_len,
             "running": len(self._running),
             "waiting": self.front.queued,
             "generated_tokens": self.generated_tokens,
@@ -200,6 +212,9 @@ class VLLMEngine:
 
     def busy(self) -> bool:
         return bool(self._running)
+
+    def sampled(self, request: _Request) -> tuple[list[int], list[float], list[int]]:
+        return request.token_ids, request.logprobs, request.versions
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
         try:

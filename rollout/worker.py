@@ -4,6 +4,8 @@
 imported only when chosen, since vLLM lives in its own environment).
 
 Methods are async so one actor serves many concurrent `generate` calls, which the engine batches;
+`stream` is a Ray streaming generator (call it with `.options(num_returns="streaming")`): a TokenDelta
+per engine step, then the result; cancelling the task (`ray.cancel` on its generator) aborts the request.
 `score` is prefill-only scoring with the engine's current weights (the vLLM engine refuses it).
 Weights arrive as a state dict; pass an `ObjectRef` from `ray.put` so N workers share one copy in
 the object store. `WorkerLauncher` starts workers of one configuration, again whenever one died
@@ -18,6 +20,7 @@ missed heartbeats. 0 leaves actors at the driver's own niceness.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 import ray
@@ -25,7 +28,7 @@ from pydantic import TypeAdapter
 from ray.actor import ActorClass
 
 from asyncrl.configs.schema import RolloutConfig
-from asyncrl.records import GenerationResult, SamplingParams, ScoreResult
+from asyncrl.records import GenerationResult, SamplingParams, ScoreResult, TokenDelta
 
 from .engine import EmbeddedEngine
 
@@ -53,6 +56,17 @@ class RolloutWorker:
         self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
     ) -> GenerationResult:
         return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
+
+    async def stream(
+        self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
+    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        # A cancelled task leaves this generator with CancelledError, and closing the engine's stream aborts the request.
+        items = self.engine.stream(prompt_token_ids, sampling, session_id=session_id)
+        try:
+            async for item in items:
+                yield item
+        finally:
+            await items.aclose()
 
     async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
         return await self.engine.score(sequences, temperature)

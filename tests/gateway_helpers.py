@@ -12,6 +12,7 @@ per token, and the log-probs it reports are real (tiny, negative) numbers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -159,6 +160,17 @@ class Pausable(LocalEngine):
         if self.killed.is_set():
             await asyncio.Event().wait()
         return await super().generate(prompt_token_ids, sampling, session_id)
+
+    async def stream(self, prompt_token_ids, sampling, session_id):
+        self.calls += 1
+        self.started.set()
+        while self._paused.is_set() and not self.killed.is_set():
+            await asyncio.sleep(0.005)
+        if self.killed.is_set():
+            await asyncio.Event().wait()
+        async with contextlib.aclosing(super().stream(prompt_token_ids, sampling, session_id)) as items:
+            async for item in items:
+                yield item
 
     async def health(self) -> dict:
         if self.killed.is_set():

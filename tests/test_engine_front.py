@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from asyncrl.records import GenerationResult
+from asyncrl.records import GenerationResult, TokenDelta
 from asyncrl.rollout.front import EngineFront
 
 
@@ -54,6 +54,9 @@ class FakeCore:
     def busy(self) -> bool:
         return bool(self.running)
 
+    def sampled(self, request: FakeRequest) -> tuple[list[int], list[float], list[int]]:
+        return request.tokens, [0.0] * len(request.tokens), request.tokens
+
     def load_weights(self, weights, version: int) -> None:
         if weights == "bad":
             raise ValueError("refused: bad weights")
@@ -77,6 +80,20 @@ def wait_for(condition, timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.005)
+
+
+def record_aborts(core) -> list[GenerationResult]:
+    """Watch a core's `cancel` (the front calls it on its stepping thread): the list gets every result it ends."""
+    aborted: list[GenerationResult] = []
+    cancel = core.cancel
+
+    def recording(request_ids, error=None):
+        results = cancel(request_ids, error)
+        aborted.extend(results)
+        return results
+
+    core.cancel = recording
+    return aborted
 
 
 def in_thread(function, *args) -> tuple[threading.Thread, list]:
@@ -283,6 +300,56 @@ def test_stop_keeps_unfinished_requests_and_start_resumes_them():
     front.stop()
 
 
+def test_a_stream_that_falls_behind_gets_what_arrived_meanwhile_in_one_delta():
+    front, core = new_front()
+
+    async def scenario():
+        stream = front.stream(FakeRequest("a", 50))
+        first = await anext(stream)
+        wait_for(lambda: "a" not in core.running)  # the loop is blocked here: every later step piles up
+        return first, [item async for item in stream]
+
+    first, (*rest, result) = asyncio.run(scenario())
+    front.stop()
+    # On a busy machine the first delta may already hold everything; what came later is one delta at most.
+    assert isinstance(first, TokenDelta) and len(rest) <= 1 and all(isinstance(delta, TokenDelta) for delta in rest)
+    streamed = first.token_ids + [t for delta in rest for t in delta.token_ids]
+    assert result.finish_reason == "length" and len(streamed) == 50 and streamed == result.token_ids
+
+
+def test_leaving_a_stream_early_aborts_its_request():
+    front, core = new_front()
+    aborted = record_aborts(core)
+
+    async def scenario():
+        stream = front.stream(FakeRequest("a", 10**9))
+        delta = await anext(stream)
+        await stream.aclose()
+        return delta
+
+    delta = asyncio.run(scenario())
+    wait_for(lambda: not core.running)
+    front.stop()
+    (result,) = aborted
+    assert result.finish_reason == "abort" and result.token_ids[: len(delta.token_ids)] == delta.token_ids
+
+
+def test_close_ends_a_stream_with_its_tokens_and_an_abort():
+    front, _ = new_front()
+
+    async def scenario():
+        stream = front.stream(FakeRequest("a", 10**9))
+        first = await anext(stream)
+        front.close("engine shut down")
+        return first, [item async for item in stream]
+
+    first, items = asyncio.run(scenario())
+    result = items[-1]
+    assert result.finish_reason == "abort" and result.error == "engine shut down"
+    assert first.token_ids + [t for delta in items[:-1] for t in delta.token_ids] == result.token_ids
+    assert not front._streams
+
+
 # --- scenarios every engine runs ----------------------------------------------------------------
 
 
@@ -324,3 +391,55 @@ def check_idle_exit(engine, prompt: list[int], sampling, state_dict: dict, versi
     assert engine.health()["version"] == version
     again = asyncio.run(engine.generate(prompt, sampling))
     assert again.token_ids == first.token_ids and again.versions == [version] * len(first.token_ids)
+
+
+def check_stream_matches_generate(engine, prompt: list[int], sampling) -> list[TokenDelta]:
+    """A stream's deltas (none empty) concatenate to its result, and both are what `generate` returns for
+    the same seed: tokens, log-probs and versions. Returns the deltas."""
+    expected = asyncio.run(engine.generate(prompt, sampling))
+
+    async def collect():
+        return [item async for item in engine.stream(prompt, sampling)]
+
+    *deltas, result = asyncio.run(collect())
+    assert all(isinstance(d, TokenDelta) and d.token_ids for d in deltas) and isinstance(result, GenerationResult)
+    for field_name in ("token_ids", "logprobs", "versions"):
+        assert [x for d in deltas for x in getattr(d, field_name)] == getattr(result, field_name) == getattr(expected, field_name)
+    assert result.finish_reason == expected.finish_reason and result.prompt_token_ids == expected.prompt_token_ids
+    return deltas
+
+
+def check_stream_close_aborts(engine, prompt: list[int], sampling) -> None:
+    """Leaving a stream early, by `aclose` or by cancelling its reader, aborts the request at the engine's
+    next step: the engine ends it with "abort" (the tokens so far kept) and no longer runs it.
+    `sampling`: a request far longer than the test reads."""
+    aborted = record_aborts(engine)
+
+    async def close_early() -> list[int]:
+        stream = engine.stream(prompt, sampling)
+        first = await anext(stream)
+        await stream.aclose()
+        return first.token_ids
+
+    async def cancel_reader() -> list[int]:
+        got: list[int] = []
+        reading = asyncio.Event()
+
+        async def read():
+            async for delta in engine.stream(prompt, sampling):
+                got.extend(delta.token_ids)
+                reading.set()
+
+        reader = asyncio.create_task(read())
+        await reading.wait()
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        return got
+
+    for leave in (close_early, cancel_reader):
+        streamed = asyncio.run(leave())
+        wait_for(lambda: len(aborted) == 1 and engine.health()["running"] == 0)
+        result = aborted.pop()
+        # Only a request the engine still held comes back from cancel: it had not run to max_tokens.
+        assert result.finish_reason == "abort" and result.token_ids[: len(streamed)] == streamed

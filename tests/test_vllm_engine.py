@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 from conftest import make_tiny_model
-from test_engine_front import check_closed_caller, check_idle_exit
+from test_engine_front import check_closed_caller, check_idle_exit, check_stream_close_aborts, check_stream_matches_generate
 
 from asyncrl.configs.schema import VLLMRolloutConfig
 from asyncrl.policy.checkpoint import save_policy
@@ -263,6 +263,12 @@ def test_abort_and_health(engine):
     health = engine.health()
     assert health["alive"] and health["running"] == 0 and health["waiting"] == 0 and health["generated_tokens"] > 0
     assert health["backend"].startswith("vllm ") and health["fp8"] is False and health["last_error"] is None
+
+
+def test_streams_what_it_generates_and_leaving_early_aborts(engine):
+    check_stream_matches_generate(engine, PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=12, seed=5))
+    check_stream_close_aborts(engine, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=200))
+    assert engine.health()["max_model_len"] == 256
 
 
 def test_second_engine_in_one_process_is_refused(engine, qwen3):
