@@ -557,10 +557,12 @@ class GatewayConfig(Section):
     tool_parser: str = Field("glm45", min_length=1)
     """How replies' tool calls are read (gateway/parsers/): glm45 (GLM-4.5's XML-style arguments, the
     tiny policy's markup), hermes or qwen (JSON in <tool_call> tags), llama3_json, an entry point of the
-    group asyncrl.tool_parsers, or an import path 'package.module:Class'."""
+    group asyncrl.tool_parsers, or an import path 'package.module:Class'; auto: the one the checkpoint's
+    tokenizer config declares (tool_parser), else the one its chat template's markup implies (logged)."""
     reasoning_parser: str | None = None
     """How replies' thinking is split off into reasoning_content: think (<think>...</think>), an entry
-    point of the group asyncrl.reasoning_parsers, or an import path; None: replies are all content."""
+    point of the group asyncrl.reasoning_parsers, or an import path; auto: the checkpoint's declared one,
+    else think where its chat template writes <think>, else none; None: replies are all content."""
     sampling_overrides: Literal["allow", "refuse"] = "refuse"
     """Requests whose temperature, top_p or top_k differ from rollout.sampling: "refuse" answers them 400, so
     every token of an RL run comes from the distribution it trains (the learner reproduces no top-k/top-p

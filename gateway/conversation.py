@@ -22,6 +22,15 @@ turns. Nothing matching (or a template that is not prefix-stable) starts a branc
 Rendered text is kept as the template module writes it (content escaped, `template.BREAK`), so message
 text is encoded as text and markers come only from the template.
 
+Template kwargs (`enable_thinking`, `reasoning_effort`: thinking switched per request) are part of the
+render, and each mark remembers the kwargs every turn up to it was rendered with. A request with other
+kwargs reuses a mark only where its own rendering starts with the exact text the reused tokens were made
+from (Qwen3's `enable_thinking=false` changes only the generation prompt: the branch goes on); rendering
+M[:k] again under the new kwargs proves nothing about tokens made under the old ones (GLM's switch appends
+`/nothink` to every earlier user message), so there the trajectory forks, reason "template". An echoed
+reply's `reasoning_content` is part of its message; a template that drops old reasoning forks at the
+next user query ("template"), one that keeps it stays one branch.
+
 `max_branches` holds under concurrent calls: a branch is created at commit, after the generation, so
 `prepare` reserves one for every call that may fork (one with no branch to extend, and every call
 after the first on a branch several are extending at once: all but the first to commit fork), refuses
@@ -43,9 +52,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .template import TokenizerTemplate
-from .toolcalls import to_template_messages, to_template_tools
+from .toolcalls import to_template_kwargs, to_template_messages, to_template_tools
 
-MessageKey = tuple[str, str, tuple[tuple[str, str], ...]]
+MessageKey = tuple[str, str, tuple[tuple[str, str], ...]] | tuple[str, str, tuple[tuple[str, str], ...], str]
+_MIXED = "\x00mixed"
+"""`Branch.kwargs_marks` value of a mark whose turns were rendered with different template kwargs."""
 ForkReason = Literal["fresh", "rewrite", "concurrent", "template"]
 
 
@@ -54,7 +65,7 @@ class ConversationError(ValueError):
 
 
 def message_key(message: Mapping) -> MessageKey:
-    """What makes two template-form messages the same turn: role, text, tool calls.
+    """What makes two template-form messages the same turn: role, text, tool calls, reasoning.
 
     Tool-call ids, names of tool results and argument key order are ignored: agents regenerate ids
     and re-serialise JSON, and treating those echoes as rewrites would fork every turn.
@@ -63,6 +74,8 @@ def message_key(message: Mapping) -> MessageKey:
         (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True, ensure_ascii=False))
         for c in message.get("tool_calls") or ()
     )
+    if "reasoning_content" in message:
+        return (message["role"], message.get("content") or "", calls, message["reasoning_content"])
     return (message["role"], message.get("content") or "", calls)
 
 
@@ -87,6 +100,9 @@ class Branch:
     """message count -> length of `text` at that turn boundary (marks whose text is known)."""
     unclosed: set[int] = field(default_factory=set)
     """Marks after a turn that did not end with EOS (cut at max_tokens): always rendered twice."""
+    kwargs_marks: dict[int, str] = field(default_factory=dict)
+    """message count -> the template kwargs (canonical JSON) all turns up to that mark were rendered with;
+    absent: none."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,9 @@ class Plan:
     """Characters of the messages (and, for a fresh render, the tools) past the reused ones: the text to encode."""
     chars: int
     """Characters of all messages: what the template renders."""
+    template_kwargs: dict | None = None
+    kwargs_key: str = ""
+    """`template_kwargs` as canonical JSON ("" for none)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +139,7 @@ class Draft:
     tools_key: str
     reason: ForkReason
     text: str | None
+    kwargs_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -140,6 +160,7 @@ class Prepared:
     _fork_reason: ForkReason = field(repr=False)
     _text: str | None = field(repr=False, default=None)
     """The text the prompt tokens were made from (None: not known)."""
+    _kwargs_key: str = field(repr=False, default="")
 
     def __iter__(self):
         return iter((self.branch_id, self.prompt_token_ids, self.turn_index))
@@ -173,48 +194,67 @@ class Conversation:
     def branch(self, branch_id: int) -> Branch:
         return self._branches[branch_id]
 
-    def prepare(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None) -> Prepared:
-        """The exact prompt token IDs for a chat request (OpenAI messages and tools).
+    def prepare(
+        self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, template_kwargs: Mapping | None = None
+    ) -> Prepared:
+        """The exact prompt token IDs for a chat request (OpenAI messages and tools, template kwargs).
 
-        Raises `toolcalls.MessageError` for messages it cannot render and `ConversationError` when a
-        new branch would exceed `max_branches`.
+        Raises `toolcalls.MessageError` for messages or kwargs it cannot render and `ConversationError`
+        when a new branch would exceed `max_branches`.
         """
-        return self.admit(self.render(self.plan(messages, tools)))
+        return self.admit(self.render(self.plan(messages, tools, template_kwargs)))
 
     def plan(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, template_kwargs: Mapping | None = None) -> Plan:
         """Validate and match the request: which recorded turns it reuses, how much text is new."""
-        if template_kwargs:
-            raise ConversationError(f"chat_template_kwargs / reasoning_effort are not supported yet (got {sorted(template_kwargs)})")
+        kwargs, kwargs_key = (
+            to_template_kwargs(template_kwargs, self.template.variables, self.template.reserved_variables)
+            if template_kwargs
+            else (None, "")
+        )
         msgs, tool_defs = to_template_messages(messages), to_template_tools(tools)
         keys = tuple(message_key(m) for m in msgs)
         tools_key = json.dumps(tool_defs, sort_keys=True, ensure_ascii=False)
         source, k = self._longest_match(keys, tools_key)
+        if source is not None and keys[:k] != tuple(source.messages[:k]):
+            msgs, keys = _restore_reasoning(msgs, keys, source.messages, k)
         sizes = [_chars(m) for m in msgs]
         new_chars = sum(sizes[k:]) + (0 if k else len(tools_key))
-        return Plan(msgs, keys, tool_defs, tools_key, source, k, new_chars, sum(sizes))
+        return Plan(msgs, keys, tool_defs, tools_key, source, k, new_chars, sum(sizes), kwargs, kwargs_key)
 
     def render(self, plan: Plan) -> Draft:
         """Render and encode the prompt of `plan`. Reads the branches and changes nothing."""
-        msgs, tool_defs, keys, tools_key = plan.messages, plan.tools, plan.keys, plan.tools_key
-        full = self.template.render(msgs, tool_defs, generation_prompt=True)
+        msgs, tool_defs, keys, tools_key, kwargs = plan.messages, plan.tools, plan.keys, plan.tools_key, plan.template_kwargs
+        full = self.template.render(msgs, tool_defs, generation_prompt=True, template_kwargs=kwargs)
         source, k = plan.source, plan.reused_messages
         reason: ForkReason = "fresh" if not self._branches else "rewrite"
         if source is not None:
             end = source.text_marks.get(k)
             made_from = source.text[:end] if end is not None and source.text is not None else None
+            prefix: str | None
             if made_from is not None and k not in source.unclosed and full.startswith(made_from):
                 prefix = made_from  # the template renders the reused turns as they are: one render
+            elif source.kwargs_marks.get(k, "") == plan.kwargs_key:
+                prefix = self.template.render(msgs[:k], tool_defs, generation_prompt=False, template_kwargs=kwargs)
             else:
-                prefix = self.template.render(msgs[:k], tool_defs, generation_prompt=False)
-            if full.startswith(prefix):
+                prefix = None  # the reused tokens were rendered with other kwargs: only their own text vouches for them
+            if prefix is not None and full.startswith(prefix):
                 base = source.token_ids[: source.marks[k]]
                 suffix = full[len(prefix) :]
+                if prefix is not made_from:
+                    suffix = self._after_stop(base, suffix)
                 prompt = base + self.template.encode(suffix)
                 target = source.id if k == len(source.messages) else None  # None: a fork at mark k
                 text = None if made_from is None else made_from + suffix
-                return Draft(target, prompt, len(base), source.id, k, keys, tools_key, reason, text)
-            reason = "template"  # the template rewrites earlier turns (e.g. drops old reasoning)
-        return Draft(None, self.template.encode(full), 0, None, 0, keys, tools_key, reason, full)
+                return Draft(target, prompt, len(base), source.id, k, keys, tools_key, reason, text, plan.kwargs_key)
+            reason = "template"  # the template rewrites earlier turns (drops old reasoning, or renders them otherwise under these kwargs)
+        return Draft(None, self.template.encode(full), 0, None, 0, keys, tools_key, reason, full, plan.kwargs_key)
+
+    def _after_stop(self, base: list[int], suffix: str) -> str:
+        """`suffix` without the marker the reused turn ended on, where the template writes that marker next:
+        a model that ends its turn on the next turn's tag (GLM-4.5 stops on `<|observation|>` / `<|user|>`)
+        sampled it already."""
+        stop = self.template.markup.ids.get(base[-1]) if base else None
+        return suffix[len(stop) :] if stop is not None and suffix.startswith(stop) else suffix
 
     def admit(self, draft: Draft) -> Prepared:
         """Number the call and reserve the branch it may create; `ConversationError` past `max_branches`."""
@@ -228,7 +268,7 @@ class Conversation:
         next_id = self._next_branch if draft.target is None else draft.target
         return Prepared(
             next_id, draft.prompt_token_ids, self._calls - 1, draft.reused_tokens, draft.source, draft.base_messages,
-            draft.keys, draft.tools_key, draft.reason, draft.text,
+            draft.keys, draft.tools_key, draft.reason, draft.text, draft.kwargs_key,
         )  # fmt: skip
 
     def release(self, prepared: Prepared) -> None:
@@ -276,14 +316,19 @@ class Conversation:
             inherited = {n: t for n, t in source.marks.items() if n <= prepared._base_messages} if source else {}
             text_marks = {n: c for n, c in source.text_marks.items() if n in inherited} if source else {}
             unclosed = {n for n in source.unclosed if n in inherited} if source else set()
+            kwargs_marks = {n: c for n, c in source.kwargs_marks.items() if n in inherited} if source else {}
             target = Branch(
                 self._next_branch, [], [], inherited, prepared._tools_key, prepared._source, reason,
-                text_marks=text_marks, unclosed=unclosed,
+                text_marks=text_marks, unclosed=unclosed, kwargs_marks=kwargs_marks,
             )  # fmt: skip
             self._branches[target.id] = target
             self._next_branch += 1
         target.token_ids, target.messages = tokens, messages
         target.marks[len(messages)] = len(tokens)
+        kwargs_key = prepared._kwargs_key
+        reused = target.kwargs_marks.get(prepared._base_messages, "") if prepared.reused_tokens else kwargs_key
+        if kwargs_key or reused:
+            target.kwargs_marks[len(messages)] = kwargs_key if reused == kwargs_key else _MIXED
         if prepared._text is None:
             target.text, target.text_marks = None, {}
         else:
@@ -303,7 +348,7 @@ class Conversation:
                 continue
             common = 0
             for recorded, wanted in zip(branch.messages, keys, strict=False):  # the common prefix
-                if recorded != wanted:
+                if recorded != wanted and not _echo_without_reasoning(recorded, wanted):
                     break
                 common += 1
             k = max((n for n in branch.marks if n <= common), default=0)
@@ -313,10 +358,37 @@ class Conversation:
         return best, best_rank[0]
 
 
+def _echo_without_reasoning(recorded: MessageKey, wanted: MessageKey) -> bool:
+    """A reply echoed back without the reasoning it was sampled with: the same turn. Agents (the OpenAI
+    Agents SDK among them) drop fields they do not know; the turn's sampled tokens, reasoning included,
+    stay the prompt, as a template that keeps reasoning would render it. An echo with other reasoning
+    is a rewrite."""
+    return len(recorded) == 4 and len(wanted) == 3 and recorded[:3] == wanted
+
+
+def _restore_reasoning(
+    msgs: list[dict], keys: tuple[MessageKey, ...], recorded: list[MessageKey], k: int
+) -> tuple[list[dict], tuple[MessageKey, ...]]:
+    """The first k messages with the reasoning that echoes dropped put back from the record, so the
+    template renders the turns as they were sampled (a template like Qwen3's renders an assistant turn
+    without reasoning differently when it is last, so the sampled text would not prefix the render)."""
+    msgs, keys_out = list(msgs), list(keys)
+    for i in range(k):
+        if keys_out[i] != recorded[i]:  # `_echo_without_reasoning`: all `_longest_match` lets through
+            reasoning = recorded[i][3]
+            msgs[i] = {"thinking": reasoning, **msgs[i], "reasoning_content": reasoning}  # as toolcalls writes it
+            keys_out[i] = recorded[i]
+    return msgs, tuple(keys_out)
+
+
 def _chars(message: Mapping) -> int:
-    """Characters a template-form message renders (content, tool-call names and arguments)."""
-    size = len(message["content"])
+    """Characters a template-form message renders (content, reasoning, tool-call names and arguments)."""
+    size = len(message["content"]) + len(message.get("reasoning_content") or "")
     for call in message.get("tool_calls") or ():
         function = call["function"]
-        size += len(function["name"]) + sum(len(k) + len(v) for k, v in function["arguments"].items())
+        size += len(function["name"]) + sum(len(k) + _value_chars(v) for k, v in function["arguments"].items())
     return size
+
+
+def _value_chars(value: Any) -> int:
+    return len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False))

@@ -64,10 +64,11 @@ from .budget import Reservation, RolloutBudget, RolloutLimit
 from .conversation import Conversation, ConversationError, Prepared
 from .offload import CpuWorkers
 from .parsers import ParserNotFound, parse_reply, reasoning_parser, tool_call_parser
+from .parsers.auto import resolve as resolve_parser
 from .pool import EnginePool
 from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryRecorder, UnknownRollout
 from .template import chat_template
-from .toolcalls import MessageError, ParsedCompletion
+from .toolcalls import REASONING_FIELDS, MessageError, ParsedCompletion
 
 TEXT_HISTORY = 8
 """Text-completion turns per rollout whose exact tokens a later prompt may reuse."""
@@ -168,8 +169,10 @@ class GatewayService:
         self.config, self.sampling, self.model_name = config, sampling, model_name
         self.template = chat_template(tokenizer)
         try:
-            self.tool_parser = tool_call_parser(config.tool_parser)
-            self.reasoning_parser = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+            tool_name = resolve_parser(config.tool_parser, tokenizer, "tool") or config.tool_parser
+            reasoning_name = resolve_parser(config.reasoning_parser, tokenizer, "reasoning")
+            self.tool_parser = tool_call_parser(tool_name)
+            self.reasoning_parser = reasoning_parser(reasoning_name) if reasoning_name else None
         except ParserNotFound as error:
             raise ValueError(f"gateway: {error}") from None
         self._secret = secret or secrets.token_bytes(32)
@@ -639,6 +642,7 @@ def _message_chars(message: dict) -> int:
         size = len(content)
     else:
         size = sum(len(p["text"]) for p in content or () if isinstance(p, dict) and isinstance(p.get("text"), str))
+    size += sum(len(message[name]) for name in REASONING_FIELDS if isinstance(message.get(name), str))
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
         arguments = function.get("arguments")

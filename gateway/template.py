@@ -28,11 +28,15 @@ what the tokenizer's own calls return (tests compare the two). Tokenizers it can
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jinja2
+import jinja2.meta
 
 try:  # transformers' cached compiler, exactly what apply_chat_template renders with
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -42,6 +46,10 @@ try:  # transformers' cached compiler, exactly what apply_chat_template renders 
 except ImportError:  # another transformers layout: the tokenizer's own calls are always right
     _COMPILED = False
 
+_NO_KWARGS: Mapping[str, Any] = {}
+_SPECIAL_TOKEN_NAMES = frozenset(
+    {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "additional_special_tokens"}
+)
 BREAK = "\ufdd0"
 """Put inside marker texts that content spells; `encode` splits there and never encodes it."""
 _REPLACEMENT = "\ufffd"
@@ -98,9 +106,14 @@ class Markup:
         new_content = self.escape(content) if isinstance(content, str) else self.value(content)
         calls = message.get("tool_calls")
         new_calls = self.value(calls) if calls else calls
-        if new_content is content and new_calls is calls:
+        reasoning = message.get("reasoning_content")
+        new_reasoning = self.escape(reasoning) if isinstance(reasoning, str) else reasoning
+        if new_content is content and new_calls is calls and new_reasoning is reasoning:
             return message
-        return {**message, "content": new_content, **({"tool_calls": new_calls} if calls else {})}
+        out = {**message, "content": new_content, **({"tool_calls": new_calls} if calls else {})}
+        if new_reasoning is not reasoning:
+            out.update(thinking=new_reasoning, reasoning_content=new_reasoning)
+        return out
 
     def value(self, value: Any) -> Any:
         """Any JSON value with every string in it (keys too) escaped; the same object when none needed it."""
@@ -129,11 +142,30 @@ class Markup:
         return value
 
 
-def _marker_ids(tokenizer: Any) -> dict[int, str]:
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+def _template_source(tokenizer: Any) -> str:
+    """All of the tokenizer's chat template text (every named template, where it has several)."""
     template = getattr(tokenizer, "chat_template", None)
     sources = template.values() if isinstance(template, Mapping) else [template]
-    source = "".join(s for s in sources if isinstance(s, str))
+    return "".join(s for s in sources if isinstance(s, str))
+
+
+@functools.lru_cache(maxsize=16)
+def template_variables(source: str) -> frozenset[str]:
+    """The undeclared names of a Jinja template but its environment's globals: the variables it reads from its context."""
+    if not source:
+        return frozenset()
+    try:
+        environment = (
+            _compile_jinja_template(source).environment if _COMPILED else jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        )
+        return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(source)) - set(environment.globals))
+    except Exception:  # a template jinja cannot parse (it fails at render too): every identifier in it
+        return frozenset(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", source))
+
+
+def _marker_ids(tokenizer: Any) -> dict[int, str]:
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    source = _template_source(tokenizer)
     markers = {}
     for token_id, token in added.items():
         text = getattr(token, "content", str(token))
@@ -177,13 +209,27 @@ class TokenizerTemplate:
             cached = self._markup_for = (template, Markup(self.tokenizer))
         return cached[1]
 
-    def render(self, messages: Sequence[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
-        """The prompt text, content escaped (`encode` reads it; it is not for showing)."""
-        markup = self.markup
-        return self._render(markup.messages(messages), markup.value(tools), generation_prompt)
+    @property
+    def variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (what `template_kwargs` may set)."""
+        return template_variables(_template_source(self.tokenizer))
 
-    def _render(self, messages: Sequence[Mapping], tools: list[dict] | None, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+    @property
+    def reserved_variables(self) -> frozenset[str]:
+        """Variables every render sets from the tokenizer (`bos_token`, ...): a request must not replace them."""
+        return _SPECIAL_TOKEN_NAMES | frozenset(getattr(self.tokenizer, "special_tokens_map", None) or ())
+
+    def render(
+        self, messages: Sequence[dict], tools: list[dict] | None, *, generation_prompt: bool, template_kwargs: Mapping | None = None
+    ) -> str:
+        """The prompt text, content escaped (`encode` reads it; it is not for showing). `template_kwargs`:
+        extra template variables (`enable_thinking`, ...), as `toolcalls.to_template_kwargs` returns them."""
+        markup = self.markup
+        kwargs = markup.value(template_kwargs) if template_kwargs else _NO_KWARGS
+        return self._render(markup.messages(messages), markup.value(tools), generation_prompt, kwargs)
+
+    def _render(self, messages: Sequence[Mapping], tools: list[dict] | None, generation_prompt: bool, kwargs: Mapping) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
 
     def encode(self, text: str) -> list[int]:
         """Ids of rendered text: markers where the template wrote them, content as plain tokens."""
@@ -220,25 +266,20 @@ class TokenizerTemplate:
 class CompiledTemplate(TokenizerTemplate):
     """The same results without the per-call layers, for a `TokenizersBackend` (fast) tokenizer.
 
-    `render` takes messages and tools as `to_template_messages` / `to_template_tools` return them:
-    plain JSON values, no None-valued message keys, no reasoning fields (the layers skipped here
-    exist to normalise anything else).
+    `render` takes messages, tools and template kwargs as `to_template_messages` / `to_template_tools` /
+    `to_template_kwargs` return them: plain JSON values, no None-valued message keys, reasoning already
+    under both of transformers' names (the layers skipped here exist to normalise anything else).
     """
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         self._backend = tokenizer._tokenizer
 
-    def _render(self, messages: Sequence[Mapping], tools: list[dict] | None, generation_prompt: bool) -> str:
+    def _render(self, messages: Sequence[Mapping], tools: list[dict] | None, generation_prompt: bool, kwargs: Mapping) -> str:
         # Looked up per call (transformers caches the compiled template), so a replaced template is used.
         compiled = _compile_jinja_template(self.tokenizer.get_chat_template(None, tools))
-        return compiled.render(
-            messages=messages,
-            tools=tools,
-            documents=None,
-            add_generation_prompt=generation_prompt,
-            **self.tokenizer.special_tokens_map,
-        )
+        variables = {**self.tokenizer.special_tokens_map, **kwargs} if kwargs else self.tokenizer.special_tokens_map
+        return compiled.render(messages=messages, tools=tools, documents=None, add_generation_prompt=generation_prompt, **variables)
 
     def encode(self, text: str) -> list[int]:
         backend = self._backend

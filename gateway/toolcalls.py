@@ -5,9 +5,10 @@ Two directions:
   (`content` plus `tool_calls` with JSON-string arguments). It never raises: markup the model got
   wrong comes back verbatim as content with `parse_error` set, so the agent sees what was sampled and
   the episode carries on.
-- agent -> template: `to_template_messages` / `to_template_tools` validate request messages and turn
-  them into the form the chat template renders (arguments as a mapping of strings). Bad client input
-  raises `MessageError`, which the HTTP layer answers with a 400.
+- agent -> template: `to_template_messages` / `to_template_tools` / `to_template_kwargs` validate
+  request messages, tools and template variables and turn them into the form the chat template renders
+  (arguments as a mapping of JSON values, reasoning kept). Bad client input raises `MessageError`,
+  which the HTTP layer answers with a 400.
 
 Markup: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`, one or more
 calls after the content, then `<|endoftext|>`. The template also renders string arguments (OpenAI
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,8 @@ from asyncrl.policy.tokenizer import (
 MARKERS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, ARG_KEY_OPEN, ARG_KEY_CLOSE, ARG_VALUE_OPEN, ARG_VALUE_CLOSE)
 _MARKER_RE = re.compile("(" + "|".join(re.escape(m) for m in MARKERS) + ")")
 ROLES = ("system", "user", "assistant", "tool")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+"""Where an echoed assistant message may carry its reasoning (vLLM, DeepSeek; Anthropic-style; OpenRouter)."""
 
 
 class MessageError(ValueError):
@@ -85,10 +88,7 @@ def parse_completion(
     schema type is not "string" (as GLM's own parser does), so `"42"` stays a string for a string
     parameter. `new_id` makes tool-call ids (default: random `call_...`).
     """
-    ids = list(token_ids)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if ids and eos is not None and ids[-1] == eos:
-        ids.pop()
+    ids = strip_stop(token_ids, tokenizer, MARKERS)
     marker_ids = {}
     for marker in MARKERS:
         token_id = tokenizer.convert_tokens_to_ids(marker)
@@ -108,6 +108,20 @@ def parse_completion(
         if token_id is not None:
             pieces.append((marker_ids[token_id], marker_ids[token_id]))
     return _parse(pieces, tools, new_id)
+
+
+def strip_stop(token_ids: Sequence[int], tokenizer: Any, keep: Collection[str] = ()) -> list[int]:
+    """The reply without the token it stopped on: EOS, or another special token that is not markup in
+    `keep` (GLM-4.5 stops on `<|observation|>` or `<|user|>`, Llama 3 on `<|eom_id|>`)."""
+    ids = list(token_ids)
+    if not ids:
+        return ids
+    if ids[-1] == getattr(tokenizer, "eos_token_id", None):
+        return ids[:-1]
+    token = (getattr(tokenizer, "added_tokens_decoder", None) or {}).get(ids[-1])
+    if token is not None and getattr(token, "special", False) and getattr(token, "content", None) not in keep:
+        return ids[:-1]
+    return ids
 
 
 def parse_completion_text(text: str, tools: Sequence[Mapping] | None = None, new_id: Callable[[], str] | None = None) -> ParsedCompletion:
@@ -238,8 +252,10 @@ def to_template_messages(messages: Any) -> list[dict]:
     """OpenAI request messages -> the mapping form the chat template renders.
 
     Keeps only what the template renders: role, content (text) and, for assistant messages, tool
-    calls with arguments as a mapping. Argument values are strings, non-strings written as JSON, the
-    way the model writes them, so a re-rendered call reads like a sampled one.
+    calls with arguments as a mapping of JSON values (chat templates serialise them: `tojson`, or GLM's
+    `v if v is string else v | tojson`) and the reply's reasoning. Reasoning sent as `reasoning_content`,
+    `thinking` or `reasoning` is passed under the first two names, as transformers' own call does, so
+    templates that read either see it.
     """
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
         raise MessageError("messages must be a non-empty list")
@@ -261,6 +277,13 @@ def _template_message(message: Any, where: str) -> dict:
         if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
             raise MessageError(f"{where}.tool_calls must be a list")
         out["tool_calls"] = [_template_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+    if role == "assistant":
+        reasoning = next((message[name] for name in REASONING_FIELDS if message.get(name) is not None), None)
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise MessageError(f"{where}.reasoning_content must be a string or null")
+            # transformers' order exactly: `thinking` first, `reasoning_content` last.
+            return {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
 
 
@@ -291,8 +314,7 @@ def _template_call(call: Any, where: str) -> dict:
         arguments = _loads(arguments or "{}")
     if not isinstance(arguments, Mapping):
         raise MessageError(f"{where}.function.arguments must be a JSON object (or a string holding one)")
-    values = {str(k): v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for k, v in arguments.items()}
-    return {"type": "function", "function": {"name": name, "arguments": values}}
+    return {"type": "function", "function": {"name": name, "arguments": {str(k): v for k, v in arguments.items()}}}
 
 
 def to_template_tools(tools: Any) -> list[dict] | None:
@@ -308,3 +330,69 @@ def to_template_tools(tools: Any) -> list[dict] | None:
         if tool.get("type", "function") != "function":
             raise MessageError(f"tools[{i}].type must be 'function'")
     return [dict(t) for t in tools]
+
+
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARGS_CHARS = 4096
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+RENDER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"})
+"""Template variables the gateway sets itself; a request may not."""
+
+
+def to_template_kwargs(kwargs: Any, reads: frozenset[str], reserved: frozenset[str]) -> tuple[dict | None, str]:
+    """A request's template variables (`chat_template_kwargs`, plus `reasoning_effort`) checked against
+    the template: (the variables, or None for none; their canonical JSON, "" for none).
+
+    Each must be a name the template reads (`reads`): a thinking switch the template ignores would
+    otherwise be silently dropped, and the agent would believe thinking was off. `reserved`: names the
+    render sets (messages, special tokens), which would let a request write a marker's text as a marker.
+    Values are plain JSON, and small. Anything else is a `MessageError` naming the field.
+    """
+    if not kwargs:
+        return None, ""
+    if not isinstance(kwargs, Mapping):
+        raise MessageError("chat_template_kwargs must be an object")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise MessageError(f"chat_template_kwargs has {len(kwargs)} keys; at most {MAX_TEMPLATE_KWARGS}")
+    for name, value in kwargs.items():
+        where = _kwarg_field(name)
+        if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
+            raise MessageError(f"{where}: keys must be identifiers of at most 64 characters")
+        if name in RENDER_NAMES or name in reserved:
+            raise MessageError(f"{where}: {name} is set by the gateway, not by a request")
+        if name not in reads:
+            known = sorted(reads - RENDER_NAMES - reserved)
+            raise MessageError(
+                f"{where}: this model's chat template does not read {name}"
+                + (f" (it reads: {', '.join(known)})" if known else " (it reads no variables)")
+            )
+        _check_plain(value, where, depth=0)
+    try:
+        key = json.dumps(kwargs, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise MessageError("chat_template_kwargs: values must be finite numbers, strings, booleans, null, lists or objects") from None
+    if len(key) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise MessageError(f"chat_template_kwargs is {len(key)} characters as JSON; at most {MAX_TEMPLATE_KWARGS_CHARS}")
+    return dict(kwargs), key
+
+
+def _kwarg_field(name: Any) -> str:
+    if name == "reasoning_effort":
+        return "reasoning_effort (or chat_template_kwargs.reasoning_effort)"
+    return f"chat_template_kwargs.{name}"
+
+
+def _check_plain(value: Any, where: str, depth: int) -> None:
+    if depth > 4:
+        raise MessageError(f"{where}: nested more than 4 levels")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, list):
+        for item in value:
+            _check_plain(item, where, depth + 1)
+        return
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        for item in value.values():
+            _check_plain(item, where, depth + 1)
+        return
+    raise MessageError(f"{where} must be a JSON value (got {type(value).__name__})")

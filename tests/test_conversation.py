@@ -7,7 +7,7 @@ import json
 import pytest
 
 from asyncrl.gateway.conversation import Conversation, ConversationError
-from asyncrl.gateway.toolcalls import parse_completion, to_template_messages
+from asyncrl.gateway.toolcalls import MessageError, parse_completion, to_template_messages
 from asyncrl.policy.tokenizer import EOS, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {"type": "object", "properties": {}}}}]
@@ -258,3 +258,23 @@ def test_a_reply_that_spells_a_marker_is_echoed_with_one_render(tok) -> None:
     follow_up = conv.prepare([USER, returned, {"role": "user", "content": "again"}])
     assert tok.renders == 1  # the remembered text reads as the template renders the echoed reply
     assert follow_up.prompt_token_ids[: len(prepared.prompt_token_ids) + len(completion)] == prepared.prompt_token_ids + completion
+
+
+def test_template_kwargs_are_rendered_and_remembered_per_mark(tok) -> None:
+    # The embedded template reads no variables: any kwarg is refused, naming it.
+    with pytest.raises(MessageError, match=r"chat_template_kwargs\.enable_thinking: .* reads no variables"):
+        Conversation(tok).prepare([USER], TOOLS, {"enable_thinking": False})
+    tok = build_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ mode }}:{{ m.content }}{% endfor %}"
+    conv = Conversation(tok)
+    first = conv.prepare([USER], None, {"mode": "a"})
+    assert first.prompt_token_ids == encode(tok, "a:123*456")
+    conv.commit(first, encode(tok, "ok" + EOS), {"role": "assistant", "content": "ok"})
+    messages = [USER, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    same = conv.prepare(messages, None, {"mode": "a"})
+    assert same.branch_id == 0 and same.reused_tokens == len(conv.branch(0).token_ids)
+    # Every earlier turn renders otherwise under "b": the tokens made under "a" are not reused.
+    other = conv.prepare(messages, None, {"mode": "b"})
+    assert other.reused_tokens == 0 and other.prompt_token_ids == encode(tok, "b:123*456b:okb:more")
+    conv.commit(other, encode(tok, "x" + EOS), {"role": "assistant", "content": "x"})
+    assert conv.branch(1).fork_reason == "template"

@@ -134,6 +134,21 @@ def test_think_splits_reasoning_on_the_token_boundary_and_keeps_the_rest_exact(b
     assert (plain.reasoning_content, plain.content) == (None, "Paris") and "reasoning_content" not in plain.message()
 
 
+def test_where_the_tag_is_one_token_only_that_token_closes_the_thinking(bpe):
+    # The characters of "</think>" sampled as plain tokens are content: the text is not searched.
+    spelled = [*bpe.encode("a b", add_special_tokens=False), *bpe.encode("</", add_special_tokens=False)]
+    spelled += bpe.encode("think>7", add_special_tokens=False)
+    assert bpe.convert_tokens_to_ids("</think>") not in spelled and bpe.decode(spelled) == "a b</think>7"
+    assert reasoning_parser("think").split(spelled, bpe) == (None, spelled)
+    parsed = parse_reply(spelled, bpe, None, ids(), tool_call_parser("hermes"), reasoning_parser("think"))
+    assert (parsed.reasoning_content, parsed.content) == (None, "a b</think>7")
+    # Opened with the token and cut off: all of it is reasoning; "<think>" spelled out opens nothing.
+    opened = [*bpe.encode(" <think>", add_special_tokens=False), *bpe.encode("hmm", add_special_tokens=False)]
+    assert reasoning_parser("think").split(opened, bpe) == ("hmm", "")
+    spelled_open = [*bpe.encode("<", add_special_tokens=False), *bpe.encode("think>hmm", add_special_tokens=False)]
+    assert reasoning_parser("think").split(spelled_open, bpe) == (None, spelled_open)
+
+
 def test_think_splits_on_text_where_the_tag_is_no_single_token():
     tokenizer = byte_level_bpe([])  # "</think>" is several byte-level tokens here
     assert len(tokenizer.encode("</think>", add_special_tokens=False)) > 1

@@ -176,10 +176,15 @@ def test_template_messages_from_openai_wire_format() -> None:
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": "1", "b": "x", "c": "[true]"}}}],
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1, "b": "x", "c": [True]}}}],
         },
         {"role": "tool", "content": "42"},
     ]
+    # Reasoning an agent echoes is passed on under both of transformers' names, wherever it was sent.
+    for field in ("reasoning_content", "thinking", "reasoning"):
+        (echoed,) = to_template_messages([{"role": "assistant", "content": "42", field: "6*7"}])
+        assert echoed == {"thinking": "6*7", "role": "assistant", "content": "42", "reasoning_content": "6*7"}
+    assert to_template_messages([{"role": "user", "content": "x", "reasoning_content": "r"}]) == [{"role": "user", "content": "x"}]
 
 
 @pytest.mark.parametrize(
@@ -195,6 +200,7 @@ def test_template_messages_from_openai_wire_format() -> None:
         ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}], "JSON object"),
         ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}], "function.name"),
         ([{"role": "assistant", "tool_calls": "f"}], "must be a list"),
+        ([{"role": "assistant", "content": "x", "reasoning_content": 7}], "messages[0].reasoning_content"),
     ],
 )
 def test_bad_messages_say_what_is_wrong(messages, fragment: str) -> None:

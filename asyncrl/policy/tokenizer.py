@@ -36,7 +36,8 @@ VOCAB_SIZE = 128
 
 # An assistant turn ends with EOS, which the model samples itself; a tool call is rendered exactly as
 # the model is taught to write it, so a rendered conversation and a sampled one are the same tokens.
-# Arguments may be a mapping or (OpenAI wire format) a JSON string, which is rendered verbatim.
+# Arguments may be a mapping of JSON values (non-strings written as JSON, as GLM-4.5's template does)
+# or (OpenAI wire format) a JSON string, which is rendered verbatim.
 CHAT_TEMPLATE = (
     "{%- if tools -%}" + SYSTEM + "tools:{% for t in tools %} {{ t.function.name if t.function is defined else t.name }}"
     "{% endfor %}\n{%- endif -%}"
@@ -49,7 +50,7 @@ CHAT_TEMPLATE = (
     + TOOL_CALL_OPEN + "{{ f.name }}"
     "{%- if f.arguments is mapping -%}"
     "{%- for k, v in f.arguments.items() -%}"
-    + ARG_KEY_OPEN + "{{ k }}" + ARG_KEY_CLOSE + ARG_VALUE_OPEN + "{{ v }}" + ARG_VALUE_CLOSE
+    + ARG_KEY_OPEN + "{{ k }}" + ARG_KEY_CLOSE + ARG_VALUE_OPEN + "{{ v if v is string else v | tojson }}" + ARG_VALUE_CLOSE
     + "{%- endfor -%}"
     "{%- else -%}" + ARG_VALUE_OPEN + "{{ f.arguments }}" + ARG_VALUE_CLOSE + "{%- endif -%}"
     + TOOL_CALL_CLOSE +

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from asyncrl.gateway.toolcalls import ParsedCompletion
+from asyncrl.gateway.toolcalls import ParsedCompletion, strip_stop
 
 from .base import NewId
 
@@ -42,11 +42,7 @@ def _call(obj: Any, arguments_key: str, new_id: NewId, where: str) -> dict:
 
 
 def _decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
-    ids = list(token_ids)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if ids and eos is not None and ids[-1] == eos:
-        ids.pop()
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    return tokenizer.decode(strip_stop(token_ids, tokenizer), skip_special_tokens=False)
 
 
 class HermesParser:
