@@ -241,6 +241,29 @@ class SFTDataConfig(Section):
         return self
 
 
+class OptimizerConfig(Section):
+    """The optimizer of a training section (learner, sft); its learning rate and weight decay are the section's own
+    `lr` and `weight_decay`. adamw: AdamW on every parameter. muon: torch's Muon (orthogonalized momentum) on the
+    hidden weight matrices, each MoE expert's matrix on its own, and AdamW on embeddings, the LM head, norms,
+    biases, router gates and the DSA indexer's head weights. muon_split: as muon, but each attention head's
+    slice of a multi-head projection (q/k/v/o, MLA's q_b/kv_b, the indexer's wq_b) is orthogonalized on its own."""
+
+    type: Literal["adamw", "muon", "muon_split"] = "adamw"
+    """adamw (every parameter), muon (orthogonalized updates for hidden matrices) or muon_split (per attention head)."""
+    momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    """Muon: momentum of the gradient buffer that is orthogonalized."""
+    nesterov: bool = True
+    """Muon: orthogonalize the Nesterov look-ahead (gradient + momentum x buffer) instead of the buffer."""
+    ns_steps: int = Field(5, ge=1, le=99)
+    """Muon: Newton-Schulz iterations per orthogonalization (torch's quintic coefficients)."""
+    adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon: update scale per matrix (per head block under muon_split): match_rms_adamw (0.2 sqrt(max(rows, cols)),
+    so the section's AdamW lr and weight decay carry over) or original (sqrt(max(1, rows/cols)), Keller Jordan's)."""
+    adamw_lr: float | None = Field(None, gt=0, le=1.0)
+    """muon / muon_split: learning rate of the AdamW group (embeddings, LM head, norms, biases, gates); None: the
+    section's lr."""
+
+
 class SFTConfig(Section):
     """Supervised warm start on demonstrations of the built-in tasks and, with `data.path`, on chat rows from a file."""
 
@@ -251,13 +274,15 @@ class SFTConfig(Section):
     batch_size: int = Field(128, ge=1, le=4096)
     """Demonstrations per optimizer step."""
     lr: float = Field(1e-3, gt=0, le=1.0)
-    """Peak AdamW learning rate."""
+    """Peak learning rate (every group's; `optimizer.adamw_lr` sets the AdamW group's under muon / muon_split)."""
     warmup_steps: int = Field(50, ge=0)
     """Linear learning-rate warm-up."""
     weight_decay: float = Field(0.01, ge=0.0, le=1.0)
-    """AdamW weight decay."""
+    """Decoupled weight decay (AdamW's, and Muon's under muon / muon_split)."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """adamw, muon or muon_split, with Muon's knobs (lr and weight_decay above)."""
     tool_demo_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Share of demonstrations that show the agentic tool-call format (a python tool call and its answer)."""
     general_demo_fraction: float = Field(0.0, ge=0.0, le=1.0)
@@ -554,12 +579,12 @@ class GatewayConfig(Section):
     max_ended_rollouts: int = Field(100_000, ge=1, le=10_000_000)
     """Ended rollouts whose status the gateway keeps in memory (~200 B each), so that a late call on one
     is refused without a store lookup; older ones are looked up in the store."""
-    tool_parser: str = Field("glm45", min_length=1)
+    tool_parser: str = Field("auto", min_length=1)
     """How replies' tool calls are read (gateway/parsers/): glm45 (GLM-4.5's XML-style arguments, the
     tiny policy's markup), hermes or qwen (JSON in <tool_call> tags), llama3_json, an entry point of the
     group asyncrl.tool_parsers, or an import path 'package.module:Class'; auto: the one the checkpoint's
     tokenizer config declares (tool_parser), else the one its chat template's markup implies (logged)."""
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = "auto"
     """How replies' thinking is split off into reasoning_content: think (<think>...</think>), an entry
     point of the group asyncrl.reasoning_parsers, or an import path; auto: the checkpoint's declared one,
     else think where its chat template writes <think>, else none; None: replies are all content."""
@@ -632,17 +657,19 @@ class LearnerConfig(Section):
     crash_statuses: list[Literal["env_crash", "timeout", "error"]] = ["env_crash", "error"]
     """Finish statuses that count as environment crashes and are dropped."""
     lr: float = Field(1e-4, gt=0, le=1.0)
-    """AdamW learning rate (3e-4 was unstable on the tiny policy)."""
+    """Learning rate (AdamW's; Muon's too under muon / muon_split; 3e-4 was unstable on the tiny policy with AdamW)."""
     weight_decay: float = Field(0.01, ge=0.0, le=1.0)
-    """AdamW weight decay."""
+    """Decoupled weight decay (AdamW's, and Muon's under muon / muon_split)."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """adamw, muon or muon_split, with Muon's knobs (lr and weight_decay above)."""
     batch_groups: int = Field(32, ge=1, le=65536)
     """GRPO groups per optimizer step."""
     push_every: int = Field(1, ge=1)
     """K: publish weights to the rollout workers every K optimizer steps."""
     reset_optimizer_on_push: bool = False
-    """Clear AdamW's moments after each weight push."""
+    """Clear the optimizer's moments (AdamW's, Muon's momentum buffers) after each weight push."""
     mtp_loss_weight: float = Field(0.0, ge=0.0, le=10.0)
     """Weight of the MTP auxiliary loss on sampled tokens during RL (keeps drafting accurate); 0 turns it off."""
     freeze_indexer: bool = True

@@ -5,7 +5,7 @@ A step is a few named verbs:
     select      -> drop aborted, crashed and stale rollouts; fill or drop GRPO groups (`selection`)
     advantages  -> group-relative advantages over the filled groups, padding repeats included
     accumulate  -> teacher-forced log-probs of every sampled token, the objective, backward
-    step        -> gradient clip, AdamW; the policy version goes up by one
+    step        -> gradient clip, the optimizer (`learner.optimizer`: AdamW, Muon, Muon Split); the policy version goes up by one
 
 Groups whose rewards are all equal have zero advantage, so their samples give exactly zero
 gradient: they are counted as trained but never run through the model (about 45% of a step's time
@@ -58,6 +58,7 @@ from asyncrl.records import Account, Sample
 from .batch import MicroBatch, Row, micro_batches, staleness_histogram, to_rows
 from .consistency import ConsistencyStats, warn_gaps
 from .objectives import ObjectiveOutput, distill_advantages, double_sided_is_loss, group_advantages, icepop_grpo_loss
+from .optim import build_optimizer
 from .routing_replay import replay
 from .selection import Selection, select
 
@@ -176,7 +177,10 @@ class RLLearner:
             # The MTP layer shares the policy's embedding and head; list those only once.
             seen = {id(p) for p in self.params}
             self.params += [p for p in trained_mtp.parameters() if p.requires_grad and id(p) not in seen]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = build_optimizer(
+            config.optimizer, model, self.params, lr=config.lr, weight_decay=config.weight_decay,
+            extra=[trained_mtp] if trained_mtp is not None else [],
+        )  # fmt: skip
         self.device = next(model.parameters()).device
 
     @classmethod
@@ -284,6 +288,7 @@ class RLLearner:
         return weights
 
     def reset_optimizer(self) -> None:
+        """Fresh moments (AdamW's, Muon's momentum buffers) for every parameter."""
         self.optimizer.state.clear()
 
     def save(self, directory: str | Path) -> Path:

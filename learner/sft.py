@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from asyncrl.configs.schema import RunConfig
+from asyncrl.configs.schema import RunConfig, SFTConfig
 from asyncrl.policy.mtp import draft_step, mtp_loss, policy_hidden_and_logits
 
+from .optim import build_optimizer
 from .sft_data import Demo, collate, length_buckets
 
 
@@ -104,6 +105,13 @@ def _packed_mtp_loss(model, mtp, hidden: torch.Tensor, batch: dict[str, torch.Te
         per_token = F.cross_entropy(logits[:, : -k - 1].reshape(-1, logits.shape[-1]), ids[:, k + 1 :].reshape(-1), reduction="none")
         losses.append((per_token * weights.reshape(-1)).sum() / num_tokens)
     return torch.stack(losses).mean()
+
+
+def sft_optimizer(sft: SFTConfig, model, mtp, params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer `sft.optimizer` names (AdamW, Muon, Muon Split) over `params`, the policy's and its
+    MTP layer's, at `sft.lr` and `sft.weight_decay`."""
+    extra = [mtp] if mtp is not None else []
+    return build_optimizer(sft.optimizer, model, params, lr=sft.lr, weight_decay=sft.weight_decay, extra=extra)
 
 
 def train_step(

@@ -36,7 +36,7 @@ from asyncrl.gateway.engines import LocalEngine
 from asyncrl.gateway.serving import episode_http_client, evaluation_gateway
 from asyncrl.gateway.template import chat_template
 from asyncrl.gateway.toolcalls import to_template_messages, to_template_tools
-from asyncrl.learner.sft import evaluation_loss, train_step
+from asyncrl.learner.sft import evaluation_loss, sft_optimizer, train_step
 from asyncrl.learner.sft_data import ChatRenderer, DemoStream, MixedStream
 from asyncrl.learner.sft_rows import ChatRows
 from asyncrl.policy.checkpoint import build_policy, save_policy
@@ -202,7 +202,7 @@ def run_sft(config: RunConfig) -> SFTResult:
     model.train()
     modules = [model] + ([mtp.train()] if mtp is not None else [])
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=sft.lr, weight_decay=sft.weight_decay)
+    optimizer = sft_optimizer(sft, model, mtp, params)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, sft.warmup_steps)))
     data = sft.data
     rows = chat_rows(config, tokenizer) if data.path is not None else None
