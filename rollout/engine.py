@@ -43,7 +43,7 @@ from .types import resolve_sampling, validate_prompt
 log = logging.getLogger(__name__)
 
 MAX_PREFILL_TOKENS = 8192
-"""Padded prompt tokens (rows x longest suffix) admitted into one prefill step; bounds its memory."""
+"""Padded prompt tokens (rows x longest piece) admitted into one prefill step; bounds its memory."""
 
 
 @dataclass(eq=False)
@@ -70,11 +70,12 @@ class _Request:
     verify_tokens: int = 0  # tokens those steps emitted
     routes: list[list[list[int]]] | None = None  # rollout.record_routes: per output token, per MoE layer, its experts
 
-    def pending_tokens(self) -> list[int]:
-        """Tokens the next forward must feed: the uncached prompt suffix, or the last sampled token."""
+    def pending_tokens(self, piece: int) -> list[int]:
+        """Tokens the next forward must feed: the uncached prompt suffix (at most `piece` of it: a long
+        prompt is prefilled over several steps), or the last sampled token."""
         if self.output:
             return self.output[self.computed - len(self.prompt) :]
-        return self.prompt[self.computed :]
+        return self.prompt[self.computed : self.computed + piece]
 
 
 class EmbeddedEngine:
@@ -296,12 +297,16 @@ class EmbeddedEngine:
         return self._execute_and_update(batch) if batch else []
 
     def _schedule(self) -> list[_Request]:
-        """Newly admitted requests (their prefill), else every running request (one decode token)."""
+        """Requests whose prompt is partly prefilled (its next piece), else newly admitted requests (their
+        prefill), else every running request (one decode token)."""
+        prefilling = [r for r in self._running if not r.output]  # a prompt longer than prefill_chunk_tokens
+        if prefilling:
+            return prefilling
         admitted: list[_Request] = []
         longest = 0
         while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
             request = self._waiting[0]
-            longest = max(longest, len(request.prompt))
+            longest = max(longest, min(len(request.prompt), self.config.prefill_chunk_tokens))
             if admitted and (len(admitted) + 1) * longest > MAX_PREFILL_TOKENS:
                 break
             self._waiting.popleft()
@@ -316,7 +321,7 @@ class EmbeddedEngine:
 
     def _execute_and_update(self, batch: list[_Request]) -> list[GenerationResult]:
         prefill = not batch[0].output  # _schedule never mixes prefill and decode
-        rows = [r.pending_tokens() for r in batch]
+        rows = [r.pending_tokens(self.config.prefill_chunk_tokens) for r in batch]
         hidden, drafted = None, [0] * len(batch)
         routes: list[list] = [[] for _ in batch]
         try:
@@ -332,11 +337,18 @@ class EmbeddedEngine:
                     logits = self.model.logits(hidden[torch.arange(len(batch)), forward.last_index])
                 else:
                     logits = self.model.forward(forward, self.cache)
-                sampled, logps = sample(logits, [r.params for r in batch], [r.rng for r in batch])
-                tokens, logprobs = [[t] for t in sampled], [[lp] for lp in logps]
+                # Only rows whose prompt this step completes sample (a partly prefilled one must not draw
+                # from its random stream: a seeded request samples the same tokens however it is prefilled).
+                done = [b for b, r in enumerate(batch) if r.output or r.computed + len(rows[b]) == len(r.prompt)]
+                tokens, logprobs = [[] for _ in batch], [[] for _ in batch]
+                if done:
+                    picked = logits if len(done) == len(batch) else logits[done]
+                    sampled, logps = sample(picked, [batch[b].params for b in done], [batch[b].rng for b in done])
+                    for b, token, logprob in zip(done, sampled, logps, strict=True):
+                        tokens[b], logprobs[b] = [token], [logprob]
                 if self.record_routes:  # each row's last position sampled its token
                     recorded = self.model.recorded_routes(len(batch))
-                    routes = [[recorded[b, int(forward.last_index[b])].tolist()] for b in range(len(batch))]
+                    routes = [[recorded[b, int(forward.last_index[b])].tolist()] if tokens[b] else [] for b in range(len(batch))]
         except Exception as error:  # a bug or resource failure: fail this batch, keep the engine
             log.exception("engine step failed")
             self.last_error = f"{type(error).__name__}: {error}"
@@ -360,9 +372,14 @@ class EmbeddedEngine:
                 if reason:
                     break  # drafts past a stop are discarded, as if never sampled
             if prefill:
-                request.first_token = now
-                if hidden is not None:
-                    request.mtp_computed, request.mtp_hidden = request.computed, hidden[b, : len(rows[b])]
+                if tokens[b]:
+                    request.first_token = now
+                if hidden is not None:  # the drafter's pending states: every prompt position, piece after piece
+                    piece = hidden[b, : len(rows[b])]
+                    if request.mtp_hidden is None:
+                        request.mtp_computed, request.mtp_hidden = request.computed, piece
+                    else:
+                        request.mtp_hidden = torch.cat([request.mtp_hidden, piece])
                 request.computed += len(rows[b])
             else:
                 if hidden is not None:

@@ -261,3 +261,30 @@ def test_a_caller_whose_event_loop_closed_costs_nobody_else_their_result(model):
         check_closed_caller(engine.front, lambda: engine.generate(PROMPT, params))
     finally:
         engine.shutdown()
+
+
+def test_a_prompt_longer_than_a_prefill_piece_is_prefilled_over_steps_and_samples_the_same(model):
+    long_prompt = [(7 * i) % 90 + 3 for i in range(70)]  # several pieces of 16, past the tiny model's index_topk
+    prompts = [long_prompt, PROMPT, long_prompt[:33]]
+    params = [SamplingParams(temperature=1.0, max_tokens=6, seed=11 + i) for i in range(3)]
+    whole = run_to_completion(new_engine(model), list(zip(prompts, params, strict=True)))
+    pieces = new_engine(model, prefill_chunk_tokens=16)
+    ids = [pieces.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+    longest = None
+    done, steps = {}, 0
+    while pieces.has_unfinished():
+        done.update((r.request_id, r) for r in pieces.step())
+        steps += 1
+        longest = longest or next(r for r in pieces._running if r.id == ids[0])
+        if steps < 5:  # ceil(70 / 16) pieces: the prompt's KV grows a piece a step, nothing sampled yet
+            assert longest.computed == 16 * steps and not longest.output
+    assert len(longest.output) == 6
+    for request_id, expected in zip(ids, whole, strict=True):
+        assert_same_sample(done[request_id], expected)
+    # A retained prefix plus a long new suffix: the suffix is prefilled in pieces after the cached part.
+    first = run_to_completion(pieces, [(PROMPT, SamplingParams(max_tokens=3, seed=1))], session_id="s")[0]
+    follow = [*PROMPT, *first.token_ids, *long_prompt[:40]]
+    again = run_to_completion(pieces, [(follow, SamplingParams(temperature=1.0, max_tokens=5, seed=3))], session_id="s")[0]
+    fresh = run_to_completion(new_engine(model), [(follow, SamplingParams(temperature=1.0, max_tokens=5, seed=3))])[0]
+    assert again.cached_prompt_tokens == len(PROMPT) + len(first.token_ids) - 1
+    assert_same_sample(again, fresh)

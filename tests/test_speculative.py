@@ -262,3 +262,15 @@ def test_chained_draft_batches_equal_freshly_built_ones():
     for name in ("slots", "tokens", "positions", "last_index", "mask", "write_slots", "write_positions"):
         assert torch.equal(getattr(chained, name), getattr(fresh, name)), name
     assert (chained.context_len, chained.write_rows, chained.slot_range) == (fresh.context_len, None, (2, 5))
+
+
+def test_drafting_after_a_prompt_prefilled_in_pieces_is_unchanged():
+    model = make_tiny_model("qwen3", eos_token_id=None, config_overrides={"vocab_size": 8})
+    mtp = build_mtp(model, seed=1).eval()
+    prompts = [[i % 8 for i in range(3, 40)], [4, 1, 2]]
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    whole = run_to_completion(engine(model, mtp, mtp_drafting=True, mtp_draft_tokens=3), [(p, greedy) for p in prompts])
+    drafting = engine(model, mtp, mtp_drafting=True, mtp_draft_tokens=3, prefill_chunk_tokens=16)
+    pieces = run_to_completion(drafting, [(p, greedy) for p in prompts])
+    assert [r.token_ids for r in pieces] == [r.token_ids for r in whole]
+    assert [r.mtp_accept_len for r in pieces] == [r.mtp_accept_len for r in whole]  # the drafter saw every prompt position
