@@ -67,6 +67,7 @@ class SamplingFields(_Open):
     stop_token_ids: list[int] | None = None
     n: int | None = Field(None, ge=1, le=2**31)
     stream: bool | None = None
+    """Server-sent events in OpenAI's chunk format (`streaming`); the turn is recorded as without it."""
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

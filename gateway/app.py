@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -29,11 +29,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from asyncrl.configs.schema import GatewayConfig
 from asyncrl.records import RequestError
 
-from . import api
+from . import anthropic, anthropic_route, api, streaming
 from .auth import refusal
 from .conversation import ConversationError
-from .engines import ScoringUnsupported, connect
-from .lean_route import LeanJSONRoute, rollout_key
+from .engines import EngineFailure, ScoringUnsupported, connect
+from .lean_route import LeanJSONRoute, anthropic_key, rollout_key
 from .pool import Abandoned, EngineUnavailable, GenerationTimeout
 from .registry import EngineIdTaken, RegistryFull
 from .service import GatewayError, GatewayService
@@ -55,14 +55,31 @@ _ERRORS: list[tuple[type[Exception], int, str]] = [
     (RegistryFull, 409, "too_many_engines"),
     (ScoringUnsupported, 501, "scoring_unsupported"),  # a well-formed request no engine here can serve
     (EngineUnavailable, 503, "engine_unavailable"),
+    (EngineFailure, 503, "engine_failed"),  # mid-stream, after tokens went out (nothing is retried then)
     (GenerationTimeout, 504, "timeout"),
 ]
 
 
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
+ANTHROPIC_PATHS = "/v1/messages"
+"""Routes whose errors take Anthropic's shape ({"type": "error", "error": {"type", "message"}})."""
+
+
+def error_response(status: int, code: str, message: str, path: str = "") -> JSONResponse:
     headers = {"x-should-retry": "false"} if status < 500 else None
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic.error_body(status, message), status, headers=headers)
+    kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": None}}, status, headers=headers)
+
+
+def classify(error: BaseException) -> tuple[int, str, str]:
+    """(status, code, message) of an error, as the handlers below answer it (for streams that already started)."""
+    if isinstance(error, GatewayError):
+        return error.status, error.code, str(error)
+    for kind, status, code in _ERRORS:
+        if isinstance(error, kind):
+            return status, code, str(error)
+    return 500, "internal_error", f"the gateway failed: {type(error).__name__}: {error}"
 
 
 class BodyLimit:
@@ -76,10 +93,11 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         too_big = f"request body exceeds gateway.max_body_bytes ({self.max_bytes} bytes)"
+        path = scope.get("path", "")
         if not declared.isdigit():
-            return await error_response(400, "invalid_request", "invalid Content-Length header")(scope, receive, send)
+            return await error_response(400, "invalid_request", "invalid Content-Length header", path)(scope, receive, send)
         if int(declared) > self.max_bytes:
-            return await error_response(413, "body_too_large", too_big)(scope, receive, send)
+            return await error_response(413, "body_too_large", too_big, path)(scope, receive, send)
         seen = 0
 
         async def limited():
@@ -93,7 +111,7 @@ class BodyLimit:
         try:
             await self.app(scope, limited, send)
         except _TooLarge as error:
-            await error_response(413, "body_too_large", error.detail)(scope, receive, send)
+            await error_response(413, "body_too_large", error.detail, path)(scope, receive, send)
 
 
 class _TooLarge(HTTPException):
@@ -177,17 +195,38 @@ def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
     run_token, engine_token = _token_checks(service)
 
     # The hot path: FastAPI's generic request handling (dependency solving, validation, response
-    # encoding) cost as much as the gateway's own work on a call, so these two routes are declared as
+    # encoding) cost as much as the gateway's own work on a call, so these routes are declared as
     # usual (the OpenAPI schema is FastAPI's own) but answered by a `LeanJSONRoute`.
-    async def chat_completions(request: api.ChatCompletionRequest, key: str | None = Depends(rollout_key)) -> JSONResponse:
-        return JSONResponse(await service.chat(key, request))
+    openai_error, anthropic_error = streaming.openai_error_event(classify), anthropic_route.error_event(classify)
 
-    async def completions(request: api.CompletionRequest, key: str | None = Depends(rollout_key)) -> JSONResponse:
-        return JSONResponse(await service.complete(key, request))
+    async def chat_completions(request: api.ChatCompletionRequest, key: str | None = Depends(rollout_key)) -> Any:
+        if not request.stream:
+            return JSONResponse(await service.chat(key, request))
+        turn = await service.begin_chat(key, request)
+        return streaming.EventStream(streaming.chat_events(service, turn, request), openai_error, lambda: service.drop(turn))
 
-    for path, endpoint in (("/v1/chat/completions", chat_completions), ("/v1/completions", completions)):
+    async def completions(request: api.CompletionRequest, key: str | None = Depends(rollout_key)) -> Any:
+        if not request.stream:
+            return JSONResponse(await service.complete(key, request))
+        if request.logprobs is not None:
+            raise GatewayError(400, "invalid_request", "logprobs with stream=true is not supported on /v1/completions; send one of them")
+        turn = await service.begin_text(key, request)
+        return streaming.EventStream(streaming.completion_events(service, turn, request), openai_error, lambda: service.drop(turn))
+
+    async def messages(request: anthropic.MessagesRequest, key: str | None = Depends(anthropic_key)) -> Any:
+        answer = await anthropic_route.create_message(service, key, request, anthropic_error)
+        return answer if isinstance(answer, streaming.EventStream) else JSONResponse(answer)
+
+    async def count_tokens(request: anthropic.CountTokensRequest, key: str | None = Depends(anthropic_key)) -> JSONResponse:
+        return JSONResponse(await anthropic_route.count_tokens(service, key, request))
+
+    routes: list[tuple[str, Callable[..., Any], str]] = [
+        ("/v1/chat/completions", chat_completions, "openai"), ("/v1/completions", completions, "openai"),
+        ("/v1/messages", messages, "anthropic"), ("/v1/messages/count_tokens", count_tokens, "anthropic"),
+    ]  # fmt: skip
+    for path, endpoint, tag in routes:
         app.router.add_api_route(
-            path, endpoint, methods=["POST"], tags=["openai"], response_class=JSONResponse, route_class_override=LeanJSONRoute
+            path, endpoint, methods=["POST"], tags=[tag], response_class=JSONResponse, route_class_override=LeanJSONRoute
         )
 
     @app.get("/v1/models", tags=["openai"])
@@ -247,7 +286,7 @@ def _install_errors(app: FastAPI) -> None:
     # which logs the error as a crash and re-raises it; these answer and are done.
     def answer(status: int, code: str):
         async def handler(request: Request, error: Exception) -> JSONResponse:
-            return error_response(status, code, str(error))
+            return error_response(status, code, str(error), request.url.path)
 
         return handler
 
@@ -256,12 +295,12 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, error: GatewayError) -> JSONResponse:
-        return error_response(error.status, error.code, str(error))
+        return error_response(error.status, error.code, str(error), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(error.status_code, "http_error")
-        return error_response(error.status_code, code, str(error.detail))
+        return error_response(error.status_code, code, str(error.detail), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -269,9 +308,9 @@ def _install_errors(app: FastAPI) -> None:
         for problem in error.errors():
             where = ".".join(str(p) for p in problem.get("loc", ()) if p != "body") or "body"
             problems.append(f"{where}: {problem.get('msg', 'invalid')}")
-        return error_response(400, "invalid_request", "; ".join(problems[:10]) or "invalid request")
+        return error_response(400, "invalid_request", "; ".join(problems[:10]) or "invalid request", request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal_error", f"the gateway failed: {type(error).__name__}: {error}")
+        return error_response(500, "internal_error", f"the gateway failed: {type(error).__name__}: {error}", request.url.path)

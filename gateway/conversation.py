@@ -375,7 +375,7 @@ def _restore_reasoning(
     msgs, keys_out = list(msgs), list(keys)
     for i in range(k):
         if keys_out[i] != recorded[i]:  # `_echo_without_reasoning`: all `_longest_match` lets through
-            reasoning = recorded[i][3]
+            reasoning = recorded[i][-1]  # the recorded key is (role, text, calls, reasoning)
             msgs[i] = {"thinking": reasoning, **msgs[i], "reasoning_content": reasoning}  # as toolcalls writes it
             keys_out[i] = recorded[i]
     return msgs, tuple(keys_out)

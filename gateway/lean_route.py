@@ -18,11 +18,12 @@ from typing import Any
 from fastapi import Depends
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
 from starlette.requests import HTTPConnection
 
 bearer = HTTPBearer(auto_error=False, description="the rollout's api_key from POST /rollouts")
+api_key_header = APIKeyHeader(name="x-api-key", auto_error=False, description="the rollout's api_key, as the Anthropic SDK sends it")
 
 
 async def rollout_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str | None:
@@ -31,8 +32,24 @@ async def rollout_key(credentials: HTTPAuthorizationCredentials | None = Depends
     return credentials.credentials if credentials else None
 
 
+async def anthropic_key(
+    api_key: str | None = Depends(api_key_header), credentials: HTTPAuthorizationCredentials | None = Depends(bearer)
+) -> str | None:
+    """The rollout key from `x-api-key` (the Anthropic SDK's `api_key`) or `Authorization: Bearer` (its `auth_token`)."""
+    return api_key or (credentials.credentials if credentials else None)
+
+
+async def _scope_key(dependency, scope) -> str | None:
+    connection = HTTPConnection(scope)
+    credentials = await bearer(connection)
+    if dependency is anthropic_key:
+        return await anthropic_key(await api_key_header(connection), credentials)
+    return await rollout_key(credentials)
+
+
 class LeanJSONRoute(APIRoute):
-    """A route whose endpoint is `async def endpoint(body: SomeModel, key = Depends(rollout_key)) -> Response`."""
+    """A route whose endpoint is `async def endpoint(body: SomeModel, key = Depends(rollout_key)) -> Response`
+    (or `Depends(anthropic_key)`); the Response may be any ASGI app (a stream)."""
 
     def __init__(self, path: str, endpoint: Any, **kwargs: Any) -> None:
         super().__init__(path, endpoint, **kwargs)
@@ -41,20 +58,20 @@ class LeanJSONRoute(APIRoute):
             len(params) == 2
             and inspect.isclass(params[0].annotation)
             and issubclass(params[0].annotation, BaseModel)
-            and getattr(params[1].default, "dependency", None) is rollout_key
+            and getattr(params[1].default, "dependency", None) in (rollout_key, anthropic_key)
         )
         if not shape_ok:  # anything else would be silently skipped by the lean app below
             raise TypeError(f"LeanJSONRoute {path}: the endpoint must take (body: BaseModel, key=Depends(rollout_key))")
-        self.app = _lean_app(endpoint, params[0].annotation)
+        self.app = _lean_app(endpoint, params[0].annotation, params[1].default.dependency)
 
 
-def _lean_app(endpoint, model: type[BaseModel]):
+def _lean_app(endpoint, model: type[BaseModel], key_dependency):
     async def app(scope, receive, send) -> None:
         body = await _read_body(receive)
         if body is None:
             return  # the client left; there is nobody to answer
         request = _validated(model, _content_type(scope), body)
-        key = await rollout_key(await bearer(HTTPConnection(scope)))
+        key = await _scope_key(key_dependency, scope)
         response = await endpoint(request, key)
         await response(scope, receive, send)
 

@@ -34,6 +34,13 @@ Per-rollout limits hold under concurrent calls on one key: branches (`conversati
 sampled tokens (`budget`: each call holds a turn and its max_tokens from before it is rendered until it
 is recorded or refused), each refused with a 400 naming its gateway.* key.
 
+A chat call runs in phases that the plain, streamed (`streaming`) and Anthropic (`anthropic_route`)
+routes share, so all three record the same turn for the same request: `begin_chat` (rollout, sampling
+fitted to the context, budget, exact prompt), then `generate` or `stream`, then `end_chat` (parse,
+commit, record), or `drop`. A stream whose caller leaves before the result (the client disconnected)
+aborts the engine request and records the turn truncated: the tokens sampled so far, finish reason
+"abort"; sample assembly trains on them like any turn's.
+
 Nothing here knows HTTP; `app.py` maps the exceptions raised here to status codes.
 """
 
@@ -46,11 +53,12 @@ import functools
 import hashlib
 import hmac
 import json
+import logging
 import random
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +77,8 @@ from .pool import EnginePool
 from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryRecorder, UnknownRollout
 from .template import chat_template
 from .toolcalls import REASONING_FIELDS, MessageError, ParsedCompletion
+
+log = logging.getLogger(__name__)
 
 TEXT_HISTORY = 8
 """Text-completion turns per rollout whose exact tokens a later prompt may reuse."""
@@ -191,6 +201,8 @@ class GatewayService:
         self.in_flight = 0
         self._cpu = CpuWorkers()
         """Where big prompts are rendered and tokenized; a stop signal does not wait for them."""
+        self._background: set[asyncio.Task] = set()
+        """Turns of streams being recorded, which the client leaving must not cancel."""
 
     def close(self) -> None:
         self._cpu.close()
@@ -306,8 +318,7 @@ class GatewayService:
     # --- generation ---------------------------------------------------------------------------
 
     async def chat(self, key: str | None, request: api.ChatCompletionRequest) -> dict:
-        if request.stream:
-            raise bad_request("stream=true is not supported by this gateway; send stream=false (or leave it out)")
+        """A whole chat completion (`stream` is the HTTP layer's business: `streaming.chat_events`)."""
         turn = await self.begin_chat(key, request)
         result, timings = await self.generate(turn)
         index, branch, parsed = await self.end_chat(turn, result, timings)
@@ -362,6 +373,24 @@ class GatewayService:
         index = await self._record(rollout, prepared.prompt_token_ids, result, turn.sampling, branch, timings, turn.started)
         return index, branch, parsed
 
+    async def count_prompt_tokens(self, key: str | None, request: api.ChatCompletionRequest) -> int:
+        """The prompt tokens a chat call with these messages would send now: rendered on the rollout's
+        conversation, as `begin_chat` would, with nothing reserved, sampled or recorded."""
+        rollout = await self.rollout_for_key(key)
+        if len(request.messages) > self.config.max_messages:
+            raise bad_request(f"{len(request.messages)} messages; gateway.max_messages is {self.config.max_messages}")
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        for i, message in enumerate(messages):
+            self._check_chars(f"messages[{i}]", _message_chars(message))
+        conversation = rollout.conversation
+        async with rollout.lock:
+            plan = _refusing(conversation.plan, messages, request.tools, _template_kwargs(request))
+            if plan.new_chars > OFFLOAD_CHARS or plan.chars > OFFLOAD_RENDER_CHARS:
+                draft = await self._cpu.run(_refusing, conversation.render, plan)
+            else:
+                draft = _refusing(conversation.render, plan)
+        return len(draft.prompt_token_ids)
+
     def parse(self, token_ids: Sequence[int], tools: list | None) -> ParsedCompletion:
         """A reply's content, reasoning and tool calls, read by this gateway's parsers."""
         return parse_reply(token_ids, self.tokenizer, tools, self._call_id, self.tool_parser, self.reasoning_parser)
@@ -373,8 +402,6 @@ class GatewayService:
         turn.rollout.budget.release(turn.reservation)
 
     async def complete(self, key: str | None, request: api.CompletionRequest) -> dict:
-        if request.stream:
-            raise bad_request("stream=true is not supported by this gateway; send stream=false (or leave it out)")
         turn = await self.begin_text(key, request)
         result, timings = await self.generate(turn)
         index, text = await self.end_text(turn, result, timings)
@@ -456,7 +483,7 @@ class GatewayService:
         params = SamplingParams(
             temperature=pick(request.temperature, defaults.temperature), top_p=pick(request.top_p, defaults.top_p),
             top_k=pick(request.top_k, defaults.top_k), max_tokens=max_tokens, seed=request.seed,
-            stop_token_ids=tuple(request.stop_token_ids or ()) + tuple(self._stop_token(s) for s in stops),
+            stop_token_ids=tuple(request.stop_token_ids or ()) + tuple(self.stop_token(s) for s in stops),
         )  # fmt: skip
         params.validate()  # a RequestError, answered as a 400
         refuse = self.config.sampling_overrides == "refuse"
@@ -464,7 +491,8 @@ class GatewayService:
             raise _override_refused(params, defaults)
         return params
 
-    def _stop_token(self, text: str) -> int:
+    def stop_token(self, text: str) -> int:
+        """The token a stop string stands for; a 400 unless it is exactly one token."""
         if len(text) > MAX_STOP_CHARS:
             raise bad_request(f"stop string of {len(text)} characters; only single-token stops are supported (or send stop_token_ids)")
         marker = self.template.marker_id(text)
@@ -519,7 +547,10 @@ class GatewayService:
 
     def _fit(self, sampling: SamplingParams, prompt_tokens: int) -> SamplingParams:
         """gateway.max_tokens_fit=clamp: a max_tokens past what the engines' context leaves after the prompt is
-        cut to fit (agent harnesses ask for far more than a small policy's context); refuse: the engine says no."""
+        cut to fit (agent harnesses ask for far more than a small policy's context); refuse: the engine says no.
+        A prompt past gateway.max_prompt_tokens is refused here first, naming that limit."""
+        if prompt_tokens > self.config.max_prompt_tokens:
+            raise bad_request(f"prompt is {prompt_tokens} tokens; gateway.max_prompt_tokens is {self.config.max_prompt_tokens}")
         context = self.pool.context_tokens()
         if self.config.max_tokens_fit != "clamp" or context is None or prompt_tokens + sampling.max_tokens <= context:
             return sampling
@@ -536,10 +567,12 @@ class GatewayService:
             self.drop(turn)
             raise
 
-    async def stream(self, turn: ChatTurn | TextTurn) -> AsyncIterator[TokenDelta | GenerationResult]:
+    async def stream(self, turn: ChatTurn | TextTurn) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
         """Sample a turn's completion as it comes: TokenDeltas, then the whole GenerationResult (whose
-        timings hold the gateway's too). A failure, or the caller leaving (`aclose`), drops the turn; the
-        caller records what it has (`end_chat` / `end_text`) before it leaves, if it wants it kept."""
+        timings hold the gateway's too); the caller then ends the turn (`end_chat` / `end_text`). A failure
+        drops the turn. A caller that leaves before the result (`aclose`, or its task cancelled: the client
+        disconnected) aborts the engine request, and the turn is recorded truncated: the tokens sampled so
+        far, finish reason "abort" (`_keep_truncated`, on a task of its own, since the caller's is ending)."""
         rollout, sampling = turn.rollout, turn.sampling
         if len(turn.prompt_token_ids) > self.config.max_prompt_tokens:
             self.drop(turn)
@@ -549,20 +582,60 @@ class GatewayService:
             sampling = dataclasses.replace(sampling, temperature=0.0)
         loop = asyncio.get_running_loop()
         began = time.perf_counter()
+        sampled = TokenDelta([], [], [])
+        finished = False
         self.in_flight += 1
         try:
-            stream = self.pool.stream(
+            engine = self.pool.stream(
                 rollout.id, turn.prompt_token_ids, sampling, deadline=loop.time() + self.config.request_timeout_s, abandon=rollout.abandon
             )
-            async for item in stream:
-                if isinstance(item, GenerationResult):
-                    item.timings = {**item.timings, "engine_call_s": time.perf_counter() - began}
-                yield item
+            async with contextlib.aclosing(engine):
+                async for item in engine:
+                    if isinstance(item, GenerationResult):
+                        finished = True
+                        item.timings = {**item.timings, "engine_call_s": time.perf_counter() - began}
+                    else:
+                        sampled.token_ids += item.token_ids
+                        sampled.logprobs += item.logprobs
+                        sampled.versions += item.versions
+                    yield item
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:
+                self._keep_truncated(turn, sampled, time.perf_counter() - began)
+            raise
         except BaseException:
             self.drop(turn)
             raise
         finally:
             self.in_flight -= 1
+
+    def _keep_truncated(self, turn: ChatTurn | TextTurn, sampled: TokenDelta, engine_s: float) -> None:
+        """Record what a stream sampled before its caller left, on its own task; its errors are logged."""
+        result = GenerationResult(
+            "", list(turn.prompt_token_ids), sampled.token_ids, sampled.logprobs, sampled.versions, "abort", error="the client left"
+        )
+        timings = {"engine_call_s": engine_s}
+        ending = self.end_chat(turn, result, timings) if isinstance(turn, ChatTurn) else self.end_text(turn, result, timings)
+
+        async def keep() -> None:
+            try:
+                await ending
+            except Exception as error:  # the rollout ended meanwhile, the store failed: nobody is left to tell
+                log.warning("rollout %s: the truncated turn of a stream its client left was not recorded: %s", turn.rollout.id, error)
+
+        self.background(keep())
+
+    def background(self, coroutine) -> asyncio.Task:
+        """Run `coroutine` on a task of its own, which outlives the request that started it (`settle` waits for it)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(_forget(self._background))
+        return task
+
+    async def settle(self) -> None:
+        """Wait for the turns still being recorded on background tasks (streams whose clients left)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     async def _generate(self, rollout: Rollout, prompt: list[int], sampling: SamplingParams) -> tuple[GenerationResult, dict]:
         if len(prompt) > self.config.max_prompt_tokens:
@@ -615,6 +688,15 @@ class GatewayService:
             "rollouts_running": len(self._live),
             "requests_in_flight": self.in_flight,
         }
+
+
+def _forget(tasks: set[asyncio.Task]):
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: whoever awaited it has it, or nobody is left to tell
+
+    return done
 
 
 def _refusing(step, *args):

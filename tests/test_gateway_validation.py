@@ -15,11 +15,12 @@ import socket
 import time
 
 import pytest
-from gateway_helpers import LiveGateway, Pausable, make_engine, make_service
+from gateway_helpers import TOKENIZER, LiveGateway, Pausable, make_engine, make_service
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
 from asyncrl.gateway.store import open_store
+from asyncrl.policy.tokenizer import ASSISTANT
 
 LIMITS = dict(max_tokens=8, max_messages=4, max_prompt_tokens=64, max_body_bytes=4096, max_branches=2, max_tokens_fit="refuse")
 USER = [{"role": "user", "content": "hi"}]
@@ -78,11 +79,18 @@ def _open(gateway) -> tuple[str, str]:
     return response.json()["rollout_id"], response.json()["api_key"]
 
 
+ANTHROPIC_4XX = {"invalid_request_error", "authentication_error", "not_found_error", "conflict_error", "request_too_large"}
+
+
 def _error(response) -> str:
-    """The error message of a 4xx answer in the gateway's OpenAI error shape."""
+    """The error message of a 4xx answer in the gateway's OpenAI error shape (Anthropic's on the Messages routes)."""
     assert 400 <= response.status_code < 500, f"{response.status_code}: {response.text[:300]}"
-    error = response.json()["error"]
-    assert error["type"] == "invalid_request_error", error
+    body = response.json()
+    error = body["error"]
+    if response.request.url.path.startswith("/v1/messages"):
+        assert body["type"] == "error" and error["type"] in ANTHROPIC_4XX and set(error) == {"type", "message"}, body
+    else:
+        assert error["type"] == "invalid_request_error", error
     return error["message"]
 
 
@@ -115,7 +123,15 @@ CASES = [
         400,
         "only assistant messages carry tool_calls",
     ),
-    ("POST /v1/chat/completions", _chat(stream=True), 400, "stream=true is not supported"),
+    ("POST /v1/chat/completions", _chat(stream="maybe"), 400, "stream"),
+    ("POST /v1/chat/completions", _chat(stream=True, stream_options=[]), 400, "stream_options"),
+    ("POST /v1/chat/completions", _chat(stream=True, stream_options={"include_usage": "perhaps"}), 400, "include_usage"),
+    ("POST /v1/chat/completions", _chat(stream=True, n=2), 400, "n must be 1"),
+    ("POST /v1/chat/completions", _chat(stream=True, max_tokens=9), 400, "gateway.max_tokens_fit is refuse"),
+    ("POST /v1/chat/completions", _chat(stream=True, tool_choice="required"), 400, "tool_choice"),
+    ("POST /v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 80}], "stream": True}, 400, "gateway.max_prompt_tokens"),
+    ("POST /v1/completions", {"prompt": "hi", "stream": True, "logprobs": 1}, 400, "logprobs with stream=true"),
+    ("POST /v1/completions", {"prompt": ["a", "b"], "stream": True}, 400, "one prompt per request"),
     ("POST /v1/chat/completions", _chat(n=2), 400, "n must be 1"),
     ("POST /v1/chat/completions", _chat(max_tokens=9), 400, "gateway.max_tokens 8"),
     ("POST /v1/chat/completions", _chat(max_tokens=0), 400, "max_tokens"),
@@ -136,6 +152,29 @@ CASES = [
     ("POST /v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("POST /v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt"),
     ("POST /v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("POST /v1/messages", b"{not json", 400, "JSON"),
+    ("POST /v1/messages", {"max_tokens": 8, "messages": "hi"}, 400, "messages"),
+    ("POST /v1/messages", {"messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens: Field required"),
+    ("POST /v1/messages", {"max_tokens": 8, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("POST /v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [7]}]}, 400, "content"),
+    (
+        "POST /v1/messages",
+        {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "r"}]}]},
+        400,
+        "messages[0].content[0].tool_use_id 'toolu_1' matches no tool_use block",
+    ),
+    (
+        "POST /v1/messages",
+        {"max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": [{"type": "tool_result", "content": "r"}]}]},
+        400,
+        "messages[0].content[0].tool_use_id must be a non-empty string",
+    ),
+    ("POST /v1/messages", {"max_tokens": 8, "stream": True, "messages": USER * 5}, 400, "gateway.max_messages is 4"),
+    ("POST /v1/messages", {"max_tokens": 9, "stream": True, "messages": USER}, 400, "gateway.max_tokens 8"),
+    ("POST /v1/messages", {"max_tokens": 8, "messages": USER, "tools": [{"name": "f", "input_schema": "{}"}]}, 400, "tools[0]"),
+    ("POST /v1/messages/count_tokens", {"messages": []}, 400, "messages"),
+    ("POST /v1/messages/count_tokens", {"messages": [{"role": "assistant", "content": "x"}]}, 400, "prefilling"),
+    ("GET /v1/messages", None, 405, "Method Not Allowed"),
     ("POST /v1/tokens/generate", {"prompt_token_ids": [5, 100000]}, 400, "outside the vocabulary"),
     ("POST /v1/tokens/generate", {"prompt_token_ids": [5, -1]}, 400, "outside the vocabulary"),
     ("POST /v1/tokens/generate", {"prompt_token_ids": []}, 400, "prompt_token_ids"),
@@ -207,9 +246,49 @@ def test_malformed_requests_get_a_4xx_that_says_what_is_wrong(gateway, route, bo
     assert fragment in _error(response)
 
 
-def test_a_chat_on_an_ended_rollout_is_refused(gateway) -> None:
-    response = gateway.http.post("/v1/chat/completions", json=_chat(), headers={"Authorization": f"Bearer {gateway.ended_key}"})
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", _chat()),
+        ("/v1/chat/completions", _chat(stream=True)),
+        ("/v1/completions", {"prompt": "hi", "stream": True}),
+        ("/v1/messages", {"max_tokens": 8, "messages": USER}),
+        ("/v1/messages", {"max_tokens": 8, "messages": USER, "stream": True}),
+        ("/v1/messages/count_tokens", {"messages": USER}),
+    ],
+)
+def test_a_call_on_an_ended_rollout_is_refused(gateway, path, body) -> None:
+    """Streamed or not: a 409 before any stream starts, nothing recorded."""
+    response = gateway.http.post(path, json=body, headers={"Authorization": f"Bearer {gateway.ended_key}"})
     assert response.status_code == 409 and "takes no more calls" in _error(response)
+    assert _rollout_turns(gateway, gateway.ended_id) == 0
+
+
+def test_a_probe_of_the_root_is_a_4xx(gateway) -> None:
+    """Claude Code's first request is `HEAD /`, without a key."""
+    for method in ("HEAD", "GET"):
+        assert gateway.http.request(method, "/").status_code == 404
+
+
+def test_the_max_tokens_clamp_samples_at_most_the_cap(tmp_path_factory, engine) -> None:
+    """gateway.max_tokens_fit=clamp (the default; LIMITS refuses): a max_tokens above gateway.max_tokens gets a 200
+    with at most gateway.max_tokens sampled, on every route."""
+    with _live(tmp_path_factory, engine, max_tokens=4) as gateway:
+        rollout_id, key = _open(gateway)
+        headers = {"Authorization": f"Bearer {key}"}
+        calls = [
+            ("/v1/chat/completions", {"messages": USER, "max_tokens": 100000}),
+            ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 100000, "stream": True}),
+            ("/v1/completions", {"prompt": [TOKENIZER.convert_tokens_to_ids(ASSISTANT)], "max_tokens": 100000}),  # the script's start
+            ("/v1/messages", {"messages": USER, "max_tokens": 64000}),
+            ("/v1/messages", {"messages": USER, "max_tokens": 64000, "stream": True}),
+        ]
+        for path, body in calls:
+            response = gateway.http.post(path, json=body, headers=headers)
+            assert response.status_code == 200, (path, response.text)
+        turns = gateway.service.store.get(rollout_id).turns
+        assert len(turns) == len(calls) and all(len(t.completion_token_ids) <= 4 for t in turns)
+        assert {t.finish_reason for t in turns} == {"length"}  # the script is longer than 4 tokens
 
 
 def test_too_many_branches(gateway) -> None:
@@ -285,6 +364,9 @@ def _message(body: bytes) -> str:
 JSON = (b"Content-Type", b"application/json")
 ROLLOUT_ROUTES = [
     ("/v1/chat/completions", json.dumps(_chat()).encode()),
+    ("/v1/chat/completions", json.dumps(_chat(stream=True)).encode()),
+    ("/v1/messages", json.dumps({"max_tokens": 8, "messages": USER, "stream": True}).encode()),
+    ("/v1/messages/count_tokens", json.dumps({"messages": USER}).encode()),
     ("/v1/completions", b'{"prompt": "hi"}'),
     ("/v1/tokens/generate", b'{"prompt_token_ids": [5]}'),
 ]
@@ -321,7 +403,7 @@ FORGERIES = [
 
 
 @pytest.mark.parametrize("forgery", FORGERIES)
-@pytest.mark.parametrize(("path", "body"), ROLLOUT_ROUTES, ids=[r[0] for r in ROLLOUT_ROUTES])
+@pytest.mark.parametrize(("path", "body"), ROLLOUT_ROUTES, ids=[f"{r[0]}:{i}" for i, r in enumerate(ROLLOUT_ROUTES)])
 def test_a_forged_rollout_key_is_refused(gateway, path, body, forgery) -> None:
     forged = _forged_keys(gateway)
     if forgery not in forged:
@@ -408,7 +490,8 @@ def _post_routes(gateway) -> list[str]:
 def test_the_schema_names_every_lifecycle_and_engine_route(gateway) -> None:
     paths = set(gateway.http.get("/openapi.json").json()["paths"])
     expected = {"/rollouts", "/rollouts/{rollout_id}", "/rollouts/{rollout_id}/finish", "/rollouts/{rollout_id}/abort",
-                "/engines/register", "/engines/{engine_id}/heartbeat", "/v1/tokens/score", "/v1/tokens/generate"}  # fmt: skip
+                "/engines/register", "/engines/{engine_id}/heartbeat", "/v1/tokens/score", "/v1/tokens/generate",
+                "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"}  # fmt: skip
     assert expected <= paths
 
 
@@ -512,6 +595,28 @@ def test_a_client_that_leaves_mid_body_leaks_nothing(gateway, path) -> None:
     assert _a_later_chat_works(gateway)
 
 
+STREAMS = {
+    "/v1/chat/completions": json.dumps(_chat(stream=True)).encode(),
+    "/v1/completions": b'{"prompt": "hi", "stream": true}',
+    "/v1/messages": json.dumps({"max_tokens": 8, "messages": USER, "stream": True}).encode(),
+}
+
+
+@pytest.mark.parametrize("path", list(STREAMS))
+def test_a_stream_whose_client_leaves_at_once_leaks_nothing(gateway, path) -> None:
+    """The client leaves as soon as its stream answers: nothing stays running or reserved (the turn is recorded
+    truncated, or whole if it was done), and the rollout takes its next call."""
+    rollout_id, key = _open(gateway)
+    with _connect(gateway) as sock:
+        sock.sendall(_request(path, key, STREAMS[path]))
+        assert sock.recv(12).startswith(b"HTTP/1.1 200")
+    in_flight = lambda: gateway.http.get(f"/rollouts/{rollout_id}", headers=_auth(gateway, "/rollouts")).json()["in_flight"]  # noqa: E731
+    _wait_until(lambda: _idle(gateway) and not gateway.service._background and in_flight() == 0, "nothing running after the client left")
+    assert [t.finish_reason for t in gateway.service.store.get(rollout_id).turns] in (["abort"], ["length"], ["stop"])
+    response = gateway.http.post("/v1/chat/completions", json=_chat(), headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 200, response.text
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/rollouts"])
 def test_a_client_that_shuts_its_write_side_after_the_request_leaks_nothing(gateway, path) -> None:
     body = _chat_body() if path.startswith("/v1") else b"{}"
@@ -569,7 +674,7 @@ def test_no_generated_request_gets_a_5xx(tmp_path_factory, engine, mode) -> None
                 _fuzz(gateway, operation, schemathesis.GenerationMode(mode), server_errors)
             except Unsatisfiable:
                 assert mode == "negative"  # an operation without inputs has no invalid ones (GET /health)
-        assert {"/rollouts", "/rollouts/{rollout_id}/finish", "/engines/register"} <= covered
+        assert {"/rollouts", "/rollouts/{rollout_id}/finish", "/engines/register", "/v1/messages", "/v1/messages/count_tokens"} <= covered
         assert not server_errors, "\n".join(server_errors[:5])
 
 
@@ -580,7 +685,10 @@ def _fuzz(gateway, operation, mode, server_errors: list[str]) -> None:
     @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def check(case) -> None:
         response = case.call(headers=headers, timeout=30)
-        if response.status_code >= 500:
+        # A stream that failed after it started says so in an error event (its status was already 200).
+        content_type = response.headers.get("content-type") or ""  # schemathesis: a list of the header's values
+        failed_stream = "text/event-stream" in str(content_type) and ('"internal_error"' in response.text or '"api_error"' in response.text)
+        if response.status_code >= 500 or failed_stream:
             server_errors.append(f"{case.method} {case.path} {case.body!r}: {response.status_code} {response.text[:300]}")
 
     check()
