@@ -19,6 +19,10 @@ ensure_bubblewrap || [ "${CI:-}" != "true" ] || { echo "[test] bubblewrap is req
 ensure_docker || [ "${CI:-}" != "true" ] || { echo "[test] a Docker engine is required under CI=true" >&2; exit 1; }
 # The replay report's browser tests skip without Chromium, except under CI=true.
 ensure_chromium || [ "${CI:-}" != "true" ] || { echo "[test] chromium is required under CI=true" >&2; exit 1; }
+# Claude Code (tests/test_claude_code.py, marker claude_code) is installed into .cache/ where npm is; without it that test skips.
+if command -v npm >/dev/null; then
+    bash "$ROOT/scripts/claude_code.sh" >/dev/null || [ "${CI:-}" != "true" ] || { echo "[test] Claude Code is required under CI=true (npm is present)" >&2; exit 1; }
+fi
 
 set +e
 python -m pytest "$@"

@@ -1,5 +1,6 @@
 """The walkthrough's example (docs/REPLAY.md, docs/examples/): its config resolves, its environment loads
-through the same import-path loader a run uses, and it really is not deterministic."""
+through the same import-path loader a run uses, and it really is not deterministic. The example agents
+(docs/AGENTS.md) each run one episode through a real gateway and engine, and their turns are recorded."""
 
 from __future__ import annotations
 
@@ -49,3 +50,44 @@ def test_the_noisy_environment_gives_one_task_two_prompts(on_path):
     for _ in range(40):
         asyncio.run(env.run_episode(task, client))
     assert set(client.prompts) == {task.prompt, "Please: " + task.prompt}
+
+
+@pytest.fixture
+def agent_gateway(tmp_path, monkeypatch):
+    from agent_policy import agent_service
+    from gateway_helpers import LiveGateway
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    service, engine = agent_service(tmp_path / "store")
+    with LiveGateway(service) as live:
+        yield live
+    engine.shutdown()
+
+
+def _recorded(gateway, answer: dict, *texts: str) -> list:
+    """The episode's turns, after checking it finished and its first prompt holds `texts`."""
+    info = answer["rollout"]
+    assert info["status"] == "ok" and info["reward"] in (0.0, 1.0)
+    turns = gateway.service.store.get(info["rollout_id"]).turns
+    assert len(turns) == info["turns"] >= 1
+    prompt = gateway.service.tokenizer.decode(turns[0].prompt_token_ids)
+    assert all(text in prompt for text in texts), prompt
+    assert all(t.logprobs and set(t.versions) == {0} for t in turns)
+    return turns
+
+
+def test_the_openai_agents_example_runs_a_recorded_episode(agent_gateway):
+    import agent_openai_agents
+
+    answer = asyncio.run(agent_openai_agents.episode(agent_gateway.url, agent_gateway.run_token))
+    _recorded(agent_gateway, answer, "What is the capital of France?", '"name": "lookup_capital"', "Use lookup_capital.")
+
+
+def test_the_anthropic_example_runs_a_recorded_two_turn_episode(agent_gateway):
+    import agent_anthropic
+
+    answer = agent_anthropic.episode(agent_gateway.url, agent_gateway.run_token)
+    turns = _recorded(agent_gateway, answer, "What is the capital of Japan?", '"name": "lookup_capital"', agent_anthropic.SYSTEM)
+    first, second = turns
+    sampled = first.prompt_token_ids + first.completion_token_ids
+    assert second.branch == first.branch and second.prompt_token_ids[: len(sampled)] == sampled  # the second call extends the first
