@@ -33,7 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import api
-from .service import bad_request
+from .errors import bad_request
 from .toolcalls import ParsedCompletion
 
 MAX_SEQUENCES = 64

@@ -17,8 +17,9 @@ from asyncrl.records import GenerationResult
 
 from . import anthropic
 from .replystream import ReplyStream
-from .service import ChatTurn, GatewayService
+from .service import GatewayService
 from .streaming import EventStream, encode, ended, record_of
+from .turns import ChatTurn
 
 _BLOCKS = {"reasoning": ("thinking", "thinking_delta", "thinking"), "content": ("text", "text_delta", "text")}
 

@@ -33,10 +33,11 @@ from . import anthropic, anthropic_route, api, streaming
 from .auth import refusal
 from .conversation import ConversationError
 from .engines import EngineFailure, ScoringUnsupported, connect
+from .errors import GatewayError
 from .lean_route import LeanJSONRoute, anthropic_key, rollout_key
 from .pool import Abandoned, EngineUnavailable, GenerationTimeout
 from .registry import EngineIdTaken, RegistryFull
-from .service import GatewayError, GatewayService
+from .service import GatewayService
 from .store import RolloutClosed, StoreError, UnknownRollout
 from .toolcalls import MessageError
 
@@ -243,19 +244,19 @@ def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
 
     @app.post("/rollouts", tags=["lifecycle"], dependencies=[run_token])
     async def open_rollout(request: api.OpenRolloutRequest) -> api.OpenRolloutResponse:
-        return await service.open_rollout(request)
+        return await service.rollouts.open(request)
 
     @app.post("/rollouts/{rollout_id}/finish", tags=["lifecycle"], dependencies=[run_token])
     async def finish_rollout(rollout_id: str, request: api.FinishRolloutRequest) -> api.RolloutInfo:
-        return await service.finish_rollout(rollout_id, request)
+        return await service.rollouts.finish(rollout_id, request)
 
     @app.post("/rollouts/{rollout_id}/abort", tags=["lifecycle"], dependencies=[run_token])
     async def abort_rollout(rollout_id: str, request: api.AbortRolloutRequest | None = None) -> api.RolloutInfo:
-        return await service.abort_rollout(rollout_id, request or api.AbortRolloutRequest())
+        return await service.rollouts.abort(rollout_id, request or api.AbortRolloutRequest())
 
     @app.get("/rollouts/{rollout_id}", tags=["lifecycle"], dependencies=[run_token])
     async def get_rollout(rollout_id: str) -> api.RolloutInfo:
-        return await service.rollout_info(rollout_id)
+        return await service.rollouts.info(rollout_id)
 
     @app.post("/engines/register", tags=["engines"], dependencies=[engine_token])
     async def register_engine(request: api.RegisterEngineRequest) -> api.RegisterEngineResponse:

@@ -3,7 +3,7 @@
 - The run token (`rt-…`): the rollout lifecycle (open, finish, abort, describe) and scoring. Held by
   whoever runs episodes: the scheduler, an env runner, a distillation student, a person at a shell.
 - The engine token (`et-…`): engine registration, heartbeats and deregistration. Held by engines.
-- Rollout keys (`rk-…`, `GatewayService._key`): the calls of one rollout, nothing else.
+- Rollout keys (`rk-…`, `rollouts.RolloutTable.key`): the calls of one rollout, nothing else.
 
 Each token is an HMAC of a fixed label under the secret, so every gateway of a run (and `asyncrl token`,
 which reads the run's secret file) derives the same tokens without storing them anywhere. The labels

@@ -12,7 +12,8 @@ only code in the gateway's own process can. Same verbs and refusals as `AsyncGat
 from __future__ import annotations
 
 from asyncrl.gateway import api
-from asyncrl.gateway.service import GatewayError, GatewayService
+from asyncrl.gateway.errors import GatewayError
+from asyncrl.gateway.service import GatewayService
 from asyncrl.gateway.store import RolloutClosed, StoreError, UnknownRollout
 from asyncrl.lifecycle import LifecycleRefused, Rollout
 
@@ -23,15 +24,15 @@ class InProcessLifecycle:
 
     async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
         request = api.OpenRolloutRequest(task=task, group_id=group_id, metadata=metadata or {}, evaluation=evaluation)
-        opened = await _refusing(self.service.open_rollout(request))
+        opened = await _refusing(self.service.rollouts.open(request))
         return Rollout(opened.rollout_id, opened.api_key, self.url + "/v1")
 
     async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = ""):
         request = api.FinishRolloutRequest(reward=reward, status=status, metrics=metrics or {}, reason=reason)
-        return await _refusing(self.service.finish_rollout(rollout_id, request))
+        return await _refusing(self.service.rollouts.finish(rollout_id, request))
 
     async def abort(self, rollout_id: str, reason: str = ""):
-        return await _refusing(self.service.abort_rollout(rollout_id, api.AbortRolloutRequest(reason=reason)))
+        return await _refusing(self.service.rollouts.abort(rollout_id, api.AbortRolloutRequest(reason=reason)))
 
 
 async def _refusing(call):

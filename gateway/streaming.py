@@ -28,8 +28,10 @@ from typing import Any
 from asyncrl.records import GenerationResult, TokenDelta
 
 from . import api
+from .errors import GatewayError
 from .replystream import IncrementalDecoder, ReplyStream
-from .service import ChatTurn, GatewayError, GatewayService, TextTurn
+from .service import GatewayService
+from .turns import ChatTurn, TextTurn
 
 log = logging.getLogger(__name__)
 

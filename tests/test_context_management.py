@@ -237,7 +237,7 @@ def _tool_episode(engine, store, strategy, calls: int) -> tuple[Trajectory, list
             reused.append(reply.usage.prompt_tokens_details.cached_tokens)
             (call,) = reply.choices[0].message.tool_calls
             history += [_echo(reply.choices[0].message), {"role": "tool", "tool_call_id": call.id, "content": f"out {step}"}]
-        branches = gw.service._live[rollout_id].conversation.branches
+        branches = gw.service.rollouts.live[rollout_id].conversation.branches
         gw.http.post(f"/rollouts/{rollout_id}/finish", json={"reward": 1.0}).raise_for_status()
     trajectory = store.get(rollout_id)
     assert [t.branch for t in trajectory.turns] == labels
@@ -307,7 +307,7 @@ def test_the_agentic_environment_with_keep_last_records_a_fresh_fork_per_trimmed
         with LiveGateway(make_service(store, [engine])) as gw:
             rollout_id, key = gw.open(task="agentic")
             result = asyncio.run(episode(gw, key))
-            branches = gw.service._live[rollout_id].conversation.branches
+            branches = gw.service.rollouts.live[rollout_id].conversation.branches
             gw.http.post(f"/rollouts/{rollout_id}/finish", json={"reward": result.reward, "metrics": result.metrics}).raise_for_status()
         assert result.status == "ok" and result.reward == 1.0 and result.metrics["tool_calls"] == 3
         # Each call wrote a different program, so a trimmed request shares no turn boundary with any

@@ -14,8 +14,8 @@ import pytest
 from gateway_helpers import LiveGateway, Pausable, make_engine, make_service
 
 from asyncrl.gateway.engines import LocalEngine
-from asyncrl.gateway.service import OFFLOAD_CHARS
 from asyncrl.gateway.store import open_store
+from asyncrl.gateway.turns import OFFLOAD_CHARS
 
 MAX_BRANCHES = 8
 CALLS = 200
@@ -69,7 +69,7 @@ def test_concurrent_calls_on_one_key_stay_within_max_branches(engine, tmp_path, 
         for response in refused:
             assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_branches", response.text
             assert "max_branches" in response.json()["error"]["message"]
-        conversation = live.service._live[rollout_id].conversation
+        conversation = live.service.rollouts.live[rollout_id].conversation
         assert len(conversation.branches) <= MAX_BRANCHES
         turns = live.service.store.get(rollout_id).turns
         assert len(turns) == len(answered) + (history == "extending")  # a refused turn is not recorded
@@ -111,10 +111,10 @@ def test_a_rollout_picked_up_from_the_store_keeps_the_turns_it_spent(engine, tmp
         rollout_id, key = live.open()
         for _ in range(2):
             assert live.http.post("/v1/chat/completions", json={"messages": USER}, headers=_bearer(key)).status_code == 200
-        live.on_loop(live.service._live.pop, rollout_id)  # as after a restart: only the store knows the rollout
+        live.on_loop(live.service.rollouts.live.pop, rollout_id)  # as after a restart: only the store knows the rollout
         again = live.http.post("/v1/chat/completions", json={"messages": USER}, headers=_bearer(key))
         assert again.status_code == 400 and "gateway.max_rollout_turns is 2" in again.json()["error"]["message"], again.text
-        assert rollout_id in live.service._live  # it was picked up, and refused for what the store holds
+        assert rollout_id in live.service.rollouts.live  # it was picked up, and refused for what the store holds
 
 
 class Spy:
