@@ -19,6 +19,9 @@ aiohttp, so client and server do not share an interpreter lock.
   engine, so ~1000 requests are in flight together; true when every call succeeded.
 - <store>_turns_per_s: recorded turns per second through the gateway (64 sessions back to back,
   instant engine), SQLite and Redis; `*_store_appends_per_s` is the store alone, for scale.
+- stream_* and the Anthropic route (`gateway_routes`): time to first token and per-token time of
+  streamed chats over a bare SSE server's, and the Messages route's server CPU per call over chat
+  completions' for the same session.
 
     asyncrl bench gateway --json bench-gateway.json
 """
@@ -380,6 +383,11 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
             results[f"{name}_turns_per_s"] = round(len(walls) / elapsed, 1)
             results[f"{name}_store_appends_per_s"] = round(_store_appends_per_s(address, namespace + "-raw"), 1)
         _drop_redis_namespace(redis_url, redis_namespace)
+
+        from . import gateway_routes
+
+        results.update(gateway_routes.streaming(tmp))
+        results.update(gateway_routes.anthropic_route(tmp))
 
     results["setup"] = {
         "sessions": SESSIONS, "turns": TURNS, "repeats": REPEATS, "engine_latency_s": ENGINE_LATENCY_S,
