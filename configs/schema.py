@@ -94,9 +94,26 @@ class MTPConfig(Section):
     enabled: bool = True
     """Build, train and save the MTP layer."""
     train_depth: int = Field(1, ge=1, le=8)
-    """Depths 1..D at which the one shared MTP layer is trained (D=1 predicts token t+2)."""
+    """Depths 1..D at which the one shared MTP layer is unrolled in training (depth k predicts token t+k+1)."""
+    depth_weights: list[Annotated[float, Field(ge=0.0)]] | None = None
+    """lambda_1..lambda_D of L_MTP = sum_k lambda_k CE_k, one per depth; None weighs every depth 1/D."""
     loss_weight: float = Field(0.3, ge=0.0, le=10.0)
     """Weight of the MTP auxiliary loss relative to the next-token loss."""
+
+    @model_validator(mode="after")
+    def _check_depth_weights(self) -> MTPConfig:
+        if self.depth_weights is not None:
+            if len(self.depth_weights) != self.train_depth:
+                raise ValueError(
+                    f"depth_weights has {len(self.depth_weights)} entries, train_depth is {self.train_depth}: give one weight per depth"
+                )
+            if not sum(self.depth_weights) > 0:
+                raise ValueError("depth_weights must not all be 0 (set loss_weight to 0 to turn the MTP loss off)")
+        return self
+
+    def weights_per_depth(self) -> list[float]:
+        """lambda_k for k = 1..train_depth: `depth_weights`, or 1/D each (the mean over depths, as in DeepSeek-V3)."""
+        return list(self.depth_weights) if self.depth_weights is not None else [1.0 / self.train_depth] * self.train_depth
 
 
 class PolicyConfig(Section):
@@ -264,6 +281,25 @@ class OptimizerConfig(Section):
     section's lr."""
 
 
+class IndexerWarmupConfig(Section):
+    """DSA indexer warm-up after SFT (glm_moe_dsa only; learner/indexer_warmup.py): the dense stage trains only the
+    indexers, each to match its layer's head-averaged attention by KL, the policy frozen; the sparse stage then
+    trains with each indexer's top-k selection in effect, the indexers by KL on their selected positions and
+    everything else by the SFT loss. Both run after the SFT loop, before the final evaluation and the save."""
+
+    steps: int = Field(0, ge=0)
+    """Dense warm-up optimizer steps (0: no warm-up)."""
+    sparse_steps: int = Field(0, ge=0)
+    """Sparse adaptation steps after the dense ones (0: none)."""
+    lr: float = Field(1e-3, gt=0, le=1.0)
+    """AdamW learning rate of the indexers' own optimizer (both stages); the rest keeps the SFT optimizer's."""
+    batch_size: int = Field(32, ge=1, le=4096)
+    """Conversations per warm-up step (both stages)."""
+    sparse_index_topk: int | None = Field(None, ge=1)
+    """Key positions each query keeps in the sparse stage; None: the policy's index_topk. Set it below the SFT
+    conversations' length where they are shorter than index_topk, or the selection keeps every position."""
+
+
 class SFTConfig(Section):
     """Supervised warm start on demonstrations of the built-in tasks and, with `data.path`, on chat rows from a file."""
 
@@ -297,6 +333,8 @@ class SFTConfig(Section):
     SFT is scored on (e.g. a reasoning_gym task); None: the built-in reasoning task."""
     data: SFTDataConfig = SFTDataConfig()
     """Chat rows from a file, mixed with the demonstrations by `data.fraction`."""
+    indexer_warmup: IndexerWarmupConfig = IndexerWarmupConfig()
+    """DSA indexer warm-up (dense, then sparse) after the SFT loop; off unless `steps` or `sparse_steps` is set."""
 
     @model_validator(mode="after")
     def _check_fractions(self) -> SFTConfig:

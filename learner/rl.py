@@ -150,7 +150,7 @@ class RLLearner:
         mtp: MTPLayer | None = None,
         *,
         sampling_temperature: float = 1.0,
-        mtp_depth: int = 1,
+        mtp_depth_weights: Sequence[float] = (1.0,),
         version: int = 0,
     ) -> None:
         self.config = config
@@ -161,7 +161,8 @@ class RLLearner:
         self.mtp = mtp.eval() if mtp is not None else None
         self.temperature = sampling_temperature if sampling_temperature > 0 else 1.0
         """The run's sampling temperature, for tokens with none on record."""
-        self.mtp_depth = mtp_depth
+        self.mtp_depth_weights = list(mtp_depth_weights)
+        """lambda_k of the MTP loss for depths 1..len (policy.mtp.train_depth)."""
         self.version = version
         """Policy version of the current weights: +1 per optimizer step."""
         self.objective = make_objective(config)
@@ -196,7 +197,7 @@ class RLLearner:
         model, tokenizer, mtp = build_policy(run.policy, run.seed)
         return cls(
             run.learner, model, tokenizer, mtp,
-            sampling_temperature=sampling.temperature, mtp_depth=run.policy.mtp.train_depth,
+            sampling_temperature=sampling.temperature, mtp_depth_weights=run.policy.mtp.weights_per_depth(),
         )  # fmt: skip
 
     # -- one optimizer step -------------------------------------------------------------------
@@ -259,7 +260,7 @@ class RLLearner:
                 # toward every sampled token (negative-advantage ones included).
                 aux = mtp_loss(
                     self.model, trained_mtp, hidden.detach(), batch.input_ids, batch.attention_mask,
-                    batch.loss_mask, self.mtp_depth, float(max(computed_trainable, 1)),
+                    batch.loss_mask, len(self.mtp_depth_weights), float(max(computed_trainable, 1)), self.mtp_depth_weights,
                 )  # fmt: skip
                 (loss + self.config.mtp_loss_weight * aux).backward()
                 stats.mtp_loss += aux.item()

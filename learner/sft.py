@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.configs.schema import RunConfig, SFTConfig
-from asyncrl.policy.mtp import draft_step, mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.mtp import combine_depths, draft_step, mtp_loss, policy_hidden_and_logits
 
 from .optim import build_optimizer
 from .sft_data import Demo, collate, length_buckets
@@ -94,17 +94,19 @@ def _forward(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
     return hidden, model.get_submodule("lm_head")(hidden)
 
 
-def _packed_mtp_loss(model, mtp, hidden: torch.Tensor, batch: dict[str, torch.Tensor], depth: int, num_tokens: float) -> torch.Tensor:
+def _packed_mtp_loss(
+    model, mtp, hidden: torch.Tensor, batch: dict[str, torch.Tensor], depth_weights: Sequence[float], num_tokens: float
+) -> torch.Tensor:
     """`mtp_loss` over packed rows: packed positions, and targets in another sequence than their source dropped."""
     ids, positions, loss_mask = batch["input_ids"], batch["position_ids"], batch["loss_mask"]
     sequence = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
     losses, previous = [], hidden
-    for k in range(1, depth + 1):
+    for k in range(1, len(depth_weights) + 1):
         logits, previous = draft_step(model, mtp, previous, F.pad(ids[:, k:], (0, k), value=0), positions, None)
         weights = loss_mask[:, k + 1 :] * (sequence[:, k + 1 :] == sequence[:, : -k - 1])
         per_token = F.cross_entropy(logits[:, : -k - 1].reshape(-1, logits.shape[-1]), ids[:, k + 1 :].reshape(-1), reduction="none")
         losses.append((per_token * weights.reshape(-1)).sum() / num_tokens)
-    return torch.stack(losses).mean()
+    return combine_depths(losses, depth_weights)
 
 
 def sft_optimizer(sft: SFTConfig, model, mtp, params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -124,7 +126,7 @@ def train_step(
     are token means over the whole step, so bucketing and packing change the cost and nothing else.
     """
     num_targets = float(sum(sum(d.loss_mask[1:]) for d in demos))
-    depth, weight = config.policy.mtp.train_depth, config.policy.mtp.loss_weight
+    depth_weights, weight = config.policy.mtp.weights_per_depth(), config.policy.mtp.loss_weight
     loss_total, aux_total, tokens = 0.0, 0.0, 0
     for batch in micro_batches(demos, pad_token_id, pack_length):
         ids, mask = batch["input_ids"], batch["loss_mask"]
@@ -133,9 +135,9 @@ def train_step(
         total = loss
         if mtp is not None:
             if "position_ids" in batch:
-                aux = _packed_mtp_loss(model, mtp, hidden, batch, depth, num_targets)
+                aux = _packed_mtp_loss(model, mtp, hidden, batch, depth_weights, num_targets)
             else:
-                aux = mtp_loss(model, mtp, hidden, ids, batch["attention_mask"], mask, depth, num_targets)
+                aux = mtp_loss(model, mtp, hidden, ids, batch["attention_mask"], mask, len(depth_weights), num_targets, depth_weights)
             total = total + weight * aux
             aux_total += aux.item()
         total.backward()

@@ -15,6 +15,9 @@ text stays text. The held-out evaluation is the arithmetic environment's own epi
 in-process gateway over an embedded engine fed the current weights: the one evaluation path
 (envs/evaluation.py) that RL runs report too; with a held-out split of the file, its loss
 (`eval_loss`) is recorded at each evaluation as well.
+
+With `sft.indexer_warmup`, the GLM-5 shape's DSA indexers are warmed up after the loop (whichever
+rule stopped it) and before the final evaluation and the save: learner/indexer_warmup.py.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from asyncrl.gateway.engines import LocalEngine
 from asyncrl.gateway.serving import episode_http_client, evaluation_gateway
 from asyncrl.gateway.template import chat_template
 from asyncrl.gateway.toolcalls import to_template_messages, to_template_tools
+from asyncrl.learner.indexer_warmup import check_warmup, run_indexer_warmup
 from asyncrl.learner.sft import evaluation_loss, sft_optimizer, train_step
 from asyncrl.learner.sft_data import ChatRenderer, DemoStream, MixedStream
 from asyncrl.learner.sft_rows import ChatRows
@@ -190,6 +194,18 @@ def _report_rows(reporter: _Reporter, rows: ChatRows) -> None:
     reporter.record({"step": 0, "data_rows": len(rows.train), "data_heldout_rows": len(rows.heldout), "data_skipped": skipped, **by_reason})
 
 
+def _record_warmup(reporter: _Reporter, step: int, start: float, metrics: dict) -> None:
+    """A DSA warm-up record (learner/indexer_warmup.py) at the SFT step it follows; the first, every LOG_EVERY-th
+    and the agreement are said too."""
+    reporter.record({"step": step, **metrics, "elapsed_s": time.perf_counter() - start})
+    if "indexer_overlap" in metrics:
+        k, overlap, chance = metrics["indexer_overlap_k"], metrics["indexer_overlap"], metrics["indexer_overlap_chance"]
+        reporter.say(f"DSA warm-up: indexer top-{k} vs attention's top-{k}: overlap {overlap:.1%} (chance {chance:.1%})")
+    elif metrics["indexer_step"] == 1 or metrics["indexer_step"] % LOG_EVERY == 0:
+        loss = f"  loss {metrics['sparse_loss']:.3f}" if "sparse_loss" in metrics else ""
+        reporter.say(f"DSA warm-up {metrics['indexer_stage']} step {metrics['indexer_step']}  indexer KL {metrics['indexer_kl']:.4f}{loss}")
+
+
 def run_sft(config: RunConfig) -> SFTResult:
     """Train, evaluate, stop by the SFT rules, save; see the module docstring for the outputs."""
     torch.set_num_threads(config.torch_threads)
@@ -199,6 +215,7 @@ def run_sft(config: RunConfig) -> SFTResult:
     (out_dir / "config.yaml").write_text(dump_config(config))
 
     model, tokenizer, mtp = build_policy(config.policy, config.seed)
+    check_warmup(sft.indexer_warmup, model)
     model.train()
     modules = [model] + ([mtp.train()] if mtp is not None else [])
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
@@ -260,7 +277,11 @@ def run_sft(config: RunConfig) -> SFTResult:
             if elapsed >= sft.time_budget_s:
                 stop_reason = "time_budget"
                 break
-        if accuracy is None or step % sft.eval_every != 0:
+        warmed = run_indexer_warmup(
+            config, model, mtp, stream.batch, tokenizer.pad_token_id, pack_length, params, optimizer,
+            lambda metrics: _record_warmup(reporter, step, start, metrics),
+        )  # fmt: skip
+        if warmed or accuracy is None or step % sft.eval_every != 0:
             scores = evaluate()  # the checkpoint's own accuracy, not an earlier step's
             accuracy = scores["eval_accuracy"]
             reporter.record({"step": step, **scores, "elapsed_s": time.perf_counter() - start})
@@ -271,6 +292,8 @@ def run_sft(config: RunConfig) -> SFTResult:
 
     wall = time.perf_counter() - start
     provenance = {"asyncrl": {"stage": "sft", "step": step, "heldout_accuracy": accuracy}}
+    if warmed:
+        provenance["asyncrl"]["indexer_warmup"] = sft.indexer_warmup.model_dump()
     checkpoint = save_policy(out_dir / "checkpoint", model, tokenizer, mtp, extra_config=provenance)
     plot_curves(reporter.records, out_dir / "curves.png")
     return SFTResult(checkpoint, accuracy, step, wall, stop_reason)

@@ -135,7 +135,8 @@ def test_frozen_indexer_gets_no_gradient_stays_bit_identical_and_is_not_optimize
 
 def test_unfrozen_indexer_is_optimized_but_gets_no_gradient_from_transformers_forward():
     # transformers computes the indexer under no_grad (its top-k is discrete): freeze_indexer=False
-    # lists it in the optimizer, yet the RL loss cannot move it.
+    # lists it in the optimizer, yet the RL loss cannot move it. It learns only from its own KL loss,
+    # in the SFT-side warm-up (tests/test_indexer_warmup.py: a warmed-up indexer kept through RL).
     learner = _glm_learner(freeze=False)
     indexer = _indexer_params(learner)
     optimized = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}

@@ -9,7 +9,8 @@ the order is explicit: score descending, then position ascending (a stable sort)
 +0.0 first so that radix sorts, which tell the two zeros apart, agree with comparison sorts.
 
 `indexer_forward` is transformers' `GlmMoeDsaIndexer.forward` with the shared scoring and selection;
-`asyncrl.policy.routing.use_shared_selection` installs it on the learner's modules.
+`asyncrl.policy.routing.use_shared_selection` installs it on the learner's modules. `indexer_scores`
+is the same arithmetic with gradients, for the indexer's warm-up (learner/indexer_warmup.py).
 """
 
 from __future__ import annotations
@@ -44,13 +45,9 @@ def selection_mask(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch
     return torch.zeros_like(visible).scatter_(-1, chosen, True) & visible
 
 
-@torch.no_grad()
-def indexer_forward(indexer, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None):
-    """`GlmMoeDsaIndexer.forward` (transformers) through `index_scores` and `topk_positions`.
-
-    Returns the int32 top-k indices [B, S, min(index_topk, T)] as the original does. Under no_grad,
-    as in transformers: the selection is discrete, so no gradient reaches the indexer from the loss.
-    """
+def indexer_query_key(indexer, hidden_states, q_resid, position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The indexer's rotated queries [B, T, H, D], rotated normed keys [B, T, D] and head weights [B, T, H]
+    (scaled by H^-0.5) of a transformers `GlmMoeDsaIndexer`: its own forward's arithmetic, with gradients."""
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
     batch, length, _ = hidden_states.shape
@@ -63,10 +60,35 @@ def indexer_forward(indexer, hidden_states, q_resid, position_embeddings, attent
     q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads**-0.5
+    return q, k, weights
+
+
+def visible_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The bool [B, T, L] mask of the keys each query may see, from the mask transformers hands the
+    indexer: a bool one (sdpa) or an additive one (eager: 0 where visible)."""
+    return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+
+
+def indexer_scores(indexer, hidden_states, q_resid, position_embeddings, attention_mask) -> torch.Tensor:
+    """`index_scores` [B, T, T] of a transformers indexer over a whole sequence (no cache), with gradients
+    into its parameters: what the DSA warm-up trains (learner/indexer_warmup.py)."""
+    q, k, weights = indexer_query_key(indexer, hidden_states, q_resid, position_embeddings)
+    visible = visible_positions(attention_mask).expand(q.shape[0], q.shape[1], k.shape[1])
+    return index_scores(q, k, weights, visible)
+
+
+@torch.no_grad()
+def indexer_forward(indexer, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None):
+    """`GlmMoeDsaIndexer.forward` (transformers) through `index_scores` and `topk_positions`.
+
+    Returns the int32 top-k indices [B, S, min(index_topk, T)] as the original does. Under no_grad,
+    as in transformers: the selection is discrete, so no gradient reaches the indexer from the loss
+    (the indexer learns from its own KL loss in the warm-up, learner/indexer_warmup.py).
+    """
+    q, k, weights = indexer_query_key(indexer, hidden_states, q_resid, position_embeddings)
     if cache is not None:
         k = cache.update_indexer(k, indexer.layer_idx)
-    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads**-0.5
-    # transformers hands a bool mask (sdpa) or an additive one (eager: 0 where visible).
-    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    scores = index_scores(q, k, weights, visible.expand(batch, length, k.shape[1]))
+    visible = visible_positions(attention_mask).expand(q.shape[0], q.shape[1], k.shape[1])
+    scores = index_scores(q, k, weights, visible)
     return topk_positions(scores, indexer.index_topk).to(torch.int32)

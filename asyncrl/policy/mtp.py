@@ -13,11 +13,16 @@ vLLM's DeepSeek/GLM MTP loaders look for it. The embedding and LM head are the p
 not copied); `asyncrl.policy.checkpoint` writes copies of them under the MTP layer for loaders
 that want them. As in vLLM, the token embedding at position 0 is zeroed, so a drafter served by
 vLLM builds the same MTP key/value cache as the one trained here.
+
+Training unrolls the layer to `policy.mtp.train_depth` depths and weighs them, L_MTP = sum_k lambda_k CE_k
+(`policy.mtp.depth_weights`, as GLM-5 does); drafting chains the same layer for every draft token, so
+drafts past the trained depth feed it hidden states it was never trained on.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +167,16 @@ def mtp_logits(
     return out
 
 
+def combine_depths(per_depth: Sequence[torch.Tensor], depth_weights: Sequence[float] | None = None) -> torch.Tensor:
+    """L_MTP = sum_k lambda_k CE_k over the per-depth losses; no weights is the mean over depths."""
+    stacked = torch.stack(list(per_depth))
+    if depth_weights is None:
+        return stacked.mean()
+    if len(depth_weights) != len(per_depth):
+        raise ValueError(f"{len(depth_weights)} depth weights for {len(per_depth)} depths")
+    return (stacked * stacked.new_tensor(list(depth_weights))).sum()
+
+
 def mtp_loss(
     policy: nn.Module,
     mtp: MTPLayer,
@@ -171,8 +186,10 @@ def mtp_loss(
     loss_mask: torch.Tensor,
     depth: int,
     num_tokens: torch.Tensor | float | None = None,
+    depth_weights: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """Mean over depths of the masked cross-entropy (`loss_mask[:, j]` = train token j).
+    """sum_k lambda_k CE_k over depths 1..depth of the masked cross-entropy (`loss_mask[:, j]` = train token j);
+    `depth_weights` are the lambda_k (`MTPConfig.weights_per_depth()`), None the mean over depths.
 
     Each depth's summed loss is divided by `num_tokens` when given (so micro-batches of one
     optimizer step can share the whole batch's count), else by that depth's own trained tokens.
@@ -183,4 +200,4 @@ def mtp_loss(
         per_token = F.cross_entropy(logits[:, : -k - 1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
         count = weights.sum().clamp(min=1.0) if num_tokens is None else num_tokens
         losses.append((per_token * weights.reshape(-1)).sum() / count)
-    return torch.stack(losses).mean()
+    return combine_depths(losses, depth_weights)
