@@ -113,6 +113,8 @@ class TokenDelta:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    engine_id: str = ""
+    """The engine that sampled them (set by the gateway's pool), so a stream cut short records where it ran."""
 
 
 @dataclass

@@ -214,6 +214,7 @@ class EnginePool:
             while True:
                 item = await inbox.next()
                 if isinstance(item, TokenDelta):
+                    item.engine_id = engine_id
                     yield item
                 elif isinstance(item, GenerationResult):
                     yield _completed(item, engine_id)

@@ -305,6 +305,7 @@ class GatewayService:
                         sampled.token_ids += item.token_ids
                         sampled.logprobs += item.logprobs
                         sampled.versions += item.versions
+                        sampled.engine_id = item.engine_id
                     yield item
         except (GeneratorExit, asyncio.CancelledError):
             if not finished:
@@ -319,7 +320,14 @@ class GatewayService:
     def _keep_truncated(self, turn: ChatTurn | TextTurn, sampled: TokenDelta, engine_s: float) -> None:
         """Record what a stream sampled before its caller left, on its own task; its errors are logged."""
         result = GenerationResult(
-            "", list(turn.prompt_token_ids), sampled.token_ids, sampled.logprobs, sampled.versions, "abort", error="the client left"
+            "",
+            list(turn.prompt_token_ids),
+            sampled.token_ids,
+            sampled.logprobs,
+            sampled.versions,
+            "abort",
+            sampled.engine_id,
+            error="the client left",
         )
         timings = {"engine_call_s": engine_s}
         ending = self.end_chat(turn, result, timings) if isinstance(turn, ChatTurn) else self.end_text(turn, result, timings)

@@ -311,7 +311,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_the_request_and_keeps_its_t
         assert handle.closed.wait(WAIT_S), "the engine request was not aborted"
         _wait_until(lambda: len(gateway.service.store.get(rollout_id).turns) == 1, "the truncated turn recorded")
         turn = _turn(gateway, rollout_id)
-        assert turn.finish_reason == "abort"
+        assert turn.finish_reason == "abort" and turn.engine_id == handle.engine_id
         assert turn.completion_token_ids == handle.reply_ids[:4]
         assert turn.logprobs == [-0.125, -0.25, -0.375, -0.5] and turn.versions == [3] * 4
         assert gateway.service.health()["requests_in_flight"] == 0
