@@ -207,13 +207,6 @@ def _thinking(thinking: dict[str, Any] | None, template_reads_thinking: bool) ->
     return {"enable_thinking": kind == "enabled"}
 
 
-def template_reads_thinking(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template reads `enable_thinking` (Qwen3's and GLM-4.5's do)."""
-    template = getattr(tokenizer, "chat_template", None)
-    sources = template.values() if isinstance(template, dict) else [template]
-    return any(isinstance(source, str) and "enable_thinking" in source for source in sources)
-
-
 def to_chat(request: CountTokensRequest, reads_thinking: bool) -> api.ChatCompletionRequest:
     """The chat completion a Messages request means."""
     messages: list[dict] = []

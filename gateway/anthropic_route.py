@@ -28,8 +28,14 @@ def event(kind: str, data: dict) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + encode({"type": kind, **data}) + b"\n\n"
 
 
+def _reads_thinking(service: GatewayService) -> bool:
+    """Whether the chat template reads `enable_thinking` (Qwen3's and GLM-4.5's do): the variables the
+    template-kwargs check allows, so a mapped `thinking` is never refused by it."""
+    return "enable_thinking" in service.template.variables
+
+
 async def _begin(service: GatewayService, key: str | None, request: anthropic.MessagesRequest) -> tuple[ChatTurn, dict[int, str]]:
-    chat = anthropic.to_chat(request, anthropic.template_reads_thinking(service.tokenizer))
+    chat = anthropic.to_chat(request, _reads_thinking(service))
     stops = {service.stop_token(text): text for text in request.stop_sequences or ()}
     return await service.begin_chat(key, chat), stops
 
@@ -48,7 +54,7 @@ async def create_message(service: GatewayService, key: str | None, request: anth
 
 
 async def count_tokens(service: GatewayService, key: str | None, request: anthropic.CountTokensRequest) -> dict:
-    chat = anthropic.to_chat(request, anthropic.template_reads_thinking(service.tokenizer))
+    chat = anthropic.to_chat(request, _reads_thinking(service))
     return {"input_tokens": await service.count_prompt_tokens(key, chat)}
 
 

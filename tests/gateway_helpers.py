@@ -152,22 +152,21 @@ class Pausable(LocalEngine):
     def kill(self) -> None:
         self.killed.set()
 
-    async def generate(self, prompt_token_ids, sampling, session_id):
+    async def _admit(self) -> None:
+        """Hold a request while paused; a killed engine never answers it."""
         self.calls += 1
         self.started.set()
         while self._paused.is_set() and not self.killed.is_set():
             await asyncio.sleep(0.005)
         if self.killed.is_set():
             await asyncio.Event().wait()
+
+    async def generate(self, prompt_token_ids, sampling, session_id):
+        await self._admit()
         return await super().generate(prompt_token_ids, sampling, session_id)
 
     async def stream(self, prompt_token_ids, sampling, session_id):
-        self.calls += 1
-        self.started.set()
-        while self._paused.is_set() and not self.killed.is_set():
-            await asyncio.sleep(0.005)
-        if self.killed.is_set():
-            await asyncio.Event().wait()
+        await self._admit()
         async with contextlib.aclosing(super().stream(prompt_token_ids, sampling, session_id)) as items:
             async for item in items:
                 yield item

@@ -137,7 +137,7 @@ def test_a_claude_code_session_is_recorded_token_exactly(gateway, tmp_path, tool
     assert trajectory.status == "ok" and len(trajectory.turns) == len(prompts)
 
     reference = TokenizerTemplate(tokenizer)  # the tokenizer's own apply_chat_template and encode
-    reads_thinking = anthropic.template_reads_thinking(tokenizer)
+    reads_thinking = "enable_thinking" in reference.variables
     previous = None
     for body, turn in zip(bodies, trajectory.turns, strict=True):
         chat = anthropic.to_chat(anthropic.MessagesRequest.model_validate(body), reads_thinking)
