@@ -17,8 +17,11 @@ its bytes are whole, by decoding from a token of context before the new ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
+
+from tokenizers import Tokenizer
 
 from .parsers.glm import GlmParser
 from .parsers.json_calls import HermesParser, Llama3JsonParser
@@ -43,19 +46,27 @@ def stream_markers(tool_parser: Any) -> tuple[str, ...] | None:
     return None
 
 
+def plain_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=False)`, straight from the Rust tokenizer where that is what
+    it runs (a fast tokenizer that cleans up no spaces): transformers' wrapper around it costs more than the
+    decoding of a token or two, and a stream decodes twice a token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return functools.partial(backend.decode, skip_special_tokens=False)
+    return functools.partial(tokenizer.decode, skip_special_tokens=False)
+
+
 class IncrementalDecoder:
     """Token ids in, new text out; the concatenated output is the decoded text of all tokens but `skip`."""
 
     def __init__(self, tokenizer: Any, skip: Sequence[int] = ()) -> None:
         self.tokenizer, self.skip = tokenizer, frozenset(skip)
+        self._decode = plain_decoder(tokenizer)
         self.ids: list[int] = []
         self._prefix = 0
         """Where the decoded context starts (a token before the unreleased ones)."""
         self._read = 0
         """Tokens whose text has been released."""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def feed(self, token_ids: Sequence[int]) -> str:
         self.ids += [t for t in token_ids if t not in self.skip]
@@ -219,10 +230,15 @@ def _stripped_end(text: str, start: int, end: int) -> int:
 
 def _partial_cut(text: str, start: int, end: int, tags: Sequence[str]) -> int:
     """`end` before a trailing proper prefix of any of `tags` (the start of a tag still being sampled)."""
-    cut = end
-    for tag in tags:
-        for size in range(min(len(tag) - 1, end - start), 0, -1):
-            if text.endswith(tag[:size], start, end):
-                cut = min(cut, end - size)
-                break
-    return cut
+    prefixes, firsts, longest = _proper_prefixes(tuple(tags))
+    for at in range(max(start, end - longest), end):  # the longest such prefix first
+        if text[at] in firsts and text[at:end] in prefixes:
+            return at
+    return end
+
+
+@functools.lru_cache(maxsize=64)
+def _proper_prefixes(tags: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str], int]:
+    """(every proper prefix of the tags, their first characters, the longest prefix's length)."""
+    prefixes = frozenset(tag[:size] for tag in tags for size in range(1, len(tag)))
+    return prefixes, frozenset(p[0] for p in prefixes), max((len(p) for p in prefixes), default=0)

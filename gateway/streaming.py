@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 DONE = b"data: [DONE]\n\n"
 _FIELDS = {"reasoning": "reasoning_content", "content": "content"}
+_SLOT = "\x00slot\x00"
+"""A stand-in text whose encoding occurs once in a chunk: where a text delta's text goes."""
 
 
 def encode(data: Any) -> bytes:
@@ -114,11 +116,22 @@ class ChatChunks:
 
     def __init__(self, model: str, rollout_id: str) -> None:
         self.id, self.model, self.created = f"chatcmpl-{rollout_id}-{secrets.token_hex(6)}", model, int(time.time())
+        # A text delta is most of a stream's chunks: its bytes around the text are the same every time, so they
+        # are encoded once (`text`), byte for byte what `chunk` writes.
+        self._text_frames: dict[str, tuple[bytes, bytes]] = {}
+        for name in _FIELDS.values():
+            head, _, tail = self.chunk({name: _SLOT}).partition(encode(_SLOT))
+            self._text_frames[name] = (head, tail)
 
     def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None, **extra: Any) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return data_event({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                            "choices": [choice], **extra})  # fmt: skip
+
+    def text(self, field: str, text: str) -> bytes:
+        """`chunk({field: text})`: a content or reasoning_content delta."""
+        head, tail = self._text_frames[field]
+        return head + encode(text) + tail
 
     def usage(self, usage: dict) -> bytes:
         return data_event({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -155,33 +168,35 @@ async def chat_events(service: GatewayService, turn: ChatTurn, request: api.Chat
     chunks = ChatChunks(service.model_name, turn.rollout.id)
     reply = ReplyStream(service.tokenizer, service.tool_parser, service.reasoning_parser, turn.prompt_token_ids)
     result: GenerationResult | None = None
-    first = True
     # Nothing is yielded before the engine's first answer: a call refused at the start is an HTTP error.
+    # What one engine item produces goes out as one write (the role chunk rides with the first text).
+    pending = [chunks.chunk({"role": "assistant", "content": ""})]
     async with contextlib.aclosing(service.stream(turn)) as stream:
         async for item in stream:
-            if first:
-                yield chunks.chunk({"role": "assistant", "content": ""})
-                first = False
             if isinstance(item, GenerationResult):
                 result = item
                 continue
             deltas = reply.feed(item.token_ids)
-            logprobs = token_logprobs(service, item) if request.logprobs else None
-            if logprobs is not None and not deltas:
-                yield chunks.chunk({"content": ""}, logprobs=logprobs)
-            for i, (name, text) in enumerate(deltas):
-                yield chunks.chunk({_FIELDS[name]: text}, logprobs=logprobs if i == 0 else None)
+            if request.logprobs:
+                logprobs = token_logprobs(service, item)
+                if not deltas:
+                    pending.append(chunks.chunk({"content": ""}, logprobs=logprobs))
+                for i, (name, text) in enumerate(deltas):
+                    pending.append(chunks.chunk({_FIELDS[name]: text}, logprobs=logprobs if i == 0 else None))
+            else:
+                pending += [chunks.text(_FIELDS[name], text) for name, text in deltas]
+            if pending:
+                yield b"".join(pending)
+                pending = []
     assert result is not None
     index, branch, parsed = await ended(service, service.end_chat(turn, result, dict(result.timings)))
-    for name, text in reply.finish(parsed):
-        yield chunks.chunk({_FIELDS[name]: text})
-    for i, call in enumerate(parsed.tool_calls):
-        yield chunks.chunk({"tool_calls": [{"index": i, **call}]})
+    pending += [chunks.text(_FIELDS[name], text) for name, text in reply.finish(parsed)]
+    pending += [chunks.chunk({"tool_calls": [{"index": i, **call}]}) for i, call in enumerate(parsed.tool_calls)]
     finish = parsed.finish_reason(result.finish_reason)
-    yield chunks.chunk({}, finish, asyncrl=record_of(turn, index, branch, result))
+    pending.append(chunks.chunk({}, finish, asyncrl=record_of(turn, index, branch, result)))
     if request.stream_options is not None and request.stream_options.include_usage:
-        yield chunks.usage(usage(len(turn.prompt_token_ids), len(result.token_ids), turn.reused_tokens))
-    yield DONE
+        pending.append(chunks.usage(usage(len(turn.prompt_token_ids), len(result.token_ids), turn.reused_tokens)))
+    yield b"".join([*pending, DONE])
 
 
 async def completion_events(service: GatewayService, turn: TextTurn, request: api.CompletionRequest) -> AsyncGenerator[bytes, None]:

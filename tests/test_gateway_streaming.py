@@ -342,3 +342,15 @@ def test_an_engine_that_fails_mid_stream_ends_it_with_an_error_event(bpe, tmp_pa
         handle.fail = None
         again = client.chat.completions.create(model="policy", messages=USER)
         assert again.choices[0].message.content == "Checking the sky. Paris is sunny."
+
+
+TEXTS = ["", "plain", 'quote " and \\ back', "line\nbreak\ttab", "\u00e9t\u00e9 \U0001f600 \u4e16", "\x00slot\x00", "\u2028"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_text_delta_chunk_is_byte_for_byte_the_generic_chunk(text) -> None:
+    from asyncrl.gateway.streaming import ChatChunks
+
+    chunks = ChatChunks("policy", "r" * 32)
+    for field in ("content", "reasoning_content"):
+        assert chunks.text(field, text) == chunks.chunk({field: text})

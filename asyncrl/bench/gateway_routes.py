@@ -3,9 +3,14 @@
 - streaming: chat completions with `stream: true` through the gateway (child process, SQLite store,
   two streaming stub engines: the first token after FIRST_TOKEN_S, then one every PER_TOKEN_S, all
   asyncio.sleep), against a bare ASGI server that waits the same and sends chunks of the same shape
-  (`_serve_direct_stream`), with the same aiohttp client and concurrency. Time to first token is the
-  time to the first chunk that carries content; per-token time is the time from it to the last content
-  chunk over the tokens sent after it. Overheads are gateway minus direct, median over alternating repeats.
+  (`_serve_direct_stream`), with the same aiohttp client and concurrency. Sessions arrive as in the
+  overhead part of `asyncrl bench gateway`: each starts at a seeded random offset and thinks a seeded
+  random time after each reply (`gateway._pauses`), the same on both sides. The same calls are also
+  made in lockstep (every session at once, no thinking: one burst of STREAM_SESSIONS requests a round),
+  reported as `*_burst_*`: there the requests queue for the gateway's per-request work, so that figure
+  is the burst's, not a stream's. Time to first token is the time to the first chunk that carries
+  content; per-token time is the time from it to the last content chunk over the tokens sent after it.
+  Overheads are gateway minus direct, median over alternating repeats.
 - Anthropic route: the same multi-turn tool session as an OpenAI chat (tools, tool calls echoed back,
   tool results) and as Anthropic messages (tool_use / tool_result blocks), against an instant stub
   engine, so each call is the gateway's own work; reported per call as the server's CPU time
@@ -21,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .gateway import BENCH_SECRET, LIFECYCLE_HEADERS, TOOLS, Server, StubEngine, _listen, _pct, _schedstat
+from .gateway import BENCH_SECRET, LIFECYCLE_HEADERS, THINK_S, TOOLS, Server, StubEngine, _listen, _pauses, _pct, _schedstat
 
 STREAM_SESSIONS, STREAM_CALLS, STREAM_REPEATS = 16, 8, 3
 FIRST_TOKEN_S, PER_TOKEN_S = 0.05, 0.005
@@ -113,22 +118,26 @@ def _serve_direct_stream(first_s: float, per_token_s: float, ports) -> None:
     _listen(app, ports, lifespan="off")
 
 
-async def _stream_calls(url: str, sessions: int, calls: int) -> tuple[list[float], list[float], list[str]]:
-    """(times to the first content chunk, mean time per token after it, errors) of streamed chats. Tokens are
-    counted as characters of content (the tiny tokenizer's tokens are characters, and REPLY is ASCII): the
-    gateway holds a space back until the next piece settles it, so its chunks are fewer than its tokens."""
+async def _stream_calls(url: str, sessions: int, calls: int, think_s: float = 0.0) -> tuple[list[float], list[float], list[str]]:
+    """(times to the first content chunk, mean time per token after it, errors) of streamed chats, each session
+    paced by `_pauses` (think_s 0: all at once, back to back). Tokens are counted as characters of content (the
+    tiny tokenizer's tokens are characters, and REPLY is ASCII): the gateway holds a space back until the next
+    piece settles it, so its chunks are fewer than its tokens."""
     import aiohttp
 
     ttft: list[float] = []
     gaps: list[float] = []
     errors: list[str] = []
 
-    async def session(http) -> None:
+    async def session(http, index: int) -> None:
+        pauses = _pauses(index, calls, think_s)
+        await asyncio.sleep(pauses[0])
         async with http.post(url + "/rollouts", json={"task": "bench"}, headers=LIFECYCLE_HEADERS) as response:
             opened = await response.json()
         headers = {"Authorization": f"Bearer {opened['api_key']}"}
         messages = [{"role": "user", "content": "What is 2+2?"}]
-        for _ in range(calls):
+        for call in range(calls):
+            await asyncio.sleep(pauses[call] if call else 0.0)
             start, stamps, chars = time.perf_counter(), [], []
             async with http.post(url + "/v1/chat/completions", json={"messages": messages, "stream": True}, headers=headers) as response:
                 if response.status != 200:
@@ -147,7 +156,7 @@ async def _stream_calls(url: str, sessions: int, calls: int) -> tuple[list[float
                 gaps.append((stamps[-1] - stamps[0]) / sum(chars[1:]))
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=sessions), timeout=aiohttp.ClientTimeout(total=600)) as http:
-        await asyncio.gather(*(session(http) for _ in range(sessions)))
+        await asyncio.gather(*(session(http, i) for i in range(sessions)))
     return ttft, gaps, errors
 
 
@@ -156,17 +165,24 @@ def _content(line: bytes) -> str:
     return choices[0].get("delta", {}).get("content") or ""
 
 
-def _streamed(server: Server) -> tuple[list[float], list[float]]:
+Streamed = dict[str, tuple[list[float], list[float]]]
+"""Arrival model ("paced", "burst") -> (times to first token, per-token times) of one server's run."""
+
+
+def _streamed(server: Server) -> Streamed:
+    runs: Streamed = {}
     with server as url:
         asyncio.run(_stream_calls(url, STREAM_SESSIONS, 1))  # warm-up
-        ttft, gaps, errors = asyncio.run(_stream_calls(url, STREAM_SESSIONS, STREAM_CALLS))
-    assert not errors, errors[:3]
-    return ttft, gaps
+        for mode, think_s in (("paced", THINK_S), ("burst", 0.0)):
+            ttft, gaps, errors = asyncio.run(_stream_calls(url, STREAM_SESSIONS, STREAM_CALLS, think_s))
+            assert not errors, errors[:3]
+            runs[mode] = (ttft, gaps)
+    return runs
 
 
 def streaming(tmp: str) -> dict:
-    """Time to first token and per-token time, gateway vs direct (see the module doc)."""
-    runs: dict[str, list[tuple[list[float], list[float]]]] = {"gateway": [], "direct": []}
+    """Time to first token and per-token time, gateway vs direct, paced and in lockstep (see the module doc)."""
+    runs: dict[str, list[Streamed]] = {"gateway": [], "direct": []}
     for repeat in range(STREAM_REPEATS):
         for side in ("gateway", "direct") if repeat % 2 == 0 else ("direct", "gateway"):
             if side == "gateway":
@@ -175,18 +191,20 @@ def streaming(tmp: str) -> dict:
                 server = Server(_serve_direct_stream, FIRST_TOKEN_S, PER_TOKEN_S)
             runs[side].append(_streamed(server))
     results: dict = {}
-    for q in (50, 99):
-        g = [_pct(ttft, q) for ttft, _ in runs["gateway"]]
-        d = [_pct(ttft, q) for ttft, _ in runs["direct"]]
-        results[f"stream_ttft_overhead_p{q}_ms"] = round(1000 * statistics.median(a - b for a, b in zip(g, d, strict=True)), 3)
-        results[f"stream_ttft_gateway_p{q}_ms"] = round(1000 * statistics.median(g), 3)
-        results[f"stream_ttft_direct_p{q}_ms"] = round(1000 * statistics.median(d), 3)
-    gap = {side: statistics.median(statistics.median(gaps) for _, gaps in sides) for side, sides in runs.items()}
-    results["stream_per_token_overhead_ms"] = round(1000 * (gap["gateway"] - gap["direct"]), 3)
-    results["stream_per_token_gateway_ms"] = round(1000 * gap["gateway"], 3)
+    for mode, suffix in (("paced", ""), ("burst", "_burst")):
+        for q in (50, 99):
+            g = [_pct(run[mode][0], q) for run in runs["gateway"]]
+            d = [_pct(run[mode][0], q) for run in runs["direct"]]
+            results[f"stream_ttft_overhead{suffix}_p{q}_ms"] = round(1000 * statistics.median(a - b for a, b in zip(g, d, strict=True)), 3)
+            results[f"stream_ttft_gateway{suffix}_p{q}_ms"] = round(1000 * statistics.median(g), 3)
+            results[f"stream_ttft_direct{suffix}_p{q}_ms"] = round(1000 * statistics.median(d), 3)
+        gap = {side: statistics.median(statistics.median(run[mode][1]) for run in sides) for side, sides in runs.items()}
+        results[f"stream_per_token_overhead{suffix}_ms"] = round(1000 * (gap["gateway"] - gap["direct"]), 3)
+        results[f"stream_per_token_gateway{suffix}_ms"] = round(1000 * gap["gateway"], 3)
     results["stream_setup"] = {
         "sessions": STREAM_SESSIONS, "calls_per_session": STREAM_CALLS, "repeats": STREAM_REPEATS,
         "first_token_s": FIRST_TOKEN_S, "per_token_s": PER_TOKEN_S, "reply_tokens": len(_reply_ids()),
+        "think_s": THINK_S, "arrivals": "paced: seeded random start offsets and think times (bench gateway's); burst: all at once",
     }  # fmt: skip
     return results
 
