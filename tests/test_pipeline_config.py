@@ -22,6 +22,34 @@ def test_the_preset_resolves_every_stage_from_the_base():
     assert stage_config(pipeline, "reasoning", "/tmp/p", {}).learner.objective == "icepop_grpo"
 
 
+def test_the_glm5_preset_trains_the_glm5_shape_with_the_sparse_path_in_reach():
+    """Every stage is the GLM-5 shape (MLA + DSA + MoE, MTP at depth 3) with the indexer frozen in RL, the SFT
+    stage warms the indexer up, and index_topk sits between the bare arithmetic prompts and the agentic stage's
+    tool-call conversations, so the indexer's selection is what the policy attends with where contexts are long."""
+    import random
+
+    from asyncrl.envs.agentic import AgenticEnv
+    from asyncrl.envs.tool_demos import PYTHON_TOOL
+    from asyncrl.policy.tokenizer import build_tokenizer
+
+    pipeline = load_pipeline("pipeline_glm5")
+    assert list(pipeline.stages) == ["sft", "reasoning", "agentic", "general", "distill"]
+    sft = stage_config(pipeline, "sft", "/tmp/p", {})
+    assert sft.policy.tiny.arch == "glm_moe_dsa" and sft.policy.mtp.train_depth == 3
+    assert sft.sft.indexer_warmup.steps > 0 and sft.sft.indexer_warmup.sparse_steps > 0
+    for stage in ("reasoning", "agentic", "general"):
+        assert stage_config(pipeline, stage, "/tmp/p", {"policy": {"path": "/ckpt"}}).learner.freeze_indexer
+    topk = sft.policy.tiny.index_topk
+    tokenizer, rng = build_tokenizer(), random.Random(0)
+    conversations = [AgenticEnv().sample_task(rng).demonstration() for _ in range(20)]
+    def tokens(messages, **options) -> int:
+        return len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)["input_ids"])
+
+    lengths = [tokens(c, tools=[PYTHON_TOOL]) for c in conversations]
+    assert min(lengths) > topk, (lengths, topk)
+    assert tokens([{"role": "user", "content": "123+456"}], add_generation_prompt=True) < topk
+
+
 def test_pipeline_presets_are_not_run_presets():
     assert "pipeline" in pipeline_preset_names() and "pipeline" not in preset_names()
     with pytest.raises(ConfigError, match="asyncrl pipeline"):
