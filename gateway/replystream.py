@@ -208,10 +208,19 @@ class _Search:
             self.start, self.scanned, self.found = start, start, -1
         if self.found < 0:
             back = max(len(n) for n in needles) - 1
-            hits = [at for at in (text.find(n, max(start, self.scanned - back)) for n in needles) if at >= 0]
-            self.found = min(hits, default=-1)
+            since = max(start, self.scanned - back)
+            firsts = _first_characters(tuple(needles))
+            if firsts is None or any(first in text[since:] for first in firsts):  # mostly not: one scan a character
+                hits = [at for at in (text.find(n, since) for n in needles) if at >= 0]
+                self.found = min(hits, default=-1)
             self.scanned = len(text)
         return self.found
+
+
+@functools.lru_cache(maxsize=64)
+def _first_characters(needles: tuple[str, ...]) -> frozenset[str] | None:
+    """What each needle starts with (None: an empty needle, found anywhere)."""
+    return None if not all(needles) else frozenset(n[0] for n in needles)
 
 
 def _first_non_space(text: str, start: int, end: int | None = None) -> int:
