@@ -279,6 +279,9 @@ class OptimizerConfig(Section):
     adamw_lr: float | None = Field(None, gt=0, le=1.0)
     """muon / muon_split: learning rate of the AdamW group (embeddings, LM head, norms, biases, gates); None: the
     section's lr."""
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Muon: precision of the Newton-Schulz iterations. bfloat16 is torch.optim.Muon's; auto is float32 on a CPU,
+    where bfloat16 matmuls are emulated (13x slower than float32 on the 2-core benchmark machine), else bfloat16."""
 
 
 class IndexerWarmupConfig(Section):

@@ -107,7 +107,7 @@ def test_muon_split_update_equals_the_per_head_reference_with_the_same_newton_sc
     """Two steps (momentum included) on the tiny GLM-5 shape; equal to 1e-6 (float32, same bf16 NS)."""
     model = make_tiny_model("glm_moe_dsa")
     params = list(model.parameters())
-    config = OptimizerConfig(type="muon_split", adjust_lr_fn=adjust)
+    config = OptimizerConfig(type="muon_split", adjust_lr_fn=adjust, ns_dtype="bfloat16")
     optimizer = build_optimizer(config, model, params, lr=0.02, weight_decay=0.1)
     param = model.get_parameter(f"model.{suffix}")
     expected, buffer = param.detach().clone(), torch.zeros_like(param)
@@ -135,6 +135,28 @@ def test_whole_matrices_get_torchs_muon_bit_for_bit():
         torch_muon.step()
     assert torch.equal(ours, theirs)
     assert torch.equal(block_muon.state[ours]["momentum_buffer"], torch_muon.state[theirs]["momentum_buffer"])
+
+
+def test_float32_newton_schulz_is_torchs_iteration_at_float32_and_the_cpu_default():
+    """ns_dtype float32: the same update as torch's but for the precision of the iterations: equal to the update
+    computed in float64 within float32's error, and to torch's bfloat16 one within bfloat16's."""
+    torch.manual_seed(0)
+    options = dict(lr=0.01, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw")
+    start = torch.randn(24, 40)
+    runs = {}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        param = torch.nn.Parameter(start.clone().to(torch.float64 if dtype == torch.float64 else torch.float32))
+        optimizer = BlockMuon([(WHOLE, [param])], **options, ns_dtype=dtype)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            param.grad = torch.randn(24, 40, generator=generator).to(param.dtype)
+            optimizer.step()
+        runs[dtype] = param.detach().double() - start.double()
+    torch.testing.assert_close(runs[torch.float32], runs[torch.float64], rtol=0, atol=1e-6)
+    assert (runs[torch.bfloat16] - runs[torch.float64]).abs().max() < 0.02 * runs[torch.float64].abs().max()
+    model = make_tiny_model("glm_moe_dsa")
+    on_cpu = build_optimizer(OptimizerConfig(type="muon"), model, list(model.parameters()), lr=0.01, weight_decay=0.0)
+    assert on_cpu.optimizers["muon"].ns_dtype == torch.float32
 
 
 def test_the_parameter_split_of_the_tiny_qwen3_shape_with_grouped_query_heads():

@@ -42,6 +42,7 @@ def test_the_glm5_preset_trains_the_glm5_shape_with_the_sparse_path_in_reach():
     topk = sft.policy.tiny.index_topk
     tokenizer, rng = build_tokenizer(), random.Random(0)
     conversations = [AgenticEnv().sample_task(rng).demonstration() for _ in range(20)]
+
     def tokens(messages, **options) -> int:
         return len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)["input_ids"])
 
