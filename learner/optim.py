@@ -338,7 +338,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.param_groups = [g for o in self.optimizers.values() for g in o.param_groups]
 
 
-def ns_dtype(config: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.dtype:
+def resolve_ns_dtype(config: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.dtype:
     """`config.ns_dtype` resolved: auto is float32 where the parameters live on a CPU, else bfloat16."""
     if config.ns_dtype == "auto":
         on_cpu = all(p.device.type == "cpu" for p in params)
@@ -364,7 +364,7 @@ def build_optimizer(
         optimizers["muon"] = BlockMuon(
             [(layout, [p for _, p in members]) for layout, members in plan.muon.items()],
             lr=lr, weight_decay=weight_decay, momentum=config.momentum, nesterov=config.nesterov,
-            ns_steps=config.ns_steps, adjust_lr_fn=config.adjust_lr_fn, ns_dtype=ns_dtype(config, params),
+            ns_steps=config.ns_steps, adjust_lr_fn=config.adjust_lr_fn, ns_dtype=resolve_ns_dtype(config, params),
         )  # fmt: skip
     if plan.adamw:
         optimizers["adamw"] = torch.optim.AdamW([p for _, p in plan.adamw], lr=config.adamw_lr or lr, weight_decay=weight_decay)
