@@ -169,7 +169,7 @@ async def chat_events(service: GatewayService, turn: ChatTurn, request: api.Chat
     reply = ReplyStream(service.tokenizer, service.tool_parser, service.reasoning_parser, turn.prompt_token_ids)
     result: GenerationResult | None = None
     # Nothing is yielded before the engine's first answer: a call refused at the start is an HTTP error.
-    # What one engine item produces goes out as one write (the role chunk rides with the first text).
+    # What one engine item produces goes out as one write (the role chunk with the first one's text).
     pending = [chunks.chunk({"role": "assistant", "content": ""})]
     async with contextlib.aclosing(service.stream(turn)) as stream:
         async for item in stream:
