@@ -209,8 +209,8 @@ class _Search:
         if self.found < 0:
             back = max(len(n) for n in needles) - 1
             since = max(start, self.scanned - back)
-            firsts = _first_characters(tuple(needles))
-            if firsts is None or any(first in text[since:] for first in firsts):  # mostly not: one scan a character
+            firsts, fresh = _first_characters(tuple(needles)), text[since:]
+            if firsts is None or any(first in fresh for first in firsts):  # mostly not: one scan a character
                 hits = [at for at in (text.find(n, since) for n in needles) if at >= 0]
                 self.found = min(hits, default=-1)
             self.scanned = len(text)

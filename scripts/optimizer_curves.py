@@ -5,7 +5,7 @@ they share the machine alike (docs/BENCHMARKS.md, "Optimizers"):
 
     for t in adamw muon muon_split; do
       asyncrl sft glm5 runs_dir=runs/optw-$t name=$t torch_threads=1 sft.optimizer.type=$t sft.stop_at_accuracy=null \\
-        sft.time_budget_s=720 sft.eval_every=50 sft.indexer_warmup.steps=0 sft.indexer_warmup.sparse_steps=0 &
+        sft.time_budget_s=900 sft.eval_every=50 sft.indexer_warmup.steps=0 sft.indexer_warmup.sparse_steps=0 &
     done; wait
     python scripts/optimizer_curves.py runs/optw-adamw/adamw runs/optw-muon/muon runs/optw-muon_split/muon_split \\
       --png docs/images/optimizer_curves.png

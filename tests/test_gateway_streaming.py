@@ -354,3 +354,32 @@ def test_a_text_delta_chunk_is_byte_for_byte_the_generic_chunk(text) -> None:
     chunks = ChatChunks("policy", "r" * 32)
     for field in ("content", "reasoning_content"):
         assert chunks.text(field, text) == chunks.chunk({field: text})
+
+
+def test_the_marker_search_and_the_partial_tag_cut_agree_with_the_plain_scans() -> None:
+    """`_Search` (first characters first, each part of the text scanned once) and `_partial_cut` (a prefix set)
+    against the plain scans they replace, on random texts full of markup pieces."""
+    import random
+
+    from asyncrl.gateway.replystream import _partial_cut, _Search
+    from asyncrl.gateway.toolcalls import MARKERS
+
+    def plain_cut(text: str, start: int, end: int, tags) -> int:
+        sizes = [s for tag in tags for s in range(1, min(len(tag) - 1, end - start) + 1) if text.endswith(tag[:s], start, end)]
+        return end - max(sizes, default=0)
+
+    rng = random.Random(0)
+    for needles in (MARKERS, ("</think>",), ("<tool_call>", "</tool_call>"), ("", "x")):
+        alphabet = "".join(sorted(set("".join(needles)))) + "ab \n"
+        for _ in range(500):
+            search, text, start = _Search(), "", 0
+            for _ in range(rng.randint(1, 10)):
+                text += "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6)))
+                if rng.random() < 0.3:
+                    needle = rng.choice(needles)
+                    text += needle[: rng.randint(0, len(needle))] if rng.random() < 0.5 else needle
+                start = rng.randint(0, len(text)) if rng.random() < 0.2 else start
+                found = [at for at in (text.find(n, start) for n in needles) if at >= 0]
+                assert search.find(text, needles, start) == min(found, default=-1), (text, start, needles)
+                end = rng.randint(start, len(text))
+                assert _partial_cut(text, start, end, needles) == plain_cut(text, start, end, needles), (text, start, end, needles)
