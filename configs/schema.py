@@ -759,6 +759,10 @@ class LoopConfig(Section):
     """Stop the RL loop after this many seconds even if `steps` is not reached (None: no limit)."""
     sft_first: bool = True
     """With policy.path unset, run the SFT warm start first and start RL from its checkpoint."""
+    episode_transport: Literal["inprocess", "http"] = "inprocess"
+    """How the episodes this process plays reach the gateway it hosts: inprocess hands each request to the
+    gateway's app on the same event loop (no socket; the same routes and recording code); http goes over
+    loopback as an outside agent's would (gateway/serving.py). Outside agents use the port either way."""
     record_batches: bool = True
     """Write what each learner step trained (its rollout ids in order, a few hundred bytes: batches/step-N.json),
     so `asyncrl replay train` can re-run any step and `asyncrl replay score --step N` can select its rollouts."""

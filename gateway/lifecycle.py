@@ -1,15 +1,16 @@
 """The rollout lifecycle (open, finish, abort) called on the in-process gateway directly.
 
 The episode runner opens and finishes rollouts through a lifecycle client; `asyncrl run` hosts the
-gateway in its own process, so those calls need no HTTP. The policy calls still go over loopback
-HTTP through the OpenAI API, as any agent's would. This skips two of the three HTTP requests of a
-one-turn episode, which on 2 cores were most of the driver's CPU (httpx's connection pool checks
-every pooled socket on each request). It needs no run token: it holds the service itself, which
-only code in the gateway's own process can. Same verbs and refusals as `AsyncGatewayClient`: both implement
-`asyncrl.lifecycle.RolloutLifecycle`.
+gateway in its own process, so those calls need no HTTP: they call the service's lifecycle directly.
+It needs no run token: it holds the service itself, which only code in the gateway's own process
+can. The policy calls go through the OpenAI API, as any agent's would, over an HTTP client that
+`episode_http_client(config, lifecycle)` (gateway/serving.py) points at `app` without a socket.
+Same verbs and refusals as `AsyncGatewayClient`: both implement `asyncrl.lifecycle.RolloutLifecycle`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from asyncrl.gateway import api
 from asyncrl.gateway.errors import GatewayError
@@ -19,8 +20,10 @@ from asyncrl.lifecycle import LifecycleRefused, Rollout
 
 
 class InProcessLifecycle:
-    def __init__(self, service: GatewayService, url: str) -> None:
+    def __init__(self, service: GatewayService, url: str, *, app: Any = None) -> None:
         self.service, self.url = service, url.rstrip("/")
+        self.app = app
+        """The gateway's ASGI app, where this process serves it (for `InProcessTransport`), else None."""
 
     async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
         request = api.OpenRolloutRequest(task=task, group_id=group_id, metadata=metadata or {}, evaluation=evaluation)

@@ -44,7 +44,7 @@ class InProcessGateway:
                 raise RuntimeError("the gateway stopped during start-up")
             await asyncio.sleep(0.02)
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return InProcessLifecycle(self.service, f"http://{host}:{port}")
+        return InProcessLifecycle(self.service, f"http://{host}:{port}", app=self.server.config.app)
 
     async def __aexit__(self, *exc) -> None:
         self.server.should_exit = True
@@ -68,9 +68,12 @@ async def evaluation_gateway(config: RunConfig, engines: list, tokenizer) -> Asy
             store.close()
 
 
-def episode_http_client(config: RunConfig):
-    """One connection pool for every episode's OpenAI client, on aiohttp's transport.
+def episode_http_client(config: RunConfig, gateway: InProcessLifecycle | None = None):
+    """One HTTP client for every episode's OpenAI client: into `gateway`'s app in this process, or over loopback.
 
+    `loop.episode_transport: inprocess` (with the gateway at hand): requests go to the app through
+    `InProcessTransport` (gateway/inprocess_transport.py), the same routes and recording code
+    without sockets. `http`, or no gateway given: aiohttp's connection pool to the gateway's port.
     httpx's own pool checks every pooled socket (a select() call each) on every request, which capped
     it at ~16 connections and so throttled the engine's batches to 16; aiohttp keeps a free list (~1/3
     less driver CPU per episode, measured). One connection per episode in flight, so none queue here.
@@ -80,6 +83,10 @@ def episode_http_client(config: RunConfig):
     import httpx2
     import openai
 
+    if gateway is not None and gateway.app is not None and config.loop.episode_transport == "inprocess":
+        from .inprocess_transport import InProcessTransport
+
+        return openai.DefaultAsyncHttpxClient(transport=InProcessTransport(gateway.app), timeout=None)
     connections = config.loop.max_inflight
     limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
     return openai.DefaultAioHttpClient(timeout=None, limits=limits)

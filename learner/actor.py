@@ -13,6 +13,8 @@ scheduler's loop makes these calls through its learner client (`sched/clients.py
 
 from __future__ import annotations
 
+import time
+
 import ray
 import torch
 from ray.actor import ActorClass
@@ -38,6 +40,10 @@ class LearnerActor:
 
     def version(self) -> int:
         return self.learner.version
+
+    def usage(self) -> dict:
+        """This process's CPU time so far (`asyncrl run`'s summary reports each process's share)."""
+        return {"process_cpu_s": time.process_time()}
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.learner.state_dict_for_push()

@@ -249,6 +249,9 @@ class EmbeddedEngine:
             "mtp_accept_len": self.verify_tokens / self.verify_steps if self.verify_steps else None,
             "device": str(self.device),
             "last_error": self.last_error,
+            "busy_s": self.front.busy_s,
+            # The whole process's CPU (a rollout worker's actor is the engine; in-process, the driver too).
+            "process_cpu_s": time.process_time(),
         }
 
     def step(self) -> list[GenerationResult]:

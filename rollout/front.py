@@ -106,6 +106,8 @@ class EngineFront:
         self._stopping = False
         self._closed = False
         self._step_lock = threading.Lock()  # one step at a time, whoever steps
+        self.busy_s = 0.0
+        """Wall time the stepping thread spent in steps so far (1 - its share of a period: the engine idle)."""
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -309,7 +311,9 @@ class EngineFront:
                     if self._stopping:
                         self._leave_locked()
                         return
+                began = time.perf_counter()
                 self.step()
+                self.busy_s += time.perf_counter() - began
         finally:  # also when a step raised: the next request starts a new thread
             with self._cv:
                 self._leave_locked()

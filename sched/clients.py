@@ -68,6 +68,9 @@ class RayLearner:
     async def check(self) -> None:
         await self._call(self.actor.version)
 
+    async def usage(self) -> dict:
+        return await self._call(self.actor.usage)
+
     async def restart(self, checkpoint: str | None) -> None:
         import ray
 
@@ -278,6 +281,9 @@ class LocalLearner:
 
     async def check(self) -> None:
         return None  # it lives and dies with this process
+
+    async def usage(self) -> dict:
+        return {"process_cpu_s": time.process_time()}  # this process's: the driver's too
 
     async def restart(self, checkpoint: str | None) -> None:
         if checkpoint is None:

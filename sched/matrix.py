@@ -58,7 +58,7 @@ async def _evaluate(engine, tokenizer, columns: list[Column]) -> dict[str, float
         tasks = config.tasks.model_copy(update={"mix": {column.task: column.spec}})
         ((task, num_problems),) = TaskMix.from_config(config.model_copy(update={"tasks": tasks})).evaluated(config.eval.num_problems)
         # Each column behind a gateway of its own stage's config (its sampling defaults and limits).
-        async with evaluation_gateway(config, [LocalEngine(engine)], tokenizer) as gateway, episode_http_client(config) as http:
+        async with evaluation_gateway(config, [LocalEngine(engine)], tokenizer) as gateway, episode_http_client(config, gateway) as http:
             result = await evaluate_env(
                 task.env, gateway, num_problems=num_problems, seed=config.eval.seed, sandboxes=task.sandboxes,
                 timeout_s=config.loop.episode_timeout_s, http_client=http, task_name=column.task,

@@ -1,7 +1,7 @@
 """What the loop drives, as types: two small clients (the learner, the rollout engines), the store
 as the loop may use it, and `Parts`.
 
-    LearnerClient  train_step, weights (what a push sends), save, and after a death: check, restart
+    LearnerClient  train_step, weights (what a push sends), save, usage, and after a death: check, restart
     WorkerGroup    engines (the gateway's handles), update_weights, versions, health, and the
                    replacement of engines that die: attach (to the gateway's routing), serving,
                    replaced, check, close
@@ -67,6 +67,10 @@ class LearnerClient(Protocol):
 
     async def restart(self, checkpoint: str | None) -> None:
         """Replace a dead learner by a fresh one from `checkpoint` (None: the policy the run started from)."""
+        ...
+
+    async def usage(self) -> dict:
+        """The learner's process CPU time so far: {"process_cpu_s": seconds}."""
         ...
 
 

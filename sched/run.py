@@ -10,7 +10,8 @@ Start-up, in order:
    (sched/clients.py). The engines start from the learner's weights (one push).
 3. The trajectory store in the run directory (or Redis), and the TITO gateway in this process, on
    127.0.0.1, over the Ray engine handles. Episodes run as asyncio tasks on the same event loop and
-   call the gateway over loopback HTTP like any agent.
+   call the gateway through the OpenAI client like any agent, handing each request to its app
+   without a socket (`loop.episode_transport`, gateway/inprocess_transport.py).
 
 A config with `distill.teachers` is a cross-stage distillation run (`asyncrl distill`, distill/):
 the task mix is the teachers' stages at their ratios and a scoring actor per teacher scores every
@@ -22,7 +23,8 @@ leaves the ledger balanced. A crash or Ctrl-C skips `close`: `asyncrl run --resu
 Ray starts its actors at niceness 15 unless told otherwise (`rollout/worker.py` RAY_SYSTEM_CONFIG):
 a run's actors run at the driver's niceness. A rollout worker or the learner that dies is replaced
 while the run goes on (`sched/clients.py`, `sched/recovery.py`); `summary.json` lists every such
-recovery (`recoveries`) and, for a resumed run, how long the resume took (`resumed`).
+recovery (`recoveries`), for a resumed run how long the resume took (`resumed`), and each process's
+CPU and each engine's busy time over the RL phase (`usage`, sched/usage.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from asyncrl.gateway.serving import InProcessGateway, episode_http_client
 from asyncrl.gateway.store import open_store
 from asyncrl.records import TERMINAL_STATUSES
 
+from . import usage
 from .clients import PoolRouting, RayLearner, RayWorkers
 from .display import Display
 from .loop import Loop
@@ -135,7 +138,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         gateway = await stack.enter_async_context(served)
         metrics = rundir.metrics(config, resume=resumed)
         stack.callback(metrics.close)
-        http = await stack.enter_async_context(episode_http_client(config))
+        http = await stack.enter_async_context(episode_http_client(config, gateway))
         parts = Parts(
             store=store, gateway=gateway, http=http, tasks=tasks, learner=learner, workers=workers,
             tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
@@ -156,7 +159,9 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         if state.eval_before is None:
             state.eval_before = await loop.evaluate(force=True)
         settle_heap()  # the gateway's event loop stalls less on garbage collection (gateway/app.py)
+        began_rl = await usage.snapshot(workers, learner)
         await loop.run()
+        spent = usage.between(began_rl, await usage.snapshot(workers, learner))
         eval_after = await loop.close()
         engine_versions = await workers.versions()
         counts = store.counts()
@@ -169,7 +174,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         **eval_by_task(records, [task.name for task, _ in tasks.evaluated(config.eval.num_problems)]),
         "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions,
         "ledger": ledger, "balanced": sum(state.ledger.values()) == started,
-        "recoveries": loop.recoveries, "resumed": resumption, "run_dir": str(rundir.path),
+        "recoveries": loop.recoveries, "resumed": resumption, "usage": spent, "run_dir": str(rundir.path),
     }  # fmt: skip
     return summary
 

@@ -129,7 +129,8 @@ class HeldOut:
 
     async def _evaluate(self) -> float:
         config = self.config
-        async with evaluation_gateway(config, [LocalEngine(self.engine)], self.tokenizer) as gateway, episode_http_client(config) as http:
+        served = evaluation_gateway(config, [LocalEngine(self.engine)], self.tokenizer)
+        async with served as gateway, episode_http_client(config, gateway) as http:
             result = await evaluate_env(
                 self.env, gateway, num_problems=config.eval.num_problems, seed=config.eval.seed,
                 timeout_s=config.loop.episode_timeout_s, http_client=http,

@@ -23,7 +23,7 @@ import torch
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, GatewayConfig, SamplingConfig, TinyModelConfig
 from asyncrl.gateway.app import create_app, gateway_server
-from asyncrl.gateway.engines import LocalEngine, ScoringUnsupported
+from asyncrl.gateway.engines import EngineFailure, LocalEngine, ScoringUnsupported
 from asyncrl.gateway.pool import EnginePool
 from asyncrl.gateway.service import GatewayService
 from asyncrl.policy.tiny import build_tiny_model
@@ -38,7 +38,7 @@ from asyncrl.policy.tokenizer import (
     TOOL_CALL_OPEN,
     build_tokenizer,
 )  # fmt: skip
-from asyncrl.records import GenerationResult, SamplingParams
+from asyncrl.records import GenerationResult, SamplingParams, TokenDelta
 
 SHAPE = dict(arch="qwen3", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=1024)
 SCRIPT = [ASSISTANT, TOOL_CALL_OPEN, "f", ARG_KEY_OPEN, "a", ARG_KEY_CLOSE, ARG_VALUE_OPEN, "7", ARG_VALUE_CLOSE, TOOL_CALL_CLOSE, EOS]
@@ -194,6 +194,43 @@ class ScriptedEngine:
 
     async def score(self, sequences, temperature):
         raise ScoringUnsupported("a scripted engine does not score")
+
+    async def health(self) -> dict:
+        return {}
+
+
+class Replier:
+    """An engine handle that samples a fixed reply, streamed a token per delta; with `hold`, the stream stops
+    after that many tokens until it is closed (`closed` is set when it is: the request was aborted)."""
+
+    def __init__(self, reply_ids: list[int], engine_id: str = "replier", hold: int | None = None) -> None:
+        self.reply_ids, self.engine_id, self.hold = reply_ids, engine_id, hold
+        self.fail: int | None = None
+        """Fail the stream (the engine died) after this many tokens."""
+        self.closed = threading.Event()
+
+    async def generate(self, prompt_token_ids, sampling, session_id) -> GenerationResult:
+        ids = self.reply_ids[: sampling.max_tokens]
+        finish = "stop" if len(ids) < sampling.max_tokens or ids[-1:] == self.reply_ids[-1:] else "length"
+        logprobs = [-0.125 * (i + 1) for i in range(len(ids))]
+        return GenerationResult("r", list(prompt_token_ids), ids, logprobs, [3] * len(ids), finish, engine_id=self.engine_id)
+
+    async def stream(self, prompt_token_ids, sampling, session_id):
+        try:
+            result = await self.generate(prompt_token_ids, sampling, session_id)
+            for i, token in enumerate(result.token_ids):
+                if i == self.hold:
+                    await asyncio.Event().wait()
+                if i == self.fail:
+                    raise EngineFailure("the engine died mid-stream")
+                yield TokenDelta([token], [result.logprobs[i]], [3])
+                await asyncio.sleep(0)
+            yield result
+        finally:
+            self.closed.set()
+
+    async def score(self, sequences, temperature):
+        raise ScoringUnsupported("a replier does not score")
 
     async def health(self) -> dict:
         return {}

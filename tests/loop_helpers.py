@@ -75,7 +75,7 @@ async def run_in_process(config, env, *, resume: bool = False) -> dict:
         policy.load(checkpoint)
     metrics, result = rundir.metrics(config, resume=resume), {"state": state, "rundir": rundir}
     try:
-        async with InProcessGateway(config, store, workers.engines, tokenizer) as gateway, episode_http_client(config) as http:
+        async with InProcessGateway(config, store, workers.engines, tokenizer) as gateway, episode_http_client(config, gateway) as http:
             parts = Parts(
                 store=store, gateway=gateway, http=http, tasks=TaskMix.from_config(config, env), learner=LocalLearner(policy),
                 workers=workers, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=Display(progress=False),

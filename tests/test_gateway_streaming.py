@@ -5,20 +5,17 @@ engine request and leaves its turn recorded truncated (finish reason "abort", it
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-from gateway_helpers import TOKENIZER, TOOLS, LiveGateway, make_engine, make_service, scripted_model
+from gateway_helpers import TOKENIZER, TOOLS, LiveGateway, Replier, make_engine, make_service, scripted_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.configs.schema import GatewayConfig, SamplingConfig
-from asyncrl.gateway.engines import EngineFailure, ScoringUnsupported
 from asyncrl.gateway.parsers import parse_reply, reasoning_parser
 from asyncrl.gateway.parsers import tool_call_parser as parser_by_name
 from asyncrl.gateway.pool import EnginePool
@@ -26,7 +23,6 @@ from asyncrl.gateway.replystream import IncrementalDecoder, ReplyStream
 from asyncrl.gateway.service import GatewayService
 from asyncrl.gateway.store import open_store
 from asyncrl.policy.tokenizer import ASSISTANT, EOS
-from asyncrl.records import GenerationResult, TokenDelta
 from asyncrl.samples import trajectory_to_samples
 
 USER = [{"role": "user", "content": "hi"}]
@@ -212,43 +208,6 @@ def test_a_template_that_opens_thinking_streams_reasoning_from_the_first_token(b
     live = [delta for token in ids for delta in stream.feed([token])]
     assert live[0][0] == "reasoning" and "".join(t for n, t in live if n == "reasoning") == "Let me think."
     assert "".join(t for n, t in live if n == "content") == "Paris."
-
-
-class Replier:
-    """An engine handle that samples a fixed reply, streamed a token per delta; with `hold`, the stream stops
-    after that many tokens until it is closed (`closed` is set when it is: the request was aborted)."""
-
-    def __init__(self, reply_ids: list[int], engine_id: str = "replier", hold: int | None = None) -> None:
-        self.reply_ids, self.engine_id, self.hold = reply_ids, engine_id, hold
-        self.fail: int | None = None
-        """Fail the stream (the engine died) after this many tokens."""
-        self.closed = threading.Event()
-
-    async def generate(self, prompt_token_ids, sampling, session_id) -> GenerationResult:
-        ids = self.reply_ids[: sampling.max_tokens]
-        finish = "stop" if len(ids) < sampling.max_tokens or ids[-1:] == self.reply_ids[-1:] else "length"
-        logprobs = [-0.125 * (i + 1) for i in range(len(ids))]
-        return GenerationResult("r", list(prompt_token_ids), ids, logprobs, [3] * len(ids), finish, engine_id=self.engine_id)
-
-    async def stream(self, prompt_token_ids, sampling, session_id):
-        try:
-            result = await self.generate(prompt_token_ids, sampling, session_id)
-            for i, token in enumerate(result.token_ids):
-                if i == self.hold:
-                    await asyncio.Event().wait()
-                if i == self.fail:
-                    raise EngineFailure("the engine died mid-stream")
-                yield TokenDelta([token], [result.logprobs[i]], [3])
-                await asyncio.sleep(0)
-            yield result
-        finally:
-            self.closed.set()
-
-    async def score(self, sequences, temperature):
-        raise ScoringUnsupported("a replier does not score")
-
-    async def health(self) -> dict:
-        return {}
 
 
 def _bpe_gateway(tmp_path, tokenizer, reply: str, **gateway) -> tuple[LiveGateway, Replier]:

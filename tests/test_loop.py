@@ -47,6 +47,11 @@ def test_async_run_pushes_weights_and_survives_a_crashing_environment(ray_sessio
     assert store.list(status="env_crash")  # recorded, accounted, and the run carried on
     assert (run_dir / "curves.png").exists() and (run_dir / "checkpoints" / "step-000003" / "loop_state.json").exists()
     assert json.loads((run_dir / "summary.json").read_text())["eval_after"] is not None
+    # Where the RL phase's time went: every process used CPU, and the engine stepped part of the time.
+    usage = summary["usage"]
+    assert usage["wall_s"] > 0 and set(usage["cpu_s"]) == {"driver", "learner", "engine:a-rollout-0"}
+    assert all(seconds > 0 for seconds in usage["cpu_s"].values())
+    assert 0 < usage["engine_busy_frac"]["a-rollout-0"] <= 1
 
 
 def test_sync_run_trains_on_policy(ray_session, tmp_path):

@@ -71,7 +71,7 @@ async def run_with_mortal_learner(run, dies: Callable[[RunDir, RLLearner], bool]
     learner = MortalLearner(policy, lambda: dies(rundir, policy), times)
     metrics, result = rundir.metrics(run, resume=False), {"state": state, "learner": learner, "error": None}
     try:
-        async with InProcessGateway(run, store, workers.engines, tokenizer) as gateway, episode_http_client(run) as http:
+        async with InProcessGateway(run, store, workers.engines, tokenizer) as gateway, episode_http_client(run, gateway) as http:
             parts = Parts(
                 store=store, gateway=gateway, http=http, tasks=TaskMix.from_config(run, CoinEnv()), learner=learner,
                 workers=workers, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=Display(progress=False),

@@ -189,7 +189,7 @@ async def _episodes(config: RunConfig, options: AgenticBenchOptions, store_path:
     http_config = config.model_copy(update={"loop": config.loop.model_copy(update={"max_inflight": options.episodes})})
     walls: list[float] = []
     try:
-        async with _stub_gateway(config, store, options.engine_latency_s) as lifecycle, episode_http_client(http_config) as http:
+        async with _stub_gateway(config, store, options.engine_latency_s) as lifecycle, episode_http_client(http_config, lifecycle) as http:
             counting = CountingLifecycle(lifecycle)
 
             async def episode(task) -> str:

@@ -88,7 +88,7 @@ class Player:
             try:
                 async with (
                     InProcessGateway(served, store, [LocalEngine(engine)], self.tokenizer) as gateway,
-                    episode_http_client(served) as http,
+                    episode_http_client(served, gateway) as http,
                 ):
                     binding = _Binding(gateway, engine, {t.rollout_id: t for t in trajectories})
 
