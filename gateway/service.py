@@ -28,13 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import random
 import secrets
 import time
 from collections.abc import AsyncGenerator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncrl.configs.schema import GatewayConfig, SamplingConfig
@@ -49,7 +47,8 @@ from .parsers.auto import resolve as resolve_parser
 from .pool import EnginePool
 from .rollouts import Rollout, RolloutTable
 from .sampling_policy import SamplingPolicy
-from .store import RolloutClosed, SQLiteStore, StoreError, TrajectoryRecorder
+from .store import RolloutClosed, StoreError, TrajectoryRecorder
+from .store_calls import store_calls
 from .template import TokenizerTemplate, chat_template
 from .toolcalls import ParsedCompletion
 from .turns import ChatTurn, TextTurn, draft, remember_text, request_messages, strip_eos, template_kwargs, text_prompt
@@ -88,9 +87,8 @@ class GatewayService:
         self.sampling_policy = SamplingPolicy(config, sampling, template, pool.context_tokens)
         self._template = template
         # SQLite takes one writer at a time, and a writer that finds the lock taken sleeps in
-        # growing steps (up to 100 ms): one thread queues writes instead. Redis takes them in parallel.
-        io_threads = io_threads or (1 if isinstance(store, SQLiteStore) else 4)
-        self._io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="gateway-store")
+        # growing steps (up to 100 ms): one thread commits what queued up, together. Redis takes them in parallel.
+        self._store_calls = store_calls(store, threads=io_threads or 4)
         # Tool-call ids need to be unique, not secret; uuid4 reads the OS entropy pool on every
         # call, which took 0.2 ms a call on a busy machine.
         ids = random.Random(secrets.randbits(128))
@@ -112,11 +110,11 @@ class GatewayService:
 
     def close(self) -> None:
         self._cpu.close()
-        self._io_pool.shutdown(wait=True)
+        self._store_calls.close()
 
     async def _io(self, fn, *args, **kwargs):
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._io_pool, functools.partial(fn, *args, **kwargs))
+            return await self._store_calls(fn, *args, **kwargs)
         except StoreError:
             raise
         except Exception as error:  # the store's connection or disk, not the request

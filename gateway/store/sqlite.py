@@ -1,7 +1,8 @@
 """The embedded trajectory store: one SQLite file per run, in WAL mode.
 
 WAL lets readers (a debugging view, an export) run while the gateway writes. Every write is a short
-`BEGIN IMMEDIATE` transaction, which takes the write lock up front: two processes can then never
+`BEGIN IMMEDIATE` transaction (or a savepoint of one, inside `transaction()`: the gateway commits
+the writes that queued up meanwhile together), which takes the write lock up front: two processes can then never
 both read, decide, and deadlock upgrading to a write. Each thread (and each forked process) gets its
 own connection, because a sqlite3 connection must not be shared across either.
 """
@@ -120,12 +121,39 @@ class SQLiteStore:
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         db = self._db()
+        if getattr(self._local, "batching", False):
+            # Inside `transaction()`: a savepoint, so a refusal undoes this write alone.
+            db.execute("SAVEPOINT write")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK TO write")
+                db.execute("RELEASE write")
+                raise
+            db.execute("RELEASE write")
+            return
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        db.execute("COMMIT")
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Run this thread's calls inside as one transaction (each write a savepoint of it), committed
+        at the end: one commit for many writes (gateway/store_calls.py). Not reentrant."""
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        self._local.batching = True
+        try:
+            yield
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        finally:
+            self._local.batching = False
         db.execute("COMMIT")
 
     def close(self) -> None:
