@@ -98,8 +98,14 @@ def _replay(config, json_path, options=None):
     return run(config, json_path, options)
 
 
+def _learn(config, json_path, options=None):
+    from .learn import run
+
+    return run(config, json_path, options)
+
+
 def _registry() -> dict[str, Benchmark]:
-    from . import agentic, asyncloop, replay, soak
+    from . import agentic, asyncloop, learn, replay, soak
 
     return {
         "engine": Benchmark(_engine),
@@ -108,6 +114,7 @@ def _registry() -> dict[str, Benchmark]:
         "agentic": Benchmark(_agentic, agentic.PRESET, options=agentic.AgenticBenchOptions),
         "soak": Benchmark(_soak, options=soak.SoakBenchOptions),
         "replay": Benchmark(_replay, replay.PRESET, options=replay.ReplayBenchOptions),
+        "learn": Benchmark(_learn, learn.PRESET, learn.OVERRIDES, learn.LearnBenchOptions),
     }
 
 

@@ -1,0 +1,92 @@
+"""`asyncrl bench learn`'s floor: a plain synchronous GRPO loop in one process, no Ray, no gateway, no store.
+
+The project's own parts and nothing around them: the embedded engine samples `learner.group_size`
+completions of `learner.batch_groups` prompts (the chat template rendered by the tokenizer, token ids
+straight to the engine), the environment's check scores them, the RL learner takes one step on them,
+and the engine loads the new weights; then again. What `asyncrl run` adds on top of this (actors,
+the TITO gateway and its records, the store, the loop's bookkeeping) is the system's overhead, and
+this side measures it. Held-out evaluation is greedy on the engine, on the same problems, every
+`loop.eval_every` versions, inside the budget as the other sides' are.
+
+Engine and learner take turns in this process, so each gets torch's default threads (the machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from typing import cast
+
+import torch
+
+from asyncrl.configs.schema import EmbeddedRolloutConfig, RunConfig
+
+
+def run_plain(config: RunConfig, budget_s: float) -> dict:
+    from asyncrl.gateway.app import run_loop
+
+    return run_loop(_run(config, budget_s))
+
+
+async def _run(config: RunConfig, budget_s: float) -> dict:
+    from transformers import AutoTokenizer
+
+    from asyncrl.envs.arithmetic import ArithmeticTask, verify
+    from asyncrl.learner.rl import RLLearner
+    from asyncrl.records import UNSAMPLED_VERSION, Sample, SamplingParams
+    from asyncrl.rollout import EmbeddedEngine
+
+    from .learn import _side
+
+    path, rollout = config.policy.path, config.rollout
+    if path is None or not isinstance(rollout, EmbeddedRolloutConfig):
+        raise ValueError("the plain side runs the embedded engine (rollout.type: embedded) on policy.path (a checkpoint directory)")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = EmbeddedEngine.from_pretrained(path, rollout, engine_id="plain")
+    learner = await asyncio.to_thread(RLLearner.from_config, config)
+    torch.set_num_threads(os.cpu_count() or 1)  # after the engine set its own (rollout.torch_threads)
+    task, rng = ArithmeticTask(config.tasks.arithmetic), random.Random(config.seed)
+    heldout = task.heldout_set(config.eval.num_problems, config.eval.seed)
+    learn, size = config.learner, config.learner.group_size
+    sampling = SamplingParams(temperature=config.rollout.sampling.temperature, max_tokens=config.loop.episode_max_tokens)
+    greedy = SamplingParams(temperature=0.0, max_tokens=config.eval.max_tokens)
+
+    def prompt(problem) -> list[int]:
+        return cast(
+            list[int], tokenizer.apply_chat_template(problem.messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+
+    def text(ids: list[int]) -> str:
+        return cast(str, tokenizer.decode(ids))
+
+    async def evaluate() -> float:
+        results = await asyncio.gather(*(engine.generate(prompt(p), greedy) for p in heldout))
+        return sum(verify(text(r.token_ids), p) for r, p in zip(results, heldout, strict=True)) / len(heldout)
+
+    try:
+        curve = [(0.0, 0, await evaluate())]
+        began, cpu_before, trained = time.monotonic(), time.process_time(), 0
+        while time.monotonic() - began < budget_s:
+            problems = [task.sample(rng) for _ in range(learn.batch_groups)]
+            asked = [(g, problem, prompt(problem)) for g, problem in enumerate(problems) for _ in range(size)]
+            results = await asyncio.gather(*(engine.generate(ids, sampling) for _, _, ids in asked))
+            samples = []
+            for i, ((g, problem, ids), result) in enumerate(zip(asked, results, strict=True)):
+                n = len(result.token_ids)
+                samples.append(Sample(
+                    token_ids=[*ids, *result.token_ids], loss_mask=[0] * len(ids) + [1] * n,
+                    logprobs=[0.0] * len(ids) + list(result.logprobs), versions=[UNSAMPLED_VERSION] * len(ids) + list(result.versions),
+                    reward=1.0 if verify(text(result.token_ids), problem) else 0.0, group_id=f"g{g}",
+                    rollout_id=f"r{i}", status="ok", task="reasoning", temperatures=[None] * len(ids) + [sampling.temperature] * n,
+                ))  # fmt: skip
+            metrics = await asyncio.to_thread(learner.train_step, samples)
+            trained += metrics["ledger"]["trained"]
+            await asyncio.to_thread(engine.update_weights, learner.state_dict_for_push(), learner.version)
+            if learner.version % config.loop.eval_every == 0 or time.monotonic() - began >= budget_s:
+                curve.append((round(time.monotonic() - began, 1), trained, await evaluate()))
+        wall, cpu = time.monotonic() - began, time.process_time() - cpu_before
+    finally:
+        engine.shutdown()
+    return _side(curve, trained=trained, wall_s=wall, optimizer_steps=learner.version, cpu_s={"plain": round(cpu, 2)})

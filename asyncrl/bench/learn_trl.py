@@ -1,0 +1,122 @@
+"""`asyncrl bench learn`'s TRL side: GRPOTrainer on the same checkpoint, task, batch and budget.
+
+The checkpoint is a Hugging Face directory (model, tokenizer, chat template), so TRL loads it as any
+user's model. The settings mirror the asyncrl config: `learner.group_size` generations per prompt,
+`learner.batch_groups` prompts per optimizer step (one generation batch per step, one pass over it),
+`rollout.sampling.temperature`, `learner.lr` (constant), `learner.grad_clip`, no KL term,
+`loop.episode_max_tokens` per completion; the reward is the environment's own check
+(`envs/arithmetic.verify`). Held-out accuracy is greedy generation on the same problems asyncrl
+evaluates, every `eval_every_s` seconds of TRL's wall, inside the budget as asyncrl's evaluations are.
+TRL runs in this process with torch's default threads (it has the whole machine; asyncrl's actors
+take one thread each).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+
+from asyncrl.configs.schema import RunConfig
+
+
+class TRLMissing(RuntimeError):
+    """TRL is not installed: the side is skipped with this note."""
+
+
+def run_trl(config: RunConfig, budget_s: float, eval_every_s: float) -> dict:
+    try:
+        import trl
+    except ImportError:
+        raise TRLMissing('trl is not installed (pip install -e ".[bench]"); the TRL side was skipped') from None
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from asyncrl.envs.arithmetic import ArithmeticTask, verify
+
+    from .learn import _side
+
+    path = config.policy.path
+    if path is None:
+        raise ValueError("the TRL side needs policy.path (a Hugging Face checkpoint directory)")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    task = ArithmeticTask(config.tasks.arithmetic)
+    rng = random.Random(config.seed)
+    problems = [task.sample(rng) for _ in range(50_000)]
+    heldout = task.heldout_set(config.eval.num_problems, config.eval.seed)
+    dataset = Dataset.from_list([{"prompt": problem.messages(), "index": i} for i, problem in enumerate(problems)])
+
+    def reward(prompts, completions, index, **_) -> list[float | None]:
+        return [1.0 if verify(completion[0]["content"], problems[i]) else 0.0 for completion, i in zip(completions, index, strict=True)]
+
+    learner = config.learner
+    batch = learner.group_size * learner.batch_groups
+    with tempfile.TemporaryDirectory(prefix="bench-learn-trl-") as output_dir:
+        args = trl.GRPOConfig(
+            output_dir=output_dir, num_generations=learner.group_size, per_device_train_batch_size=batch,
+            max_completion_length=config.loop.episode_max_tokens, temperature=config.rollout.sampling.temperature,
+            learning_rate=learner.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=learner.grad_clip, beta=0.0,
+            num_iterations=1, use_cpu=True, bf16=False, max_steps=1_000_000, save_strategy="no", report_to="none",
+            logging_steps=1_000_000, disable_tqdm=True, seed=config.seed, dataloader_num_workers=0,
+        )  # fmt: skip
+        clock = _Clock(model, tokenizer, heldout, config.eval.max_tokens, verify, budget_s, eval_every_s, batch)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                  callbacks=[type("BudgetCallback", (TrainerCallback,), {"on_step_end": clock.on_step_end})()])  # fmt: skip
+        clock.start()
+        cpu_before = time.process_time()
+        trainer.train()
+        cpu = time.process_time() - cpu_before
+    trained = clock.steps * clock.samples_per_step
+    return _side(clock.curve, trained=trained, wall_s=clock.elapsed(), optimizer_steps=clock.steps, cpu_s={"trl": round(cpu, 2)},
+                 extra={"trl_version": trl.__version__, "torch_threads": torch.get_num_threads()})  # fmt: skip
+
+
+class _Clock:
+    """TRL's wall budget and evaluation cadence, as a trainer callback."""
+
+    def __init__(self, model, tokenizer, heldout, max_tokens, verify, budget_s, eval_every_s, samples_per_step) -> None:
+        self.model, self.tokenizer, self.heldout, self.max_tokens, self.verify = model, tokenizer, heldout, max_tokens, verify
+        self.budget_s, self.eval_every_s, self.samples_per_step = budget_s, eval_every_s, samples_per_step
+        self.curve: list[tuple] = []
+        self.steps = 0
+
+    def start(self) -> None:
+        accuracy = self.evaluate()
+        self.began = time.monotonic()  # training starts after the first evaluation, as asyncrl's RL phase
+        self.curve.append((0.0, 0, accuracy))
+        self.last_eval = 0.0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.began
+
+    def on_step_end(self, args, state, control, **_):
+        self.steps = state.global_step
+        elapsed = self.elapsed()
+        if elapsed >= self.budget_s or elapsed - self.last_eval >= self.eval_every_s:
+            accuracy = self.evaluate()
+            self.curve.append((round(self.elapsed(), 1), self.steps * self.samples_per_step, accuracy))
+            self.last_eval = self.elapsed()
+            print(f"trl  step {self.steps:4d}  {self.last_eval:6.0f}s  held-out {accuracy:.1%}", flush=True)
+        if self.elapsed() >= self.budget_s:
+            control.should_training_stop = True
+        return control
+
+    def evaluate(self, batch: int = 100) -> float:
+        import torch
+
+        self.model.eval()
+        tokenizer, correct = self.tokenizer, 0
+        tokenizer.padding_side = "left"
+        with torch.inference_mode():
+            for i in range(0, len(self.heldout), batch):
+                problems = self.heldout[i : i + batch]
+                texts = [tokenizer.apply_chat_template(p.messages(), tokenize=False, add_generation_prompt=True) for p in problems]
+                inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                out = self.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                answers = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+                correct += sum(self.verify(answer, problem) for answer, problem in zip(answers, problems, strict=True))
+        self.model.train()
+        return correct / len(self.heldout)
