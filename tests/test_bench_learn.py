@@ -25,7 +25,7 @@ def test_every_side_learns_from_the_same_checkpoint(ray_session, tmp_path):
                                   "loop.eval_every=2", "tasks.arithmetic.max_digits=1", "tasks.arithmetic.word_problem_fraction=0",
                                   "eval.num_problems=8", f"runs_dir={tmp_path}"])  # fmt: skip
     path = tmp_path / "bench.json"
-    results = run(config, str(path), LearnBenchOptions(budget_s=4, sides=["async", "plain", "trl"], trl_eval_every_s=2))
+    results = run(config, str(path), LearnBenchOptions(budget_s=4, sides=["async", "plain", "trl"], trl_eval_every_s=2, engine_alone_s=2))
 
     assert json.loads(path.read_text()) == results and (tmp_path / "bench.png").stat().st_size > 0
     assert results["setup"]["sft"]["steps"] > 0 and results["notes"] == []
@@ -44,6 +44,10 @@ def test_every_side_learns_from_the_same_checkpoint(ray_session, tmp_path):
     assert sides["async"]["accuracy_start"] == sides["plain"]["accuracy_start"]
     assert sides["trl"]["samples_trained"] == sides["trl"]["optimizer_steps"] * config.learner.group_size * config.learner.batch_groups
     assert 0 < sides["async"]["engine_busy_frac"][f"{config.name}-async-rollout-0"] <= 1
+    alone = results["engine_alone"]
+    assert alone["completions"] > 0 and alone["samples_per_s"] == pytest.approx(alone["completions"] / alone["wall_s"], rel=0.05)
+    for side in sides.values():
+        assert side["fraction_of_engine_alone"] == pytest.approx(side["samples_per_s"] / alone["samples_per_s"], rel=0.01)
     assert results["async_over_trl_samples_per_s"] == pytest.approx(
         sides["async"]["samples_per_s"] / sides["trl"]["samples_per_s"], rel=0.01
     )

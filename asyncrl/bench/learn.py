@@ -5,6 +5,9 @@ set), trains on the same addition task with the same group size, prompts per ste
 learning rate and gradient clip, for the same wall budget, one side after the other, and is scored
 greedily on the same held-out problems (`eval.num_problems`, `eval.seed`) as it goes:
 
+- the engine alone (first; `bench.engine_alone_s=0` skips it): the pipeline limit, the rollout
+  engine fed `loop.max_inflight` requests at a time with nothing else running
+  (asyncrl/bench/learn_engine.py); each side's samples/s over it is `fraction_of_engine_alone`.
 - async, sync: `asyncrl run` itself (Ray actors, the TITO gateway, the store), `loop.mode` async or
   sync, evaluating every `loop.eval_every` versions. Its curve, samples and the CPU of each process
   over the RL phase come from the run's own records (metrics.jsonl, summary.json `usage`).
@@ -64,6 +67,8 @@ class LearnBenchOptions(Section):
     """Sides to run, in this order."""
     trl_eval_every_s: float = Field(20.0, gt=0)
     """TRL's held-out evaluation cadence, in seconds of its wall (asyncrl's is loop.eval_every versions)."""
+    engine_alone_s: float = Field(30.0, ge=0)
+    """Seconds of the engine alone at loop.max_inflight requests, first (the pipeline limit); 0 skips it."""
 
 
 def run(config: RunConfig, json_path: str | None = None, options: LearnBenchOptions | None = None) -> dict:
@@ -73,6 +78,12 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnBenchOpti
     with TemporaryDirectory(prefix="bench-learn-") as tmp:
         config = _with(config, f"runs_dir={tmp}", f"loop.wall_budget_s={options.budget_s}")
         config, sft = _warm_start(config)
+        alone = None
+        if options.engine_alone_s:
+            from .learn_engine import engine_alone
+
+            _say(f"bench learn: the engine alone, {options.engine_alone_s:.0f} s at {config.loop.max_inflight} requests")
+            alone = engine_alone(config, options.engine_alone_s)
         for side in options.sides:
             _say(f"bench learn: {side}, {options.budget_s:.0f} s from {config.policy.path}")
             if side == "trl":
@@ -90,7 +101,10 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnBenchOpti
                 sides[side] = run_plain(config, options.budget_s)
                 continue
             sides[side] = _asyncrl_side(_with(config, f"loop.mode={side}", f"name={config.name}-{side}"))
-    results = {"sides": sides, **_compare(sides), "notes": notes}
+    if alone is not None:
+        for side in sides.values():
+            side["fraction_of_engine_alone"] = round(side["samples_per_s"] / alone["samples_per_s"], 3)
+    results = {"sides": sides, **_compare(sides), "engine_alone": alone, "notes": notes}
     results["setup"] = {
         "preset": PRESET, "overrides": list(OVERRIDES), "budget_s": options.budget_s, "policy": config.policy.path, "sft": sft,
         "group_size": config.learner.group_size, "batch_groups": config.learner.batch_groups, "lr": config.learner.lr,
