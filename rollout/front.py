@@ -107,7 +107,7 @@ class EngineFront:
         self._closed = False
         self._step_lock = threading.Lock()  # one step at a time, whoever steps
         self.busy_s = 0.0
-        """Wall time the stepping thread spent in steps so far (1 - its share of a period: the engine idle)."""
+        """Wall time the stepping thread has spent in steps; its share of a period is the engine's busy fraction."""
 
     # --- requests ------------------------------------------------------------------------------
 

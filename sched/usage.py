@@ -6,7 +6,8 @@ share of one core per process (the driver: gateway, episodes and loop; each roll
 learner), and each engine's busy fraction (time its stepping thread spent in steps; 1 - that is the
 engine's idle fraction, what the loop failed to feed it). Processes are named by their role, not
 their pid; an in-process engine or learner shares the driver's process (its CPU is the driver's).
-Engines without these figures (vLLM) report None.
+Engines without these figures (vLLM) report None, as does a learner that could not answer or was
+restarted meanwhile (its new process's clock starts again).
 """
 
 from __future__ import annotations
@@ -16,10 +17,17 @@ from typing import Any
 
 
 async def snapshot(workers: Any, learner: Any) -> dict:
-    engines = {h.get("engine_id", str(i)): h for i, h in enumerate(await workers.health())}
+    """Figures a dead part cannot give are None: a report must not end a run that finished."""
+    try:
+        engines = {h.get("engine_id", str(i)): h for i, h in enumerate(await workers.health())}
+    except Exception:
+        engines = {}
+    try:
+        learner_cpu = (await learner.usage())["process_cpu_s"]
+    except Exception:
+        learner_cpu = None
     return {
-        "wall": time.monotonic(), "driver_cpu_s": time.process_time(),
-        "learner_cpu_s": (await learner.usage())["process_cpu_s"],
+        "wall": time.monotonic(), "driver_cpu_s": time.process_time(), "learner_cpu_s": learner_cpu,
         "engines": {name: {"cpu_s": h.get("process_cpu_s"), "busy_s": h.get("busy_s")} for name, h in engines.items()},
     }  # fmt: skip
 
@@ -27,7 +35,7 @@ async def snapshot(workers: Any, learner: Any) -> dict:
 def between(start: dict, end: dict) -> dict:
     """The summary's `usage` from two snapshots (engines present in both: a replaced one is left out)."""
     wall = max(end["wall"] - start["wall"], 1e-9)
-    cpu = {"driver": end["driver_cpu_s"] - start["driver_cpu_s"], "learner": end["learner_cpu_s"] - start["learner_cpu_s"]}
+    cpu = {"driver": end["driver_cpu_s"] - start["driver_cpu_s"], "learner": _delta(start["learner_cpu_s"], end["learner_cpu_s"])}
     busy = {}
     for name in start["engines"].keys() & end["engines"].keys():
         before, after = start["engines"][name], end["engines"][name]
@@ -42,4 +50,5 @@ def between(start: dict, end: dict) -> dict:
 
 
 def _delta(before: float | None, after: float | None) -> float | None:
-    return None if before is None or after is None else after - before
+    """after - before; None without both, or when the clock went back (another process since)."""
+    return None if before is None or after is None or after < before else after - before

@@ -39,3 +39,17 @@ def test_an_engine_replaced_meanwhile_is_left_out() -> None:
     end = asyncio.run(usage.snapshot(Workers({"e1": {"process_cpu_s": 2.0, "busy_s": 1.0}}), Learner(1.0)))
     spent = usage.between(start, end)
     assert spent["engine_busy_frac"] == {} and set(spent["cpu_s"]) == {"driver", "learner"}
+
+
+def test_a_learner_that_cannot_answer_or_restarted_gives_none() -> None:
+    class Dead:
+        async def usage(self) -> dict:
+            raise RuntimeError("the learner actor died")
+
+    engines = Workers({"e0": {"process_cpu_s": 1.0, "busy_s": 1.0}})
+    dead = asyncio.run(usage.snapshot(engines, Dead()))
+    alive = asyncio.run(usage.snapshot(engines, Learner(9.0)))
+    assert usage.between(dead, alive)["cpu_s"]["learner"] is None
+    restarted = asyncio.run(usage.snapshot(engines, Learner(2.0)))
+    spent = usage.between(alive, restarted)
+    assert spent["cpu_s"]["learner"] is None and spent["cpu_core_frac"]["learner"] is None

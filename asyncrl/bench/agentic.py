@@ -1,8 +1,9 @@
 """Benchmark: many concurrent agentic episodes through the gateway, and sandbox start-up per backend.
 
 Episodes (1,000 at once by default) are the built-in agentic environment (envs/agentic.py) played by
-the runner `asyncrl run` uses (`run_recorded_episode`, its in-process lifecycle, its shared aiohttp
-pool) against a real TITO gateway served by uvicorn on this process's event loop (uvloop where
+the runner `asyncrl run` uses (`run_recorded_episode`, its in-process lifecycle, its episodes' HTTP
+client: into the app without a socket, or with `loop.episode_transport=http` aiohttp's pool over
+loopback) against a real TITO gateway served by uvicorn on this process's event loop (uvloop where
 installed), as `asyncrl run` serves it, over a real SQLite trajectory store. What is not real, and why:
 
 - the engines are `StubEngine`s (asyncrl/bench/gateway.py): each model call takes

@@ -102,8 +102,8 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnBenchOpti
                 continue
             sides[side] = _asyncrl_side(_with(config, f"loop.mode={side}", f"name={config.name}-{side}"))
     if alone is not None:
-        for side in sides.values():
-            side["fraction_of_engine_alone"] = round(side["samples_per_s"] / alone["samples_per_s"], 3)
+        for measured in sides.values():
+            measured["fraction_of_engine_alone"] = round(measured["samples_per_s"] / alone["samples_per_s"], 3)
     results = {"sides": sides, **_compare(sides), "engine_alone": alone, "notes": notes}
     results["setup"] = {
         "preset": PRESET, "overrides": list(OVERRIDES), "budget_s": options.budget_s, "policy": config.policy.path, "sft": sft,

@@ -6,6 +6,9 @@ waiting or running and nothing else in the process: the completions it finishes 
 system can train samples faster than its engine makes them, so a side's samples trained per second
 over this is how much of the engine's capacity the rest of the system leaves it (a run's engine also
 shares the machine with the learner and the driver; here it has it to itself).
+
+`BareEngine` is what this and the plain loop (learn_plain.py) share: the engine on the checkpoint,
+the task, and prompts rendered by the checkpoint's own tokenizer, token ids straight to the engine.
 """
 
 from __future__ import annotations
@@ -13,9 +16,35 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import cast
+from typing import Any, cast
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, RunConfig
+
+
+class BareEngine:
+    """The run's embedded engine on `policy.path`, with no gateway in front of it."""
+
+    def __init__(self, config: RunConfig, engine_id: str) -> None:
+        from transformers import AutoTokenizer
+
+        from asyncrl.envs.arithmetic import ArithmeticTask
+        from asyncrl.records import SamplingParams
+        from asyncrl.rollout import EmbeddedEngine
+
+        path, rollout = config.policy.path, config.rollout
+        if path is None or not isinstance(rollout, EmbeddedRolloutConfig):
+            raise ValueError(f"bench learn's {engine_id} side runs the embedded engine (rollout.type: embedded) on policy.path")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.engine = EmbeddedEngine.from_pretrained(path, rollout, engine_id=engine_id)
+        self.task, self.rng = ArithmeticTask(config.tasks.arithmetic), random.Random(config.seed)
+        self.sampling = SamplingParams(temperature=config.rollout.sampling.temperature, max_tokens=config.loop.episode_max_tokens)
+
+    def prompt(self, problem: Any) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(problem.messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
+        return cast(list[int], rendered)
+
+    def text(self, token_ids: list[int]) -> str:
+        return cast(str, self.tokenizer.decode(token_ids))
 
 
 def engine_alone(config: RunConfig, seconds: float) -> dict:
@@ -25,38 +54,23 @@ def engine_alone(config: RunConfig, seconds: float) -> dict:
 
 
 async def _run(config: RunConfig, seconds: float) -> dict:
-    from transformers import AutoTokenizer
-
-    from asyncrl.envs.arithmetic import ArithmeticTask
-    from asyncrl.records import SamplingParams
-    from asyncrl.rollout import EmbeddedEngine
-
-    path, rollout = config.policy.path, config.rollout
-    if path is None or not isinstance(rollout, EmbeddedRolloutConfig):
-        raise ValueError("the engine-alone measure runs the embedded engine (rollout.type: embedded) on policy.path")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = EmbeddedEngine.from_pretrained(path, rollout, engine_id="alone")
-    task, rng = ArithmeticTask(config.tasks.arithmetic), random.Random(config.seed)
-    sampling = SamplingParams(temperature=config.rollout.sampling.temperature, max_tokens=config.loop.episode_max_tokens)
-
-    def prompt() -> list[int]:
-        messages = task.sample(rng).messages()
-        return cast(list[int], tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-
+    bare = BareEngine(config, "alone")
     done, deadline = 0, 0.0
 
     async def feed() -> None:
         nonlocal done
         while time.monotonic() < deadline:
-            await engine.generate(prompt(), sampling)
+            await bare.engine.generate(bare.prompt(bare.task.sample(bare.rng)), bare.sampling)
             done += 1
 
     try:
-        await engine.generate(prompt(), sampling)  # warm: the first step builds what later ones reuse
+        await bare.engine.generate(
+            bare.prompt(bare.task.sample(bare.rng)), bare.sampling
+        )  # warm: the first step builds what later ones reuse
         began = time.monotonic()
         deadline = began + seconds
         await asyncio.gather(*(feed() for _ in range(config.loop.max_inflight)))
         wall = time.monotonic() - began
     finally:
-        engine.shutdown()
+        bare.engine.shutdown()
     return {"samples_per_s": round(done / wall, 2), "completions": done, "wall_s": round(wall, 1), "in_flight": config.loop.max_inflight}

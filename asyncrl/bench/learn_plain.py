@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import time
-from typing import cast
 
 import torch
 
-from asyncrl.configs.schema import EmbeddedRolloutConfig, RunConfig
+from asyncrl.configs.schema import RunConfig
 
 
 def run_plain(config: RunConfig, budget_s: float) -> dict:
@@ -31,35 +29,20 @@ def run_plain(config: RunConfig, budget_s: float) -> dict:
 
 
 async def _run(config: RunConfig, budget_s: float) -> dict:
-    from transformers import AutoTokenizer
-
-    from asyncrl.envs.arithmetic import ArithmeticTask, verify
+    from asyncrl.envs.arithmetic import verify
     from asyncrl.learner.rl import RLLearner
     from asyncrl.records import UNSAMPLED_VERSION, Sample, SamplingParams
-    from asyncrl.rollout import EmbeddedEngine
 
     from .learn import _side
+    from .learn_engine import BareEngine
 
-    path, rollout = config.policy.path, config.rollout
-    if path is None or not isinstance(rollout, EmbeddedRolloutConfig):
-        raise ValueError("the plain side runs the embedded engine (rollout.type: embedded) on policy.path (a checkpoint directory)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = EmbeddedEngine.from_pretrained(path, rollout, engine_id="plain")
+    bare = BareEngine(config, "plain")
+    engine, task, rng, sampling, prompt, text = bare.engine, bare.task, bare.rng, bare.sampling, bare.prompt, bare.text
     learner = await asyncio.to_thread(RLLearner.from_config, config)
     torch.set_num_threads(os.cpu_count() or 1)  # after the engine set its own (rollout.torch_threads)
-    task, rng = ArithmeticTask(config.tasks.arithmetic), random.Random(config.seed)
     heldout = task.heldout_set(config.eval.num_problems, config.eval.seed)
     learn, size = config.learner, config.learner.group_size
-    sampling = SamplingParams(temperature=config.rollout.sampling.temperature, max_tokens=config.loop.episode_max_tokens)
     greedy = SamplingParams(temperature=0.0, max_tokens=config.eval.max_tokens)
-
-    def prompt(problem) -> list[int]:
-        return cast(
-            list[int], tokenizer.apply_chat_template(problem.messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
-        )
-
-    def text(ids: list[int]) -> str:
-        return cast(str, tokenizer.decode(ids))
 
     async def evaluate() -> float:
         results = await asyncio.gather(*(engine.generate(prompt(p), greedy) for p in heldout))
