@@ -38,7 +38,7 @@ CLIENT = ("127.0.0.1", 0)
 class InProcessTransport(httpx2.AsyncBaseTransport):
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.running: set[asyncio.Task] = set()  # handlers of clients that hung up, until they finish
+        self.running: set[asyncio.Task] = set()  # every handler until it finishes, its client gone or not
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         body = b"".join([chunk async for chunk in request.stream])  # type: ignore[union-attr]

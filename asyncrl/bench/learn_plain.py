@@ -44,8 +44,10 @@ async def _run(config: RunConfig, budget_s: float) -> dict:
     learn, size = config.learner, config.learner.group_size
     greedy = SamplingParams(temperature=0.0, max_tokens=config.eval.max_tokens)
 
+    heldout_prompts = [prompt(problem) for problem in heldout]
+
     async def evaluate() -> float:
-        results = await asyncio.gather(*(engine.generate(prompt(p), greedy) for p in heldout))
+        results = await asyncio.gather(*(engine.generate(ids, greedy) for ids in heldout_prompts))
         return sum(verify(text(r.token_ids), p) for r, p in zip(results, heldout, strict=True)) / len(heldout)
 
     try:
@@ -53,7 +55,8 @@ async def _run(config: RunConfig, budget_s: float) -> dict:
         began, cpu_before, trained = time.monotonic(), time.process_time(), 0
         while time.monotonic() - began < budget_s:
             problems = [task.sample(rng) for _ in range(learn.batch_groups)]
-            asked = [(g, problem, prompt(problem)) for g, problem in enumerate(problems) for _ in range(size)]
+            rendered = [(g, problem, prompt(problem)) for g, problem in enumerate(problems)]
+            asked = [entry for entry in rendered for _ in range(size)]  # a group: its prompt `size` times
             results = await asyncio.gather(*(engine.generate(ids, sampling) for _, _, ids in asked))
             samples = []
             for i, ((g, problem, ids), result) in enumerate(zip(asked, results, strict=True)):
