@@ -5,8 +5,8 @@ tiny engines, and a policy whose weights are set so it writes a tool call.
 policy (environments, evaluation). The scripted policy is a real model run by the real engine: every layer's output projections are
 zero, so the final hidden state is the last token's embedding and the model is a bigram table. Its
 embeddings and LM head are set so that after `<|assistant|>` it writes the SCRIPT below, each step
-with a logit margin of SHARPNESS: at temperature 1 it follows the script with probability ~1 - 1e-6
-per token, and the log-probs it reports are real (tiny, negative) numbers.
+with a logit margin of SHARPNESS: at temperature 1 it strays from the script with probability
+~(vocabulary - 1) * exp(-SHARPNESS), about 3e-7 per token (greedy, never), and the log-probs it reports are real (tiny, negative) numbers.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from asyncrl.records import GenerationResult, SamplingParams, TokenDelta
 
 SHAPE = dict(arch="qwen3", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=1024)
 SCRIPT = [ASSISTANT, TOOL_CALL_OPEN, "f", ARG_KEY_OPEN, "a", ARG_KEY_CLOSE, ARG_VALUE_OPEN, "7", ARG_VALUE_CLOSE, TOOL_CALL_CLOSE, EOS]
-SHARPNESS = 16.0
+SHARPNESS = 20.0
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}]
 
 TOKENIZER = build_tokenizer()

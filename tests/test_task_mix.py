@@ -9,6 +9,7 @@ import pytest
 from gateway_helpers import LiveGateway, make_engine, make_service, scripted_model
 
 from asyncrl.configs import load_config
+from asyncrl.configs.schema import SamplingConfig
 from asyncrl.envs.agentic import AgenticEnv
 from asyncrl.envs.base import EpisodeResult
 from asyncrl.envs.reasoning import ReasoningEnv
@@ -100,6 +101,7 @@ def test_a_thousand_episodes_in_flight_as_asyncio_tasks(tmp_path):
     total = 1000
     engine = make_engine("e0", scripted_model([ASSISTANT, "7", EOS]))
     store = open_store(tmp_path)
+    greedy = SamplingConfig(temperature=0.0, max_tokens=16)  # 2,000 sampled tokens would stray from the script now and then
 
     async def go(url: str, token: str):
         env = Waiting(total)
@@ -113,7 +115,7 @@ def test_a_thousand_episodes_in_flight_as_asyncio_tasks(tmp_path):
         return env.peak, results
 
     try:
-        with LiveGateway(make_service(store, [engine])) as live:
+        with LiveGateway(make_service(store, [engine], sampling=greedy)) as live:
             peak, results = asyncio.run(go(live.url, live.run_token))
         assert peak == total
         assert [(r.status, r.reward, r.reason) for _, r in results if (r.status, r.reward) != ("ok", 1.0)] == []
