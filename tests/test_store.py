@@ -217,6 +217,16 @@ def test_acked_work_is_never_handed_out_again(make_store) -> None:
     assert (counts["acked"], counts["claimed"], counts["pending"]) == (3, 2, 0)
 
 
+def test_expired_leases_and_fresh_work_are_handed_out_together_in_done_order(make_store) -> None:
+    store = make_store(0.05)
+    ids = _finished(store, 4)
+    assert [t.rollout_id for t in store.claim("x", 2)] == ids[:2]
+    later = _finished(store, 2)
+    time.sleep(0.1)  # x's two leases expire (a lease never expires sooner than its timeout)
+    assert [t.rollout_id for t in store.claim("y", 3)] == ids[:3]
+    assert [t.rollout_id for t in store.claim("y", 10)] == ids[3:] + later
+
+
 def test_claim_waits_for_the_next_finished_rollout(make_store) -> None:
     store = make_store()
     assert store.claim("c", 4) == []

@@ -54,7 +54,13 @@ CREATE TABLE IF NOT EXISTS trajectories (
     deliveries INTEGER NOT NULL DEFAULT 0,
     acked_at REAL
 );
-CREATE INDEX IF NOT EXISTS handoff ON trajectories(done_seq) WHERE acked_at IS NULL;
+-- The hand-off reads two small partial indexes: finished and never claimed, in done order; claimed
+-- and not acknowledged, by claim time (a claim expires after the visibility timeout). One index of
+-- everything unacknowledged made each claim scan every claimed row since the last checkpoint's acks:
+-- 10% of the driver's CPU in an RL run at ~10k rows.
+DROP INDEX IF EXISTS handoff;
+CREATE INDEX IF NOT EXISTS unclaimed ON trajectories(done_seq) WHERE done_seq IS NOT NULL AND acked_at IS NULL AND claimed_at IS NULL;
+CREATE INDEX IF NOT EXISTS claimed ON trajectories(claimed_at) WHERE acked_at IS NULL AND claimed_at IS NOT NULL;
 -- MAX(done_seq), taken on every finish, reads this index's last entry; the partial index above
 -- cannot answer it, and a table scan made each finish O(rollouts so far): 0.4 -> 2.5 ms at 40k.
 CREATE INDEX IF NOT EXISTS done_order ON trajectories(done_seq);
@@ -218,14 +224,18 @@ class SQLiteStore:
         while True:
             now = time.time()
             with self._write() as db:
-                ids = [
-                    row[0]
-                    for row in db.execute(
-                        "SELECT rollout_id FROM trajectories WHERE done_seq IS NOT NULL AND acked_at IS NULL"
-                        " AND (claimed_at IS NULL OR claimed_at <= ?) ORDER BY done_seq LIMIT ?",
-                        (now - self.visibility_timeout_s, max_n),
-                    )
-                ]
+                # The first max_n in done order of (never claimed) + (claim expired): each read by its own index.
+                fresh = db.execute(
+                    "SELECT done_seq, rollout_id FROM trajectories INDEXED BY unclaimed"
+                    " WHERE done_seq IS NOT NULL AND acked_at IS NULL AND claimed_at IS NULL ORDER BY done_seq LIMIT ?",
+                    (max_n,),
+                ).fetchall()
+                expired = db.execute(
+                    "SELECT done_seq, rollout_id FROM trajectories INDEXED BY claimed"
+                    " WHERE acked_at IS NULL AND claimed_at IS NOT NULL AND claimed_at <= ? ORDER BY done_seq LIMIT ?",
+                    (now - self.visibility_timeout_s, max_n),
+                ).fetchall()
+                ids = [rollout_id for _, rollout_id in sorted(fresh + expired)[:max_n]]
                 db.executemany(
                     "UPDATE trajectories SET claimed_by = ?, claimed_at = ?, deliveries = deliveries + 1 WHERE rollout_id = ?",
                     [(consumer, now, rollout_id) for rollout_id in ids],
