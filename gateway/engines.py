@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -88,13 +90,83 @@ class LocalEngine:
 
 class RayEngine:
     """A `RolloutWorker` actor. Ray re-raises a task's RequestError as an instance of RequestError,
-    so refusals still reach the client as 400s; any other Ray error means the actor is gone."""
+    so refusals still reach the client as 400s; any other Ray error means the actor is gone.
+
+    `generate` calls of one event-loop turn go out in one `submit` call, and their results come back
+    in `collect` calls, each bringing whatever finished since the last: a Ray call per request cost
+    the driver ~0.1 ms of CPU each, a tenth of its time with hundreds of rollouts in flight. Streams
+    and scoring are a call each."""
 
     def __init__(self, actor: Any, engine_id: str) -> None:
         self.actor, self.engine_id = actor, engine_id
+        self.caller = uuid.uuid4().hex  # this handle's outbox on the worker
+        self._keys = itertools.count()
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._outgoing: list[tuple[int, list[int], dict, str]] = []
+        self._collector: asyncio.Task | None = None
+        self._submitting: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(self, prompt_token_ids, sampling, session_id):
-        return await self._call("generate", prompt_token_ids, dataclasses.asdict(sampling), session_id)
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a handle used from a new event loop starts afresh there
+            self._loop, self._waiting, self._outgoing, self._collector = loop, {}, [], None
+        key, future = next(self._keys), loop.create_future()
+        self._waiting[key] = future
+        if not self._outgoing:
+            loop.call_soon(self._submit)
+        self._outgoing.append((key, prompt_token_ids, dataclasses.asdict(sampling), session_id))
+        if self._collector is None or self._collector.done():
+            self._collector = loop.create_task(self._collect())
+        try:
+            return await future
+        finally:
+            self._waiting.pop(key, None)  # a caller that left drops its result when it comes
+
+    def _submit(self) -> None:
+        batch, self._outgoing = self._outgoing, []
+        try:
+            with _ray_errors():
+                submitted = self.actor.submit.remote(self.caller, batch)
+        except EngineFailure as error:
+            self._fail([key for key, *_ in batch], error)
+            return
+        assert self._loop is not None
+        task = self._loop.create_task(self._submitted(submitted, [key for key, *_ in batch]))
+        self._submitting.add(task)
+        task.add_done_callback(self._submitting.discard)
+
+    async def _submitted(self, submitted: Any, keys: list[int]) -> None:
+        try:
+            with _ray_errors():
+                await submitted
+        except EngineFailure as error:
+            self._fail(keys, error)
+
+    async def _collect(self) -> None:
+        while self._waiting:
+            try:
+                with _ray_errors():
+                    outcomes = await self.actor.collect.remote(self.caller)
+            except EngineFailure as error:
+                self._fail(list(self._waiting), error)
+                return
+            for key, result, refusal, failure in outcomes:
+                future = self._waiting.get(key)
+                if future is None or future.done():
+                    continue
+                if result is not None:
+                    future.set_result(result)
+                elif refusal is not None:
+                    future.set_exception(RequestError(refusal))
+                else:
+                    future.set_exception(EngineFailure(f"engine {self.engine_id}: {failure}"))
+
+    def _fail(self, keys: list[int], error: BaseException) -> None:
+        for key in keys:
+            future = self._waiting.get(key)
+            if future is not None and not future.done():
+                future.set_exception(EngineFailure(str(error)))
 
     async def stream(self, prompt_token_ids, sampling, session_id) -> Streamed:
         import ray

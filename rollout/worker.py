@@ -20,6 +20,7 @@ missed heartbeats. 0 leaves actors at the driver's own niceness.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from pydantic import TypeAdapter
 from ray.actor import ActorClass
 
 from asyncrl.configs.schema import RolloutConfig
-from asyncrl.records import GenerationResult, SamplingParams, ScoreResult, TokenDelta
+from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
 
 from .engine import EmbeddedEngine
 
@@ -51,11 +52,26 @@ class RolloutWorker:
             self.engine = VLLMEngine.from_pretrained(model, config, engine_id=engine_id, version=version, mtp=mtp)
         else:
             self.engine = EmbeddedEngine.from_pretrained(model, config, engine_id=engine_id, version=version, mtp=mtp)
+        self._outboxes: dict[str, _Outbox] = {}
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
     ) -> GenerationResult:
         return await self.engine.generate(prompt_token_ids, sampling, session_id=session_id)
+
+    async def submit(self, caller: str, requests: list[tuple[int, list[int], dict, str | None]]) -> None:
+        """Start `(key, prompt_token_ids, sampling, session_id)` generate requests, many in one Ray call;
+        each one's outcome waits in `caller`'s outbox for `collect`. A driver with hundreds of rollouts in
+        flight spent a tenth of its CPU on one Ray call per request (`gateway.engines.RayEngine`)."""
+        outbox = self._outboxes.setdefault(caller, _Outbox())
+        for key, prompt_token_ids, sampling, session_id in requests:
+            task = asyncio.ensure_future(self.generate(prompt_token_ids, sampling, session_id))
+            task.add_done_callback(functools.partial(outbox.put, key))
+
+    async def collect(self, caller: str) -> list[Outcome]:
+        """The outcomes of `caller`'s submitted requests that finished since its last collect (`Outcome`),
+        waiting for one when none has."""
+        return await self._outboxes.setdefault(caller, _Outbox()).take()
 
     async def stream(
         self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
@@ -86,6 +102,38 @@ class RolloutWorker:
         """Never returns: a caller awaiting it hears that this actor died as soon as Ray knows
         (the call fails with ActorDiedError), with no polling."""
         await asyncio.Event().wait()
+
+
+Outcome = tuple[int, GenerationResult | None, str | None, str | None]
+"""What `collect` hands back for one request: `(key, result, refusal, failure)`, exactly one of the last
+three set: the result; the engine's refusal (a RequestError: the client's 400); or its failure of this
+request (the gateway may retry the prompt elsewhere)."""
+
+
+class _Outbox:
+    """Finished requests of one caller, until it collects them."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[Outcome] = []
+        self.ready = asyncio.Event()
+
+    def put(self, key: int, task: asyncio.Future) -> None:
+        error = None if task.cancelled() else task.exception()
+        if task.cancelled():
+            self.outcomes.append((key, None, None, "the request was cancelled on the engine"))
+        elif isinstance(error, RequestError):
+            self.outcomes.append((key, None, str(error), None))
+        elif error is not None:
+            self.outcomes.append((key, None, None, f"{type(error).__name__}: {error}"))
+        else:
+            self.outcomes.append((key, task.result(), None, None))
+        self.ready.set()
+
+    async def take(self) -> list[Outcome]:
+        await self.ready.wait()
+        self.ready.clear()
+        outcomes, self.outcomes = self.outcomes, []
+        return outcomes
 
 
 class WorkerLauncher:

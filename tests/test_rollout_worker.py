@@ -54,6 +54,59 @@ def test_worker_generates_and_takes_new_weights(ray_session):
         ray.kill(worker)
 
 
+def test_one_handle_sends_a_turns_requests_together_and_gives_each_its_own_outcome(ray_session):
+    """`RayEngine.generate`: the calls of one event-loop turn go to the worker in one `submit`, and
+    `collect` brings each its result, or its own refusal, while the others are answered."""
+    import asyncio
+
+    from asyncrl.gateway.engines import EngineFailure, RayEngine
+    from asyncrl.rollout.worker import create_workers
+
+    (worker,) = create_workers(make_tiny_model("qwen3", eos_token_id=None), EmbeddedRolloutConfig(num_workers=1, max_num_seqs=4))
+    prompts = [[5, 6, 7 + i % 3] for i in range(24)]
+    params = [SamplingParams(temperature=1.0, max_tokens=3 + i % 5, seed=i) for i in range(24)]
+    alone = ray.get([worker.generate.remote(p, s) for p, s in zip(prompts, params, strict=True)])
+
+    batches = []
+
+    class Submits:  # the worker's handle, noting the size of each submit
+        def __init__(self, actor) -> None:
+            self.actor = actor
+
+        def __getattr__(self, name):
+            return getattr(self.actor, name)
+
+        @property
+        def submit(self):
+            remote = self.actor.submit.remote
+            return type("Method", (), {"remote": staticmethod(lambda caller, batch: batches.append(len(batch)) or remote(caller, batch))})
+
+    async def together():
+        engine = RayEngine(Submits(worker), "rollout-0")
+        calls = [engine.generate(p, s, f"s{i}") for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
+        calls.insert(7, engine.generate([5, 999], params[0], "refused"))
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        later = await engine.generate(prompts[0], params[0], "later")  # the collector comes back for a later call
+        return outcomes, later
+
+    outcomes, later = asyncio.run(together())
+    refused = outcomes.pop(7)
+    assert isinstance(refused, RequestError) and str(refused).startswith("token id 999 is outside the vocabulary")
+    assert [r.token_ids for r in outcomes] == [r.token_ids for r in alone]  # each its own (seeded) sample
+    assert [r.logprobs for r in outcomes] == [pytest.approx(r.logprobs, abs=1e-4) for r in alone]  # batched with others
+    assert later.token_ids == alone[0].token_ids and batches == [25, 1]
+
+    ray.kill(worker)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(worker.health.remote())
+
+    async def dead():
+        engine = RayEngine(worker, "rollout-0")
+        return await asyncio.gather(*(engine.generate(p, s, "s") for p, s in zip(prompts[:3], params[:3], strict=True)), return_exceptions=True)
+
+    assert all(isinstance(outcome, EngineFailure) for outcome in asyncio.run(dead()))
+
+
 def test_gateway_routes_openai_calls_to_ray_workers(ray_session, tmp_path):
     """The gateway over Ray engine handles: an unmodified OpenAI client, turns recorded with the worker's id."""
     from gateway_helpers import LiveGateway, make_service
