@@ -102,7 +102,8 @@ def test_one_handle_sends_a_turns_requests_together_and_gives_each_its_own_outco
 
     async def dead():
         engine = RayEngine(worker, "rollout-0")
-        return await asyncio.gather(*(engine.generate(p, s, "s") for p, s in zip(prompts[:3], params[:3], strict=True)), return_exceptions=True)
+        calls = (engine.generate(p, s, "s") for p, s in zip(prompts[:3], params[:3], strict=True))
+        return await asyncio.gather(*calls, return_exceptions=True)
 
     assert all(isinstance(outcome, EngineFailure) for outcome in asyncio.run(dead()))
 
