@@ -31,7 +31,7 @@ from .admission import groups_to_admit
 from .episodes import Episodes
 from .evaluation import heldout_scores, record_evaluation
 from .groups import Group, GroupBuffer, group_samples
-from .parts import LearnerDied, Parts
+from .parts import LearnerDied, Parts, Weights
 from .recovery import Recovery
 from .resume import CONSUMER, Books
 from .rundir import LoopState, Retention
@@ -52,6 +52,7 @@ class Loop:
         )  # fmt: skip
         self.episodes = Episodes(parts.gateway, parts.http, config.loop.episode_timeout_s)
         self.pending: tuple[asyncio.Future, list[Group]] | None = None  # the learner step in flight
+        self.closing = False  # set by `close`: no step starts after it
         self.pushed = self.evaluated = state.version  # version the engines serve / last evaluated
         self.rng = random.Random(f"{config.seed}-{state.version}")
         self.t0, self.collected = time.monotonic(), 0
@@ -62,18 +63,27 @@ class Loop:
 
     async def run(self) -> None:
         while not self.finished():
+            stepped = False
             try:
-                self.admit()
                 await self.collect()
-                await self.train()
+                stepped = await self.train()  # before admitting: a group of episodes starting keeps the driver busy
+                self.admit()
                 await self.evaluate()
                 self.report()
             except LearnerDied as died:
                 await self.recovery.restart_learner(died)
+            if not stepped:  # a step that came back freed admission: admit again at once
+                await self.idle()
+
+    async def idle(self) -> None:
+        """`TICK_S`, or less: until the learner step in flight comes back (the engines wait on its push)."""
+        if self.pending is None:
             await asyncio.sleep(TICK_S)
+        else:
+            await asyncio.wait([self.pending[0]], timeout=TICK_S)
 
     def finished(self) -> bool:
-        return self.state.version >= self.config.loop.steps or self.out_of_time()
+        return self.closing or self.state.version >= self.config.loop.steps or self.out_of_time()
 
     def out_of_time(self) -> bool:
         budget = self.config.loop.wall_budget_s
@@ -113,9 +123,15 @@ class Loop:
             if len(claimed) < claim_batch:
                 return
 
-    async def train(self) -> None:
-        if self.pending is not None and self.pending[0].done():
+    async def train(self) -> bool:
+        """Book the step in flight if it came back, and start the next when a batch is ready; whether one came back."""
+        came_back = self.pending is not None and self.pending[0].done()
+        if came_back:
             await self.finish_step()
+        self.start_step()
+        return came_back
+
+    def start_step(self) -> None:
         if self.pending is None and self.groups.ready >= self.batch_groups and not self.finished():
             groups = self.groups.take(self.batch_groups)
             samples = group_samples(groups, self.config.learner.crash_statuses)
@@ -130,9 +146,16 @@ class Loop:
         before, self.state.version = self.state.version, metrics["version"]
         if self.config.loop.record_batches and metrics["stepped"]:
             self.p.rundir.write_batch(batch_record(metrics, groups, learner_version=before, distilled=self.p.teachers is not None))
+        checkpoint_due = self.state.version // self.config.learner.checkpoint_every > before // self.config.learner.checkpoint_every
         if metrics["push_due"]:
-            await self.push()
-        if self.state.version // self.config.learner.checkpoint_every > before // self.config.learner.checkpoint_every:
+            weights = await self.p.learner.weights()  # taken before the next step is sent, so of this version
+            if not checkpoint_due:
+                # The learner trains the next batch while the engines load these weights (they were
+                # idle meanwhile: staleness holds admission until the push). Not before a checkpoint,
+                # which saves the learner at the version the books record.
+                self.start_step()
+            await self.push(weights)
+        if checkpoint_due:
             await self.books.checkpoint()
         self.last = step_record(
             metrics, groups, elapsed_s=self.books.elapsed(), pushed_version=self.pushed,
@@ -142,10 +165,11 @@ class Loop:
         for warning in consistency_warnings(metrics):
             self.p.display.say(warning)
 
-    async def push(self) -> None:
-        """Weights to every engine; the loop waits (no admission meanwhile), the episodes do not."""
+    async def push(self, weights: Weights | None = None) -> None:
+        """The learner's weights (or `weights`, taken from it at this version) to every engine; the loop
+        waits (no admission meanwhile), the episodes do not."""
         version = self.state.version
-        weights = await self.p.learner.weights()
+        weights = weights if weights is not None else await self.p.learner.weights()
         try:
             await self.p.workers.update_weights(weights, version)
         except Exception:

@@ -28,10 +28,12 @@ async def close(loop: Loop) -> float | None:
             return await _close(loop)
         except LearnerDied as died:
             await loop.recovery.restart_learner(died)
+            loop.closing = False  # rewound to its last checkpoint, the run trains again up to its end
             await loop.run()
 
 
 async def _close(loop: Loop) -> float | None:
+    loop.closing = True
     if loop.pending is not None:
         await loop.finish_step()
     await loop.episodes.stop()
