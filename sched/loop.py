@@ -5,12 +5,14 @@
     collect   claim finished trajectories (aborted ones too) from the store into their groups
     train     hand complete groups to the learner (episodes keep running meanwhile), scored by their
               stages' teachers first in a distillation run; when the step returns, book it (`sched/steps.py`),
-              push weights when due, checkpoint when due
+              push weights when due (the next step starts while the engines load them), checkpoint when due
     evaluate  each task's held-out greedy success every `loop.eval_every` versions (`sched/evaluation.py`)
     report    the live display
 
-Async and sync runs are this same loop with a different admission rule. The learner and the engines
-are reached through two small clients (`sched/parts.py`). Trajectories are acknowledged in the store
+Each round collects and trains before it admits (a group's episodes starting keep the driver busy
+for a while, and the learner should not wait on that), and a round that booked a step comes round
+again at once: its push freed admission. Async and sync runs are this same loop with a different
+admission rule. The learner and the engines are reached through two small clients (`sched/parts.py`). Trajectories are acknowledged in the store
 only at a checkpoint, so a run that dies loses nothing and re-trains nothing (`recover`,
 `sched/resume.py`). A part that dies mid-run comes back without ending it (`sched/recovery.py`);
 `close` ends a run with every rollout in exactly one account of the ledger (`sched/shutdown.py`).

@@ -23,6 +23,7 @@ checkpoints it does not keep once a newer one is committed (`Books.checkpoint`) 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -153,7 +154,11 @@ class RunDir:
         return self.checkpoints / f"step-{version:06d}"
 
     def commit_checkpoint(self, directory: Path, state: LoopState) -> None:
-        (directory / LOOP_STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+        # Its loop state marks a checkpoint complete: written whole or not at all (a run killed while
+        # writing it must leave an incomplete checkpoint, not a truncated state that resume cannot read).
+        tmp = directory / f".{LOOP_STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(asdict(state), indent=1))
+        os.replace(tmp, directory / LOOP_STATE_FILE)
 
     def latest_checkpoint(self) -> tuple[Path, LoopState] | None:
         """The newest complete checkpoint and its loop state, or None."""

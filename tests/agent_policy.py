@@ -55,6 +55,8 @@ EOS_LOGIT = 7.5
 """Every token's embedding carries a constant feature the LM head reads as "end the turn": the turn ends with
 EOS after ~12 tokens on average. Harnesses treat a reply cut at max_tokens as unfinished (Claude Code asks the
 model to continue, three times, then exits 1), so a policy that never stopped could not complete a session."""
+SUPPRESSED_LOGIT = 30.0
+"""How far below the rest the other special tokens' logits sit: never sampled in a test's lifetime."""
 
 # Qwen2.5's template with Qwen3's handling of string arguments: a system message anywhere but first
 # (Claude Code sends one mid-conversation) is its own system turn, consecutive tool results share a user turn.
@@ -144,6 +146,9 @@ def build_model(tokenizer: PreTrainedTokenizerFast, shape: TinyModelConfig = SHA
         head[:, 0] = 0.0
         # After RMSNorm (unit RMS) the constant feature reads ~sqrt(hidden); the other logits stay near 0.
         head[tokenizer.eos_token_id, 0] = EOS_LOGIT / shape.hidden_size**0.5
+        # Never the other special tokens mid-reply (sampled ~1e-4 a token otherwise): a harness shows the
+        # reply without them, and the tests compare it with the recorded tokens decoded the same way.
+        head[[tokenizer.convert_tokens_to_ids(t) for t in (ENDOFTEXT, IM_START)], 0] = -SUPPRESSED_LOGIT / shape.hidden_size**0.5
     return model
 
 

@@ -73,9 +73,23 @@ def make_engine(engine_id: str = "e0", model=None):
     return EmbeddedEngine(model if model is not None else scripted_model(), config, engine_id=engine_id)
 
 
-def make_service(store, handles, *, sampling: SamplingConfig | None = None, **gateway) -> GatewayService:
+class ManualClock:
+    """A clock that moves only when told: engine leases expire by it, never by how slow the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_service(store, handles, *, sampling: SamplingConfig | None = None, clock: ManualClock | None = None, **gateway) -> GatewayService:
+    """`clock`: the engine registry's (leases and heartbeats), by default the real one."""
     config = GatewayConfig(**gateway)
-    pool = EnginePool(config)
+    pool = EnginePool(config) if clock is None else EnginePool(config, clock=clock)
     for handle in handles:
         pool.add_local(handle if not hasattr(handle, "step") else LocalEngine(handle))
     return GatewayService(store, TOKENIZER, pool, config, sampling or SamplingConfig(max_tokens=16))

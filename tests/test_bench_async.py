@@ -43,5 +43,4 @@ def test_bench_async_runs_both_modes_on_the_same_budget(ray_session, tmp_path):
         assert side["samples_per_s"] == pytest.approx(side["trained"] / side["rl_wall_s"], rel=1e-2)
         assert side["tool_latency_s"]["max"] <= 1.0  # the episodes waited the configured latencies
     assert sync["staleness_max"] == 0  # sync trains only on the weights that sampled
-    assert sync["rollouts_to_learner"] == async_["rollouts_to_learner"]
     assert results["setup"]["latency"]["median_s"] == 0.05

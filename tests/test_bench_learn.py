@@ -5,6 +5,7 @@ seconds; the JSON holds each side's curve and figures, they agree with each othe
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from loop_helpers import TINY
@@ -25,7 +26,7 @@ def test_every_side_learns_from_the_same_checkpoint(ray_session, tmp_path):
                                   "loop.eval_every=2", "tasks.arithmetic.max_digits=1", "tasks.arithmetic.word_problem_fraction=0",
                                   "eval.num_problems=8", f"runs_dir={tmp_path}"])  # fmt: skip
     path = tmp_path / "bench.json"
-    results = run(config, str(path), LearnBenchOptions(budget_s=4, sides=["async", "plain", "trl"], trl_eval_every_s=2, engine_alone_s=2))
+    results = run(config, str(path), LearnBenchOptions(budget_s=4, sides=["async", "trl", "plain"], trl_eval_every_s=2, engine_alone_s=2))
 
     assert json.loads(path.read_text()) == results and (tmp_path / "bench.png").stat().st_size > 0
     assert results["setup"]["sft"]["steps"] > 0 and results["notes"] == []
@@ -42,6 +43,7 @@ def test_every_side_learns_from_the_same_checkpoint(ray_session, tmp_path):
         assert all(seconds > 0 for seconds in side["cpu_s"].values()), name
     # Same engine, same checkpoint, same held-out problems, greedy: the same starting score.
     assert sides["async"]["accuracy_start"] == sides["plain"]["accuracy_start"]
+    assert sides["trl"]["torch_threads"] == (os.cpu_count() or 1)  # the whole machine, after the engine alone took one
     assert sides["trl"]["samples_trained"] == sides["trl"]["optimizer_steps"] * config.learner.group_size * config.learner.batch_groups
     assert 0 < sides["async"]["engine_busy_frac"][f"{config.name}-async-rollout-0"] <= 1
     alone = results["engine_alone"]

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from gateway_helpers import LiveGateway, Pausable, make_engine, make_service
+from gateway_helpers import LiveGateway, ManualClock, Pausable, make_engine, make_service
 from pydantic import ValidationError
 
 from asyncrl.configs.schema import GatewayConfig
@@ -221,8 +221,10 @@ def test_a_remote_engine_announces_itself_with_the_engine_token(engine, tmp_path
 
 
 def test_an_expired_engine_id_is_free_again(tmp_path) -> None:
-    with LiveGateway(make_service(open_store(tmp_path), [], **FAST_HEARTBEATS)) as gw:
+    clock = ManualClock()
+    with LiveGateway(make_service(open_store(tmp_path), [], clock=clock, **FAST_HEARTBEATS)) as gw:
         first = gw.http.post("/engines/register", json={"engine_id": "r", "address": NOWHERE}, headers=as_engine(gw)).json()["lease"]
+        clock.advance(FAST_HEARTBEATS["heartbeat_timeout_s"] + 0.1)
         wait_until_gone(gw, "r")  # its holder stopped heartbeating; the gateway's own loop never beats for it
         second = gw.http.post("/engines/register", json={"engine_id": "r", "address": NOWHERE}, headers=as_engine(gw)).json()["lease"]
         assert second != first and live_engines(gw) == {"r"}

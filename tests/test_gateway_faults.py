@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 import uvicorn
-from gateway_helpers import TOOLS, LiveGateway, Pausable, make_engine, make_service
+from gateway_helpers import TOOLS, LiveGateway, ManualClock, Pausable, make_engine, make_service
 
 from asyncrl.gateway.engines import engine_app
 from asyncrl.gateway.store import open_store
@@ -127,8 +127,9 @@ class _EngineServer:
 
 def test_remote_engines_register_heartbeat_and_expire(engines, tmp_path) -> None:
     remote = _EngineServer(engines[1])
+    clock = ManualClock()
     try:
-        with LiveGateway(make_service(open_store(tmp_path), [], **FAST_HEARTBEATS)) as gw:
+        with LiveGateway(make_service(open_store(tmp_path), [], clock=clock, **FAST_HEARTBEATS)) as gw:
             as_engine = {"Authorization": f"Bearer {gw.engine_token}"}
             bad = gw.http.post("/engines/register", json={"engine_id": "r", "address": "tcp://nowhere"}, headers=as_engine)
             assert bad.status_code == 400 and "http://" in bad.json()["error"]["message"]
@@ -141,7 +142,7 @@ def test_remote_engines_register_heartbeat_and_expire(engines, tmp_path) -> None
             assert reply.choices[0].message.tool_calls[0].function.name == "f"
             beat = {"lease": registered["lease"], "health": {"load": 0}}
             assert gw.http.post("/engines/remote-1/heartbeat", json=beat, headers=as_engine).json() == {"registered": True}
-            time.sleep(0.6)  # silence past the window
+            clock.advance(FAST_HEARTBEATS["heartbeat_timeout_s"] + 0.1)  # silence past the window
             assert _live_engines(gw) == set()
             assert gw.http.post("/engines/remote-1/heartbeat", json=beat, headers=as_engine).json() == {"registered": False}
     finally:

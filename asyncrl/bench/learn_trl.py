@@ -7,12 +7,13 @@ user's model. The settings mirror the asyncrl config: `learner.group_size` gener
 `loop.episode_max_tokens` per completion; the reward is the environment's own check
 (`envs/arithmetic.verify`). Held-out accuracy is greedy generation on the same problems asyncrl
 evaluates, every `eval_every_s` seconds of TRL's wall, inside the budget as asyncrl's evaluations are.
-TRL runs in this process with torch's default threads (it has the whole machine; asyncrl's actors
+TRL runs in this process with a torch thread per CPU (it has the whole machine; asyncrl's actors
 take one thread each).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
 import time
@@ -37,6 +38,8 @@ def run_trl(config: RunConfig, budget_s: float, eval_every_s: float) -> dict:
 
     from .learn import _side
 
+    # The whole machine, whatever ran before it here (an embedded engine sets the process's threads to its own).
+    torch.set_num_threads(os.cpu_count() or 1)
     path = config.policy.path
     if path is None:
         raise ValueError("the TRL side needs policy.path (a Hugging Face checkpoint directory)")

@@ -146,8 +146,9 @@ def test_rollouts_survive_a_kill_9_of_the_gateway_and_end_in_one_account_each(se
     )  # fmt: skip
 
 
-EXIT_MARGIN_S = 5.0
-"""What an exit may take past the graceful period: closing the store and engines, and the interpreter's own exit."""
+EXIT_MARGIN_S = 20.0
+"""What an exit may take past the graceful period: closing the store and engines, and the interpreter's own exit
+(the figures record it; the bound tells an exit from a hang, on a busy machine too)."""
 
 
 def _hang(port: int, api_key: str, body: bytes, declared: int) -> socket.socket:
