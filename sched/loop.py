@@ -12,9 +12,9 @@
 Each round collects and trains before it admits (a group's episodes starting keep the driver busy
 for a while, and the learner should not wait on that), and a round that booked a step comes round
 again at once: its push freed admission. Async and sync runs are this same loop with a different
-admission rule. The learner and the engines are reached through two small clients (`sched/parts.py`). Trajectories are acknowledged in the store
-only at a checkpoint, so a run that dies loses nothing and re-trains nothing (`recover`,
-`sched/resume.py`). A part that dies mid-run comes back without ending it (`sched/recovery.py`);
+admission rule. The learner and the engines are reached through two small clients (`sched/parts.py`).
+Trajectories are acknowledged in the store only at a checkpoint, so a run that dies loses nothing and
+re-trains nothing (`recover`, `sched/resume.py`). A part that dies mid-run comes back without ending it (`sched/recovery.py`);
 `close` ends a run with every rollout in exactly one account of the ledger (`sched/shutdown.py`).
 """
 
