@@ -99,7 +99,7 @@ class RayEngine:
 
     def __init__(self, actor: Any, engine_id: str) -> None:
         self.actor, self.engine_id = actor, engine_id
-        self.caller = uuid.uuid4().hex  # this handle's outbox on the worker
+        self.caller = uuid.uuid4().hex  # this handle's outbox on the worker (a new one on each event loop)
         self._keys = itertools.count()
         self._waiting: dict[int, asyncio.Future] = {}
         self._outgoing: list[tuple[int, list[int], dict, str]] = []
@@ -109,8 +109,11 @@ class RayEngine:
 
     async def generate(self, prompt_token_ids, sampling, session_id):
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # a handle used from a new event loop starts afresh there
+        if loop is not self._loop:
+            # A handle used from a new event loop (one at a time) starts afresh there, with an outbox of
+            # its own, so a collect left pending from the old loop takes none of the new loop's results.
             self._loop, self._waiting, self._outgoing, self._collector = loop, {}, [], None
+            self.caller = uuid.uuid4().hex
         key, future = next(self._keys), loop.create_future()
         self._waiting[key] = future
         if not self._outgoing:

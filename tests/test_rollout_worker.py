@@ -81,8 +81,9 @@ def test_one_handle_sends_a_turns_requests_together_and_gives_each_its_own_outco
             remote = self.actor.submit.remote
             return type("Method", (), {"remote": staticmethod(lambda caller, batch: batches.append(len(batch)) or remote(caller, batch))})
 
+    engine = RayEngine(Submits(worker), "rollout-0")
+
     async def together():
-        engine = RayEngine(Submits(worker), "rollout-0")
         calls = [engine.generate(p, s, f"s{i}") for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
         calls.insert(7, engine.generate([5, 999], params[0], "refused"))
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
@@ -95,6 +96,9 @@ def test_one_handle_sends_a_turns_requests_together_and_gives_each_its_own_outco
     assert [r.token_ids for r in outcomes] == [r.token_ids for r in alone]  # each its own (seeded) sample
     assert [r.logprobs for r in outcomes] == [pytest.approx(r.logprobs, abs=1e-4) for r in alone]  # batched with others
     assert later.token_ids == alone[0].token_ids and batches == [25, 1]
+    # The same handle from another event loop (the first one closed, its collect left pending on the worker).
+    again = asyncio.run(engine.generate(prompts[1], params[1], "again"))
+    assert again.token_ids == alone[1].token_ids and batches == [25, 1, 1]
 
     ray.kill(worker)
     with pytest.raises(ray.exceptions.RayActorError):
