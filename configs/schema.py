@@ -120,7 +120,13 @@ class PolicyConfig(Section):
     """Which model is the policy."""
 
     path: str | None = None
-    """A Hugging Face causal-LM directory (config, safetensors, tokenizer); None builds the tiny policy."""
+    """A Hugging Face causal-LM directory (config, safetensors, tokenizer); None builds the tiny policy.
+    Checked at start-up (`asyncrl/policy/validate.py`): a causal LM, with weights, a tokenizer no larger
+    than its vocabulary and a chat template."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The policy's dtype in the learner and the embedded engines; auto: the checkpoint's own (config.json's)."""
+    chat_template: str | None = None
+    """A Jinja chat template file for a tokenizer that has none (or to replace its own)."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the tiny policy built when `path` is None."""
     mtp: MTPConfig = MTPConfig()

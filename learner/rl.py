@@ -51,7 +51,7 @@ from transformers import PreTrainedModel
 
 from asyncrl.configs.schema import LearnerConfig, RunConfig
 from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
-from asyncrl.policy.mtp import MTPLayer, mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.mtp import MTPLayer, check_plain_head, mtp_loss, policy_hidden_and_logits
 from asyncrl.policy.routing import use_shared_selection
 from asyncrl.records import Account, Sample
 
@@ -171,6 +171,7 @@ class RLLearner:
             for name, param in [*model.named_parameters(), *(mtp.named_parameters() if mtp is not None else ())]:
                 if ".indexer." in name:
                     param.requires_grad_(False)
+        check_plain_head(model)
         # DSA and router top-k through the functions the embedded engine uses (ties included).
         use_shared_selection(model, *([mtp] if mtp is not None else []))
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.configs.schema import RunConfig, SFTConfig
-from asyncrl.policy.mtp import combine_depths, draft_step, mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.mtp import combine_depths, decoder_and_head, draft_step, mtp_loss, policy_hidden_and_logits
 
 from .optim import build_optimizer
 from .sft_data import Demo, collate, length_buckets
@@ -89,9 +89,9 @@ def _forward(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
     if "position_ids" not in batch:
         return policy_hidden_and_logits(model, batch["input_ids"], batch["attention_mask"])
     # No attention mask and no cache: transformers then builds the per-sequence mask from the position ids.
-    decoder = model.get_submodule("model")
+    decoder, head = decoder_and_head(model)
     hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).last_hidden_state
-    return hidden, model.get_submodule("lm_head")(hidden)
+    return hidden, head(hidden)
 
 
 def _packed_mtp_loss(

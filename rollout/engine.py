@@ -89,11 +89,12 @@ class EmbeddedEngine:
         *,
         engine_id: str = "embedded",
         version: int = 0,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         mtp=None,
     ) -> None:
         """`model`: a transformers causal LM in memory (`from_pretrained` loads one from a directory),
-        whose config and weights the native model is built from.
+        whose config and weights the native model is built from; `dtype` None: the model's own (so the
+        engine computes in the dtype the learner trains in).
 
         `mtp`: the policy's MTP layer (`asyncrl.policy.mtp.MTPLayer`, or its state dict), needed by
         `config.mtp_drafting`.
@@ -109,18 +110,24 @@ class EmbeddedEngine:
             raise ValueError("rollout.mtp_drafting needs the policy's MTP layer: pass mtp=, or a checkpoint directory that has one")
         hf_config = model.config
         self.engine_id = engine_id
-        self.dtype = dtype
+        self.dtype = dtype = dtype or next(model.parameters()).dtype
         self.device = torch.device("cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu")
-        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
-        if self.max_model_len > hf_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {hf_config.max_position_embeddings}"
-            )
+        positions = getattr(hf_config, "max_position_embeddings", None)
+        max_model_len = config.max_model_len or positions
+        if max_model_len is None:
+            raise ValueError(f"{hf_config.model_type}: the config has no max_position_embeddings; set rollout.max_model_len")
+        if positions is not None and max_model_len > positions:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {positions}")
+        self.max_model_len: int = max_model_len
         self.model = build_model(hf_config, model.state_dict(), max_len=self.max_model_len, dtype=dtype, device=self.device, fp8=config.fp8)
         # Only MoE families have routes; for the others record_routes records nothing (routes None).
         self.record_routes = config.record_routes and hasattr(self.model, "record_routes")
         if self.record_routes:
             self.model.record_routes = True
+        if config.mtp_drafting and not hasattr(self.model, "layer_weights"):
+            raise ValueError(
+                f"rollout.mtp_drafting: {hf_config.model_type} runs on the generic transformers path, which has no MTP drafter"
+            )
         self.drafter = NativeMTP(self.model, mtp if isinstance(mtp, dict) else mtp.state_dict()) if config.mtp_drafting else None
         self.vocab_size = hf_config.vocab_size
         eos = hf_config.eos_token_id

@@ -82,14 +82,16 @@ def _engines(config: RunConfig, model, mtp=None) -> list:
 def _policy(config: RunConfig):
     """(model, tokenizer, MTP layer or None): the layer only when the engines draft with it."""
     from asyncrl.policy.checkpoint import build_policy
+    from asyncrl.policy.validate import check_policy_directory
 
+    check_policy_directory(config.policy)
     drafting = config.rollout.mtp_drafting
     policy = config.policy.model_copy(update={"mtp": config.policy.mtp.model_copy(update={"enabled": drafting})})
     if drafting and config.policy.path is not None:
         from asyncrl.policy.checkpoint import load_policy
 
         # build_policy would give a checkpoint without one a fresh, untrained layer: refuse instead.
-        model, tokenizer, mtp = load_policy(config.policy.path)
+        model, tokenizer, mtp = load_policy(config.policy.path, config.policy.dtype, config.policy.chat_template)
         if mtp is None:
             raise ValueError(
                 f"rollout.mtp_drafting: the checkpoint {config.policy.path} has no MTP layer to draft with "

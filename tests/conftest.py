@@ -27,12 +27,16 @@ def make_tiny_model(arch: str = "glm_moe_dsa", *, seed: int = 0, eos_token_id: i
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return unit_scale_(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
+def unit_scale_(model):
+    """Redraw the model's weights in place: matrices normal / sqrt(fan_in), norm scales around 1, the rest small."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, param.shape[-1] ** -0.5)
-            elif "norm" in name and name.endswith("weight"):
+            elif ("norm" in name or ".ln_" in name) and name.endswith("weight"):
                 param.normal_(1.0, 0.1)
             else:
                 param.normal_(0.0, 0.1)

@@ -88,15 +88,6 @@ def test_qwen3_grouped_query_attention_matches_hf():
     assert_matches_hf(model, results)
 
 
-def test_other_model_types_are_refused_naming_the_supported_ones():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
-    with pytest.raises(ValueError, match=r"llama.*glm_moe_dsa, qwen3"):
-        engine_for(model)
-
-
 def test_from_pretrained_loads_a_model_directory(tmp_path, qwen3_model):
     qwen3_model.save_pretrained(tmp_path)
     engine = EmbeddedEngine.from_pretrained(tmp_path, EmbeddedRolloutConfig(max_num_seqs=2, retained_prefixes=0))

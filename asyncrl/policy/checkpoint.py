@@ -154,31 +154,45 @@ def save_policy(
     return directory
 
 
-def load_policy(directory: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, MTPLayer | None]:
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""`policy.dtype` -> what `from_pretrained` takes."""
+
+
+def load_policy(
+    directory: str | Path, dtype: str = "auto", chat_template: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, MTPLayer | None]:
     """(model, tokenizer, MTP layer or None) from a directory written by `save_policy`.
 
-    Any Hugging Face causal-LM directory works too; it simply has no MTP layer.
+    Any Hugging Face causal-LM directory works too; it simply has no MTP layer. `dtype`: a
+    `policy.dtype` name (auto: the checkpoint's); `chat_template`: a Jinja file replacing the
+    tokenizer's template (`policy.chat_template`).
     """
     directory = Path(directory)
     with _quiet():
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=DTYPES[dtype])
+    if chat_template is not None:
+        from .validate import read_chat_template
+
+        tokenizer.chat_template = read_chat_template(chat_template)
     path = _mtp_path(directory, model.config.model_type)
     mtp = _load_mtp(model, path) if path.exists() else None
     return model, tokenizer, mtp
 
 
 def build_policy(policy: PolicyConfig, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, MTPLayer | None]:
-    """The tiny policy, freshly initialised, when `policy.path` is None; else the checkpoint there.
+    """The tiny policy, freshly initialised, when `policy.path` is None; else the checkpoint there
+    (`policy.dtype`, `policy.chat_template` applied).
 
     A checkpoint without an MTP layer gets a fresh one when MTP is enabled; with MTP disabled
     none is returned.
     """
     tokenizer: PreTrainedTokenizerBase
     if policy.path is None:
-        model, tokenizer, mtp = build_tiny_model(policy.tiny, seed=seed), build_tokenizer(), None
+        dtype = torch.float32 if policy.dtype == "auto" else getattr(torch, policy.dtype)
+        model, tokenizer, mtp = build_tiny_model(policy.tiny, seed=seed, dtype=dtype), build_tokenizer(), None
     else:
-        model, tokenizer, mtp = load_policy(policy.path)
+        model, tokenizer, mtp = load_policy(policy.path, policy.dtype, policy.chat_template)
     if not policy.mtp.enabled:
         return model, tokenizer, None
     return model, tokenizer, mtp if mtp is not None else build_mtp(model, seed=seed + 1)

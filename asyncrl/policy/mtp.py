@@ -104,12 +104,40 @@ def build_mtp(policy: PreTrainedModel, seed: int | None = None) -> MTPLayer:
     return layer.to(dtype=next(policy.parameters()).dtype, device=next(policy.parameters()).device)
 
 
+def decoder_and_head(policy: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The policy's decoder (`base_model`: `model` for most families, `transformer` for GPT-2) and its LM head."""
+    assert isinstance(policy, PreTrainedModel)
+    head = policy.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{policy.config.model_type}: the model has no LM head (get_output_embeddings() is None)")
+    return policy.base_model, head
+
+
 def policy_hidden_and_logits(
     policy: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The policy's final (normed) hidden states and its logits, from one forward pass."""
-    hidden = policy.get_submodule("model")(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return hidden, policy.get_submodule("lm_head")(hidden)
+    """The policy's final (normed) hidden states and its logits, from one forward pass (any family;
+    `check_plain_head` says whether decoder then head is the family's whole forward)."""
+    decoder, head = decoder_and_head(policy)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return hidden, head(hidden)
+
+
+def check_plain_head(policy: PreTrainedModel, key: str = "policy.path") -> None:
+    """ValueError naming `key` when the policy's logits are not its output embeddings applied to its decoder's
+    last hidden state (a family that scales or soft-caps its logits): the learner would then score
+    another distribution than the engines sample. Runs one forward of a few tokens."""
+    ids = torch.arange(min(6, policy.config.vocab_size), device=next(policy.parameters()).device)[None]
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        full = policy(input_ids=ids, attention_mask=mask).logits.float()
+        split = policy_hidden_and_logits(policy, ids, mask)[1].float()
+    gap = float((full - split).abs().max())
+    if not gap <= 1e-3 * max(1.0, float(full.abs().max())):
+        raise ValueError(
+            f"{key}: {policy.config.model_type} does more to its logits than project the last hidden state "
+            f"(gap {gap:.2e}); asyncrl's learner and embedded engine would score another distribution"
+        )
 
 
 def draft_step(

@@ -53,10 +53,11 @@ def tiny_model_config(shape: TinyModelConfig, *, eos_token_id: int | None = 1, p
     )
 
 
-def build_tiny_model(shape: TinyModelConfig, seed: int = 0) -> PreTrainedModel:
-    """A freshly initialised tiny causal LM in float32 (the fast dtype on CPUs without bf16 units)."""
+def build_tiny_model(shape: TinyModelConfig, seed: int = 0, dtype=None) -> PreTrainedModel:
+    """A freshly initialised tiny causal LM, in float32 unless `dtype` says otherwise (float32 is the fast
+    dtype on CPUs without bf16 units)."""
     import torch
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_model_config(shape), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_model_config(shape), dtype=dtype or torch.float32)
     return model

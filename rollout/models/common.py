@@ -74,10 +74,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     return out.view(batch, kv_heads, groups, width, dv).permute(0, 3, 1, 2, 4).reshape(batch, width, heads * dv)
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] matrix."""
-    gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down, down_bias)
+
+
+def check_full_attention(config, max_len: int) -> None:
+    """Refuse a config whose layers do not all attend to the whole context up to max_len: the engine's cache
+    and mask are full attention."""
+    family, window = config.model_type, getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention", "sliding_attention"}
+    if kinds:
+        raise ValueError(
+            f"{family}: layers of kinds {sorted(kinds)}; the embedded engine runs attention layers only (use rollout.type='vllm')"
+        )
+    if getattr(config, "use_sliding_window", True) and window is not None and window < max_len:
+        raise ValueError(
+            f"{family}: sliding_window={window}, below the engine's context ({max_len}); the embedded engine attends to the "
+            "whole context (set rollout.max_model_len to the window, or use rollout.type='vllm')"
+        )
 
 
 def last_tokens(hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -1,27 +1,50 @@
-"""Native forward of transformers' dense `qwen3` (GQA attention with per-head q/k RMSNorm)."""
+"""Native forward of the dense GQA families: `llama`, `qwen2`, `mistral` and `qwen3`.
+
+One decoder layer shape serves them all (RMSNorm, rotary GQA attention, a SwiGLU MLP); what differs
+is read from the config and the weights: qwen3's per-head q/k RMSNorm, the attention and MLP biases
+(qwen2 biases q/k/v only; llama's `attention_bias` all four projections, `mlp_bias` the MLP), and
+each family's own rotary embedding (llama3 / linear / yarn scaling come with it).
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from ..fp8 import linear, quantize_weights
 from ..kv_cache import CacheLayout, ForwardBatch, KVCache
-from .common import RopeTable, attend, attention_bias, last_tokens, rotate, swiglu, weight_getter
+from .common import RopeTable, attend, attention_bias, check_full_attention, last_tokens, rotate, swiglu, weight_getter
 
 LINEAR_KEYS = frozenset({"qkv", "o", "gate_up", "down"})
 """Weight-dict entries that are matrices of a linear layer (what rollout.fp8 quantizes)."""
+ROTARY = {
+    "llama": "LlamaRotaryEmbedding",
+    "qwen2": "Qwen2RotaryEmbedding",
+    "mistral": "MistralRotaryEmbedding",
+    "qwen3": "Qwen3RotaryEmbedding",
+}
+"""model_type -> the family's rotary embedding class in transformers (its RoPE scaling included)."""
 
 
-class Qwen3Model:
+def _rotary(config):
+    family = config.model_type
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return getattr(module, ROTARY[family])(config)
+
+
+class DenseModel:
     linear_keys = LINEAR_KEYS
 
     def __init__(self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False):
+        family = config.model_type
         if config.hidden_act != "silu":
-            raise ValueError(f"qwen3: only silu MLPs are supported, got {config.hidden_act!r}")
-        if getattr(config, "use_sliding_window", False) or "sliding_attention" in (config.layer_types or []):
-            raise ValueError("qwen3: sliding-window attention is not supported by the embedded engine")
+            raise ValueError(f"{family}: only silu MLPs are supported, got {config.hidden_act!r}")
+        if getattr(config, "pretraining_tp", 1) != 1:
+            raise ValueError(f"{family}: pretraining_tp={config.pretraining_tp} is not supported (1 is the same model)")
+        check_full_attention(config, max_len)
+        self.qk_norm = family == "qwen3"
         self.config = config
         self.dtype, self.device, self.fp8 = dtype, device, fp8
         self.vocab_size = config.vocab_size
@@ -30,7 +53,7 @@ class Qwen3Model:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        self.rope = RopeTable(Qwen3RotaryEmbedding(config), max_len, dtype=dtype, device=device)
+        self.rope = RopeTable(_rotary(config), max_len, dtype=dtype, device=device)
         self.load_state_dict(state_dict)
 
     def cache_layout(self, extra_layers: int = 0) -> CacheLayout:
@@ -52,19 +75,24 @@ class Qwen3Model:
     def layer_weights(self, get, i: int) -> dict:
         """Decoder layer i's weights; i = num_hidden_layers is the MTP block, named the same way."""
         p = f"model.layers.{i}."
-        a = p + "self_attn."
-        bias = self.config.attention_bias
+        a, m = p + "self_attn.", p + "mlp."
+        # Biases are where the family's layers have them; the config says which (qwen2: q/k/v always).
+        qkv_bias = self.config.model_type == "qwen2" or getattr(self.config, "attention_bias", False)
+        o_bias = getattr(self.config, "attention_bias", False)
+        mlp_bias = getattr(self.config, "mlp_bias", False)
         return dict(
             ln1=get(p + "input_layernorm.weight"),
             qkv=torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
-            qkv_bias=torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]) if bias else None,
-            q_norm=get(a + "q_norm.weight"),
-            k_norm=get(a + "k_norm.weight"),
+            qkv_bias=torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]) if qkv_bias else None,
+            q_norm=get(a + "q_norm.weight") if self.qk_norm else None,
+            k_norm=get(a + "k_norm.weight") if self.qk_norm else None,
             o=get(a + "o_proj.weight"),
-            o_bias=get(a + "o_proj.bias") if bias else None,
+            o_bias=get(a + "o_proj.bias") if o_bias else None,
             ln2=get(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-            down=get(p + "mlp.down_proj.weight"),
+            gate_up=torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
+            gate_up_bias=torch.cat([get(m + "gate_proj.bias"), get(m + "up_proj.bias")]) if mlp_bias else None,
+            down=get(m + "down_proj.weight"),
+            down_bias=get(m + "down_proj.bias") if mlp_bias else None,
         )
 
     def begin(self, batch: ForwardBatch) -> dict:
@@ -79,14 +107,15 @@ class Qwen3Model:
         q_size, kv_size = self.heads * hd, self.kv_heads * hd
         x = F.rms_norm(h, (h.shape[-1],), lw["ln1"], eps)
         q, k, v = linear(x, lw["qkv"], lw["qkv_bias"]).split([q_size, kv_size, kv_size], dim=-1)
-        q = F.rms_norm(q.view(bsz, width, self.heads, hd), (hd,), lw["q_norm"], eps)
-        k = F.rms_norm(k.view(bsz, width, self.kv_heads, hd), (hd,), lw["k_norm"], eps)
+        q, k = q.view(bsz, width, self.heads, hd), k.view(bsz, width, self.kv_heads, hd)
+        if self.qk_norm:
+            q, k = F.rms_norm(q, (hd,), lw["q_norm"], eps), F.rms_norm(k, (hd,), lw["k_norm"], eps)
         q, k = rotate(q, ctx["cos"], ctx["sin"], interleaved=False), rotate(k, ctx["cos"], ctx["sin"], interleaved=False)
         cache.write(i, "k", batch, k)
         cache.write(i, "v", batch, v.view(bsz, width, self.kv_heads, hd))
         o = attend(q, cache.read(i, "k", batch), cache.read(i, "v", batch), ctx["bias"], self.scale)
         h = h + linear(o, lw["o"], lw["o_bias"])
-        return h + swiglu(F.rms_norm(h, (h.shape[-1],), lw["ln2"], eps), lw["gate_up"], lw["down"])
+        return h + swiglu(F.rms_norm(h, (h.shape[-1],), lw["ln2"], eps), lw["gate_up"], lw["down"], lw["gate_up_bias"], lw["down_bias"])
 
     def _trunk(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         w = self.weights
