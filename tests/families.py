@@ -36,17 +36,20 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "gpt2": ("qwen3", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
     "phi": ("qwen3", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, partial_rotary_factor=0.5)),
 }
-NATIVE = ("llama", "qwen2", "mistral")
-"""Families the embedded engine runs natively (besides the project's own glm_moe_dsa and qwen3)."""
+NATIVE = {"llama": "DenseModel", "qwen2": "DenseModel", "mistral": "DenseModel", "deepseek_v3": "GlmMoeDsaModel"}
+"""Families the embedded engine runs natively (besides the project's own glm_moe_dsa and qwen3), and the class that does."""
 
 
-def tiny_family_model(family: str, *, eos_token_id: int | None = None, pad_token_id: int = 0, seed: int = 0) -> PreTrainedModel:
+def tiny_family_model(
+    family: str, *, eos_token_id: int | None = None, pad_token_id: int = 0, seed: int = 0, **overrides
+) -> PreTrainedModel:
+    """`overrides`: config fields beyond the family's defaults here (a variant, e.g. hidden_act)."""
     from transformers import AutoConfig
 
     _, fields = FAMILIES[family]
     config = AutoConfig.for_model(
         family, vocab_size=VOCAB_SIZE, max_position_embeddings=256, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        bos_token_id=None, tie_word_embeddings=family == "gpt2", **fields,
+        bos_token_id=None, tie_word_embeddings=family == "gpt2", **{**fields, **overrides},
     )  # fmt: skip
     torch.manual_seed(seed)
     return unit_scale_(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())

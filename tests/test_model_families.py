@@ -26,7 +26,7 @@ from asyncrl.rollout.scoring import NativeScorer
 def test_every_family_samples_with_transformers_log_probs(family):
     model = tiny_family_model(family)
     engine = engine_for(model)
-    assert isinstance(engine.model, DenseModel if family in NATIVE else TransformersModel)
+    assert type(engine.model).__name__ == NATIVE.get(family, "TransformersModel")
     params = SamplingParams(temperature=0.7, max_tokens=12, seed=3)
     # Ragged prompts prefilled together, then decoded together; then a second turn reusing the first's KV.
     results = run_to_completion(engine, [(p, params) for p in PROMPTS])
@@ -54,6 +54,26 @@ def test_llama_with_biases_and_llama3_rope_scaling_runs_natively():
     assert isinstance(engine.model, DenseModel)
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=5)
     assert_matches_hf(biased, run_to_completion(engine, [(p, params) for p in PROMPTS]))
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("family", "fields"), [("llama", {"hidden_act": "gelu"}), ("deepseek_v3", {"q_lora_rank": None})], ids=["gelu-mlp", "no-query-latent"]
+)
+def test_a_variant_the_native_forward_lacks_runs_on_the_generic_path(family, fields):
+    model = tiny_family_model(family, **fields)
+    engine = engine_for(model)
+    assert isinstance(engine.model, TransformersModel)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=4)
+    assert_matches_hf(model, run_to_completion(engine, [(p, params) for p in PROMPTS]))
+    engine.shutdown()
+
+
+def test_native_deepseek_v3_runs_fp8_weights_and_records_routes():
+    engine = EmbeddedEngine(tiny_family_model("deepseek_v3"), EmbeddedRolloutConfig(max_num_seqs=2, fp8=True, record_routes=True))
+    (result,) = run_to_completion(engine, [(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=5, seed=1))])
+    assert engine.model.fp8 and len(result.token_ids) == 5
+    assert len(result.routes) == 5 and all(len(step) == 1 and len(step[0]) == 2 for step in result.routes)  # one MoE layer, top-2
     engine.shutdown()
 
 

@@ -7,14 +7,20 @@ import logging
 
 import torch
 
+from .common import NativeUnsupported
 from .dense import DenseModel
 from .generic import TransformersModel
 from .glm_moe_dsa import GlmMoeDsaModel
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"glm_moe_dsa": GlmMoeDsaModel, **dict.fromkeys(("llama", "qwen2", "mistral", "qwen3"), DenseModel)}
-"""transformers model_type -> native implementation; other families run through `TransformersModel`."""
+ARCHITECTURES = {
+    "glm_moe_dsa": GlmMoeDsaModel,
+    "deepseek_v3": GlmMoeDsaModel,
+    **dict.fromkeys(("llama", "qwen2", "mistral", "qwen3"), DenseModel),
+}
+"""transformers model_type -> native implementation; other families, and variants a native one refuses
+(`NativeUnsupported`), run through `TransformersModel`."""
 
 
 def build_model(config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False):
@@ -25,7 +31,12 @@ def build_model(config, state_dict: dict, *, max_len: int, dtype: torch.dtype, d
     cannot be quantized (every family without a native forward) raises `Fp8Error` here, at start-up.
     """
     arch = ARCHITECTURES.get(config.model_type)
-    if arch is None:
-        return TransformersModel(config, state_dict, max_len=max_len, dtype=dtype, device=device, fp8=fp8)
-    log.info("embedded engine: native forward for %s", config.model_type)
-    return arch(config, state_dict, max_len=max_len, dtype=dtype, device=device, fp8=fp8)
+    if arch is not None:
+        try:
+            native = arch(config, state_dict, max_len=max_len, dtype=dtype, device=device, fp8=fp8)
+        except NativeUnsupported as why:
+            log.info("embedded engine: %s", why)
+        else:
+            log.info("embedded engine: native forward for %s", config.model_type)
+            return native
+    return TransformersModel(config, state_dict, max_len=max_len, dtype=dtype, device=device, fp8=fp8)

@@ -11,6 +11,10 @@ from ..fp8 import linear
 from ..kv_cache import ForwardBatch
 
 
+class NativeUnsupported(ValueError):
+    """A variant of a family the native forward does not implement; the engine runs it on the generic path."""
+
+
 class RotaryEmbedding(Protocol):
     """What `RopeTable` reads of a transformers rotary embedding module (it may also have a `rope_type`)."""
 

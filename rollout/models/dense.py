@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..fp8 import linear, quantize_weights
 from ..kv_cache import CacheLayout, ForwardBatch, KVCache
-from .common import RopeTable, attend, attention_bias, check_full_attention, last_tokens, rotate, swiglu, weight_getter
+from .common import NativeUnsupported, RopeTable, attend, attention_bias, check_full_attention, last_tokens, rotate, swiglu, weight_getter
 
 LINEAR_KEYS = frozenset({"qkv", "o", "gate_up", "down"})
 """Weight-dict entries that are matrices of a linear layer (what rollout.fp8 quantizes)."""
@@ -40,9 +40,9 @@ class DenseModel:
     def __init__(self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False):
         family = config.model_type
         if config.hidden_act != "silu":
-            raise ValueError(f"{family}: only silu MLPs are supported, got {config.hidden_act!r}")
+            raise NativeUnsupported(f"{family}: only silu MLPs run natively, got {config.hidden_act!r}")
         if getattr(config, "pretraining_tp", 1) != 1:
-            raise ValueError(f"{family}: pretraining_tp={config.pretraining_tp} is not supported (1 is the same model)")
+            raise NativeUnsupported(f"{family}: pretraining_tp={config.pretraining_tp} does not run natively")
         check_full_attention(config, max_len)
         self.qk_norm = family == "qwen3"
         self.config = config

@@ -1,6 +1,7 @@
 """Native forward of transformers' `glm_moe_dsa` (GLM-5): MLA attention with interleaved RoPE, the DSA
 indexer choosing each query's top-k key positions, and MoE layers (sigmoid router with
 e_score_correction_bias, group-limited choice, one shared expert) after the first dense layers.
+The same forward without the indexer is `deepseek_v3`'s (GLM-5's attention is DeepSeek-V3's MLA plus DSA).
 
 Unlike transformers, which caches MLA latents and re-expands them for every past token at every
 step, the cache holds expanded per-head K and V: decode then costs one projection per new token.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding, yarn_apply_mscale
 
 from asyncrl.policy.dsa import index_scores, selection_mask
@@ -17,7 +19,7 @@ from asyncrl.policy.routing import RouterSpec, route
 
 from ..fp8 import linear, quantize_weights
 from ..kv_cache import CacheLayout, ForwardBatch, KVCache
-from .common import RopeTable, attend, attention_bias, last_tokens, rotate, swiglu, weight_getter
+from .common import NativeUnsupported, RopeTable, attend, attention_bias, last_tokens, rotate, swiglu, weight_getter
 
 LATENT_NORM_EPS = 1e-6
 """transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with this eps, not rms_norm_eps."""
@@ -33,25 +35,35 @@ class GlmMoeDsaModel:
     linear_keys = LINEAR_KEYS
 
     def __init__(self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False):
+        family = config.model_type
         if config.hidden_act != "silu":
-            raise ValueError(f"glm_moe_dsa: only silu MLPs are supported, got {config.hidden_act!r}")
+            raise NativeUnsupported(f"{family}: only silu MLPs run natively, got {config.hidden_act!r}")
+        if not config.q_lora_rank:
+            raise NativeUnsupported(f"{family}: q_lora_rank={config.q_lora_rank} (no query latent) does not run natively")
         self.config = config
         self.dtype, self.device, self.fp8 = dtype, device, fp8
         self.vocab_size = config.vocab_size
         self.heads = config.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.q_rank, self.kv_rank = config.q_lora_rank, config.kv_lora_rank
-        self.index_heads, self.index_dim, self.index_topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        dsa, layers = family == "glm_moe_dsa", config.num_hidden_layers
+        self.index_heads: int = config.index_n_heads if dsa else 0
+        self.index_dim: int = config.index_head_dim if dsa else 0
+        self.index_topk: int = config.index_topk if dsa else 0
         self.experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
         self.scale = yarn_apply_mscale(config.rope_parameters, (self.nope + self.rope_dim) ** -0.5)
+        self.interleaved = getattr(config, "rope_interleave", True)
         # One entry past the last layer: the MTP block (asyncrl.policy.mtp builds it like the last
-        # layer, but always with its own indexer).
-        self.has_indexer = [kind == "full" for kind in config.indexer_types] + [True]
-        if not self.has_indexer[0]:
+        # layer, but with GLM-5 always with its own indexer).
+        self.has_indexer = [kind == "full" for kind in config.indexer_types] + [True] if dsa else [False] * (layers + 1)
+        if dsa and not self.has_indexer[0]:
             raise ValueError("glm_moe_dsa: the first layer must run its own indexer")
-        self.is_moe = [kind == "sparse" for kind in config.mlp_layer_types]
+        self.is_moe = (
+            [kind == "sparse" for kind in config.mlp_layer_types] if dsa else [i >= config.first_k_dense_replace for i in range(layers)]
+        )
         self.is_moe.append(self.is_moe[-1])
-        self.rope = RopeTable(GlmMoeDsaRotaryEmbedding(config), max_len, dtype=dtype, device=device)
+        rotary = GlmMoeDsaRotaryEmbedding(config) if dsa else DeepseekV3RotaryEmbedding(config)
+        self.rope = RopeTable(rotary, max_len, dtype=dtype, device=device)
         self.router_spec = RouterSpec.of(config)
         self.record_routes = False
         """Keep the experts every MoE layer chose in the last forward (`routes`), for routing replay."""
@@ -197,11 +209,11 @@ class GlmMoeDsaModel:
 
         q_resid = F.rms_norm(q_latent, (self.q_rank,), lw["q_norm"], LATENT_NORM_EPS)
         q = linear(q_resid, lw["q_b"]).view(bsz, width, heads, nope + rope)
-        q = torch.cat((q[..., :nope], rotate(q[..., nope:], cos, sin, interleaved=True)), dim=-1)
+        q = torch.cat((q[..., :nope], rotate(q[..., nope:], cos, sin, interleaved=self.interleaved)), dim=-1)
 
         kv = linear(F.rms_norm(kv_latent, (self.kv_rank,), lw["kv_norm"], LATENT_NORM_EPS), lw["kv_b"])
         k_nope, v = kv.view(bsz, width, heads, nope + self.v_dim).split([nope, self.v_dim], dim=-1)
-        k_rot = rotate(k_rot.unsqueeze(2), cos, sin, interleaved=True).expand(-1, -1, heads, -1)
+        k_rot = rotate(k_rot.unsqueeze(2), cos, sin, interleaved=self.interleaved).expand(-1, -1, heads, -1)
         cache.write(i, "k", batch, torch.cat((k_nope, k_rot), dim=-1))
         cache.write(i, "v", batch, v)
 
