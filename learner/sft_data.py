@@ -3,7 +3,7 @@
 Two sources: the environments' demonstrations (their optional `demonstration(rng)`, see envs/base.py),
 mixed by `DemoStream`, and chat rows from a file (`sft.data`: JSONL, Parquet or a `datasets`
 directory, read and checked by `ChatRows.load`), mixed with them by `MixedStream`. Both are
-rendered by `render_demo`.
+rendered by `render_demos`.
 
 "Assistant tokens" means what the model itself writes after the generation prompt: the answer, any
 tool-call markup, and the EOS that ends the turn. The role header `<|assistant|>` is not one of
@@ -18,6 +18,7 @@ message that spells `<|assistant|>` is eight plain tokens in SFT exactly as in a
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -61,6 +62,29 @@ def as_renderer(tokenizer_or_renderer) -> ChatRenderer:
     return TokenizerRenderer(tokenizer_or_renderer)
 
 
+class NotPrefixStable(ValueError):
+    """The chat template renders an earlier turn differently once later turns follow (Qwen3 drops an old turn's
+    thinking section), so one sequence cannot hold every assistant turn as the model wrote it."""
+
+
+def render_demos(renderer, messages: Sequence[dict], tools: list[dict] | None = None) -> list[Demo]:
+    """The conversation as one demonstration (`render_demo`), or, under a template that is not prefix-stable,
+    one per assistant turn: the conversation up to that turn, rendered as the model saw it when it
+    wrote it, trained on that turn alone (what each RL turn is too, where the gateway forks)."""
+    try:
+        return [render_demo(renderer, messages, tools)]
+    except NotPrefixStable:
+        chat = as_renderer(renderer)
+        demos = []
+        for index in [index for index, message in enumerate(messages) if message["role"] == "assistant"]:
+            prompt = chat.render(messages[:index], tools, generation_prompt=True)
+            full = chat.render(messages[: index + 1], tools, generation_prompt=False)
+            if not full.startswith(prompt):
+                raise NotPrefixStable("the chat template renders an assistant turn that does not extend its own prompt") from None
+            demos.append(_encode(chat, [(prompt, 0), (full[len(prompt) :], 1)], full))
+        return demos
+
+
 def render_demo(renderer, messages: Sequence[dict], tools: list[dict] | None = None) -> Demo:
     """Tokenize a conversation with the chat template and mark the assistant-written spans.
 
@@ -82,21 +106,25 @@ def render_demo(renderer, messages: Sequence[dict], tools: list[dict] | None = N
         if message["role"] == "assistant":
             prompt = render(index, generation_prompt=True)
             if not (prompt.startswith(done) and full.startswith(prompt)):
-                raise ValueError("chat template is not prefix-stable; cannot mark assistant tokens")
+                raise NotPrefixStable("chat template is not prefix-stable; cannot mark assistant tokens")
             spans += [(prompt[len(done) :], 0), (full[len(prompt) :], 1)]
         else:
             if not full.startswith(done):
-                raise ValueError("chat template is not prefix-stable; cannot mark assistant tokens")
+                raise NotPrefixStable("chat template is not prefix-stable; cannot mark assistant tokens")
             spans.append((full[len(done) :], 0))
         done = full
+    return _encode(chat, spans, done)
 
+
+def _encode(chat: ChatRenderer, spans: list[tuple[str, int]], whole: str) -> Demo:
+    """Encode (text, trained) pieces one by one; refused where that differs from encoding `whole` at once."""
     token_ids: list[int] = []
     loss_mask: list[int] = []
     for text, trained in spans:
         ids = chat.encode(text) if text else []
         token_ids += ids
         loss_mask += [trained] * len(ids)
-    if token_ids != chat.encode(done):
+    if token_ids != chat.encode(whole):
         raise ValueError("the tokenizer merges tokens across a turn boundary; cannot mark assistant tokens")
     return Demo(token_ids, loss_mask)
 
@@ -120,8 +148,11 @@ class DemoStream:
             raise ValueError("the demonstration shares must not exceed 1")
         self.renderer, self.shares, self.rest = as_renderer(renderer), list(shares), rest
         self.rng = random.Random(seed)
+        self.pending: deque[Demo] = deque()  # the other turns of a demonstration split by `render_demos`
 
     def next(self) -> Demo:
+        if self.pending:
+            return self.pending.popleft()
         draw, bound, source = self.rng.random(), 0.0, self.rest
         for share, candidate in self.shares:
             bound += share
@@ -129,7 +160,8 @@ class DemoStream:
                 source = candidate
                 break
         demonstration = source.demonstration(self.rng)
-        return render_demo(self.renderer, demonstration.messages, tools=demonstration.tools)
+        self.pending.extend(render_demos(self.renderer, demonstration.messages, tools=demonstration.tools))
+        return self.pending.popleft()
 
     def batch(self, size: int) -> list[Demo]:
         return [self.next() for _ in range(size)]

@@ -1,5 +1,5 @@
 """Chat files for SFT (`sft.data`): rows read from JSONL, Parquet or a `datasets` directory, rendered
-with the chat template into masked demonstrations (`sft_data.render_demo`), malformed rows counted by
+with the chat template into masked demonstrations (`sft_data.render_demos`), malformed rows counted by
 reason or refused, and the held-out split."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from asyncrl.configs.paths import data_path
 from asyncrl.configs.schema import SFTDataConfig
 
-from .sft_data import ChatRenderer, Demo, render_demo
+from .sft_data import ChatRenderer, Demo, render_demos
 
 
 class ChatDataError(ValueError):
@@ -66,7 +66,8 @@ class _Malformed(Exception):
 
 
 def _rendered(path: str, data: SFTDataConfig, renderer: ChatRenderer, prepare: Prepare, skipped: Counter[str]) -> list[tuple[float, Demo]]:
-    """(held-out key in [0, 1), rendered row) for each usable row; the key is a hash of the row's messages."""
+    """(held-out key in [0, 1), demonstration) for each usable row (one per assistant turn where the template is not
+    prefix-stable, `render_demos`); the key is a hash of the row's messages, so a row's turns stay on one side."""
     out = []
     for where, row in _read(path, data.messages_column, data.tools_column):
         try:
@@ -78,12 +79,12 @@ def _rendered(path: str, data: SFTDataConfig, renderer: ChatRenderer, prepare: P
                 raise _Malformed(f"no {data.messages_column!r}")
             try:
                 messages, tools = prepare(row[data.messages_column], row.get(data.tools_column))
-                demo = render_demo(renderer, messages, tools)
+                demos = render_demos(renderer, messages, tools)
             except ValueError as err:
                 raise _Malformed(f"invalid messages ({err})") from err
             if not any(message["role"] == "assistant" for message in messages):
                 raise _Malformed("no assistant message")
-            if len(demo.token_ids) > data.max_length:
+            if max(len(demo.token_ids) for demo in demos) > data.max_length:
                 raise _Malformed(f"longer than sft.data.max_length={data.max_length}")
         except _Malformed as bad:
             if data.on_malformed == "refuse":
@@ -91,7 +92,7 @@ def _rendered(path: str, data: SFTDataConfig, renderer: ChatRenderer, prepare: P
             skipped[str(bad).split(" (")[0]] += 1
             continue
         canonical = json.dumps(row[data.messages_column], sort_keys=True, default=str).encode()
-        out.append((int.from_bytes(hashlib.sha256(canonical).digest()[:8], "big") / 2**64, demo))
+        out += [(int.from_bytes(hashlib.sha256(canonical).digest()[:8], "big") / 2**64, demo) for demo in demos]
     return out
 
 

@@ -230,3 +230,39 @@ def test_short_sft_run_from_a_chat_file_records_the_heldout_loss(tmp_path):
     evals = [r for r in records if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [2, 4, 5]
     assert all(r["eval_loss"] > 0 for r in evals) and evals[0]["eval_loss"] != evals[-1]["eval_loss"]
+
+
+def test_a_template_that_rewrites_old_turns_trains_each_assistant_turn_as_it_was_written():
+    import chat_templates
+
+    from asyncrl.learner.sft_data import render_demos
+
+    qwen3 = chat_templates.build("qwen3")  # an assistant turn keeps its (empty) think section only while it is the last
+    call = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(6*7)"}}}
+    messages = [
+        {"role": "user", "content": "6*7"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "42"},
+    ]
+    with pytest.raises(ValueError, match="not prefix-stable"):
+        render_demo(qwen3, messages, [PYTHON])
+    first, second = render_demos(qwen3, messages, [PYTHON])
+
+    def trained(demo) -> str:
+        return qwen3.decode([t for t, m in zip(demo.token_ids, demo.loss_mask, strict=True) if m])
+
+    def rendered(upto: int) -> list[int]:
+        return qwen3.encode(qwen3.apply_chat_template(messages[:upto], tools=[PYTHON], tokenize=False), add_special_tokens=False)
+
+    # Each is the conversation through its turn as the template renders it then, trained on that turn alone.
+    assert first.token_ids == rendered(2) and second.token_ids == rendered(4)
+    assert (
+        trained(first)
+        == '<think>\n\n</think>\n\n<tool_call>\n{"name": "python", "arguments": {"code": "print(6*7)"}}\n</tool_call><|im_end|>\n'
+    )
+    assert trained(second) == "<think>\n\n</think>\n\n42<|im_end|>\n"
+    # A prefix-stable template keeps one demonstration with both turns trained.
+    (whole,) = render_demos(TOK, messages, [PYTHON])
+    starts = [j for j in range(1, len(whole.loss_mask)) if whole.loss_mask[j] and not whole.loss_mask[j - 1]]
+    assert len(starts) == 2 and whole.token_ids == render_demo(TOK, messages, [PYTHON]).token_ids
