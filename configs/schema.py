@@ -728,7 +728,10 @@ class LearnerConfig(Section):
     torch_threads: int = Field(1, ge=1, le=256)
     """torch intra-op threads in the learner process."""
     num_cpus: float = Field(1.0, gt=0.0)
-    """Ray CPU resources of the learner actor."""
+    """Ray CPU resources of the learner actor (of each rank's, with num_ranks > 1)."""
+    num_ranks: int = Field(1, ge=1, le=1024)
+    """Data-parallel learner processes (learner/distributed.py): each computes a share of every step's rows
+    and the gradients are summed over a torch.distributed group (gloo on CPU); the result is the one-rank step's."""
     micro_batch_tokens: int = Field(8192, ge=1)
     """Most padded tokens (rows x longest) in one forward/backward; bounds activation memory."""
     checkpoint_every: int = Field(50, ge=1)

@@ -9,11 +9,22 @@ The scheduler drives it with a handful of verbs; weights leave it as an ObjectRe
 `state.remote()` returns the state dict's ObjectRef, which `push_weights` hands to every worker as
 it is: the weights are serialized once, by the learner, and never pass through the driver. The
 scheduler's loop makes these calls through its learner client (`sched/clients.py` RayLearner).
+
+With `learner.num_ranks` > 1 the actor the scheduler holds is rank 0 of a data-parallel learner
+(learner/distributed.py): it starts the other ranks as actors of its own, so they live and die with
+it, forms the process group with them, and forwards each step's samples to them. The scheduler sees
+one learner either way; a rank that fails takes rank 0 down with it (`_peer_failed`), and the loop
+restarts the whole group from the last checkpoint as it restarts a single learner.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import resource
 import time
+import warnings
+from typing import NoReturn
 
 import ray
 import torch
@@ -22,38 +33,82 @@ from ray.actor import ActorClass
 from asyncrl.configs.schema import RunConfig
 from asyncrl.records import Sample
 
+from .consistency import LogprobGapWarning
+from .distributed import free_address, join_group
 from .rl import RLLearner
+
+log = logging.getLogger(__name__)
 
 
 class LearnerActor:
-    def __init__(self, config: RunConfig | dict, resume_from: str | None = None) -> None:
-        """Builds the policy of `config.policy`; `resume_from` is a directory written by `save`."""
+    def __init__(
+        self, config: RunConfig | dict, resume_from: str | None = None, rank: int = 0, address: tuple[str, int] | None = None
+    ) -> None:
+        """Builds the policy of `config.policy`; `resume_from` is a directory written by `save`. `rank` and
+        `address` (rank 0's rendezvous) are given by rank 0 to the ranks it starts."""
         config = RunConfig.model_validate(config)
         # Its own thread budget: the rollout workers and the gateway share the same cores.
         torch.set_num_threads(config.learner.torch_threads)
+        world = config.learner.num_ranks
+        self.rank = rank
+        self.peers: list = []
+        if world > 1:
+            if rank == 0:
+                address = free_address()
+                options = dict(num_cpus=config.learner.num_cpus)
+                self.peers = [
+                    LearnerActorClass.options(**options).remote(config.model_dump(), resume_from, r, address) for r in range(1, world)
+                ]
+            assert address is not None
+            join_group(address, rank, world, torch.device("cpu"))
         self.learner = RLLearner.from_config(config)
         if resume_from is not None:
             self.learner.load(resume_from)
 
     def train_step(self, samples: list[Sample], current_version: int | None = None) -> dict:
-        return self.learner.train_step(samples, current_version)
+        if self.rank > 0:
+            with warnings.catch_warnings():  # rank 0 warns for the step
+                warnings.simplefilter("ignore", LogprobGapWarning)
+                return self.learner.train_step(samples, current_version)
+        if not self.peers:
+            return self.learner.train_step(samples, current_version)
+        shared = ray.put(samples)  # serialized once for all the other ranks
+        pending = [peer.train_step.remote(shared, current_version) for peer in self.peers]
+        try:
+            metrics = self.learner.train_step(samples, current_version)
+            ray.get(pending)
+        except Exception as error:  # a rank died or its collective failed: the group is broken
+            self._peer_failed(error)
+        return metrics
 
     def version(self) -> int:
         return self.learner.version
 
     def usage(self) -> dict:
-        """This process's CPU time so far (`asyncrl run`'s summary reports each process's share)."""
-        return {"process_cpu_s": time.process_time()}
+        """CPU time so far of this process and the other ranks' (`asyncrl run`'s summary reports each part's
+        share), and each rank's peak resident memory in bytes, rank 0 first."""
+        others = ray.get([peer.usage.remote() for peer in self.peers]) if self.peers else []
+        # ru_maxrss is in KiB on Linux.
+        peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, *(p for u in others for p in u["peak_rss_bytes"])]
+        return {"process_cpu_s": time.process_time() + sum(u["process_cpu_s"] for u in others), "peak_rss_bytes": peaks}
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.learner.state_dict_for_push()
 
     def save(self, directory: str) -> str:
-        return str(self.learner.save(directory))
+        return str(self.learner.save(directory))  # every rank holds the same state: rank 0 writes it
 
     def load(self, directory: str) -> int:
+        pending = [peer.load.remote(directory) for peer in self.peers]
         self.learner.load(directory)
+        ray.get(pending)
         return self.learner.version
+
+    def _peer_failed(self, error: BaseException) -> NoReturn:
+        log.error(
+            "data-parallel learner: a step failed across the ranks (%s: %s); exiting so the group restarts", type(error).__name__, error
+        )
+        os._exit(1)  # the other ranks are this actor's own: they go with it
 
 
 LearnerActorClass: ActorClass[LearnerActor] = ray.remote(LearnerActor)
@@ -62,5 +117,6 @@ see the actor class and its `.options`, not the plain class)."""
 
 
 def create_learner(config: RunConfig, resume_from: str | None = None):
-    """Start the LearnerActor on `config.learner.num_cpus` CPUs (call after `ray.init()`)."""
+    """Start the LearnerActor on `config.learner.num_cpus` CPUs (call after `ray.init()`); with
+    `learner.num_ranks` > 1 it is rank 0 and starts the others."""
     return LearnerActorClass.options(num_cpus=config.learner.num_cpus).remote(config.model_dump(), resume_from)

@@ -96,6 +96,14 @@ class ConsistencyStats:
         self.masked_below += below
         self.masked_above += above
 
+    def merge(self, other: ConsistencyStats) -> None:
+        """Add the sums of another share of the same step's rows (another learner rank's)."""
+        for key, group in other.groups.items():
+            self.groups.setdefault(key, GapGroup()).merge(group.total, group.tokens, group.max)
+        self.ratios += other.ratios
+        self.masked_below += other.masked_below
+        self.masked_above += other.masked_above
+
     def all_ratios(self) -> torch.Tensor:
         """Every trainable token's ratio so far, as one float64 tensor (concatenated once, then kept)."""
         if len(self.ratios) != 1:

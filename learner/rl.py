@@ -47,6 +47,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from asyncrl.configs.schema import LearnerConfig, RunConfig
@@ -57,6 +58,7 @@ from asyncrl.records import Account, Sample
 
 from .batch import MicroBatch, Row, micro_batches, staleness_histogram, to_rows
 from .consistency import ConsistencyStats, warn_gaps
+from .distributed import all_reduce_gradients, broadcast_parameters, gather_objects, shard_rows
 from .objectives import ObjectiveOutput, distill_advantages, double_sided_is_loss, group_advantages, icepop_grpo_loss
 from .optim import build_optimizer
 from .routing_replay import replay
@@ -121,6 +123,27 @@ class _StepStats:
         self.tokens += int(batch.attention_mask.sum())
         self.micro_batches += 1
 
+    def portable(self) -> _StepStats:
+        """These sums with their tensors on the CPU, to send to the other ranks."""
+        self.consistency.ratios = [r.cpu() for r in self.consistency.ratios]
+        return self
+
+    @classmethod
+    def combined(cls, parts: Sequence[_StepStats]) -> _StepStats:
+        """The step's sums over every rank's share of its rows."""
+        total = cls()
+        for part in parts:
+            total.merge(part)
+        return total
+
+    def merge(self, other: _StepStats) -> None:
+        """Add another share's sums for the same step (learner/distributed.py)."""
+        self.loss += other.loss
+        self.mtp_loss += other.mtp_loss
+        self.tokens += other.tokens
+        self.micro_batches += other.micro_batches
+        self.consistency.merge(other.consistency)
+
     def metrics(self) -> dict:
         consistency = self.consistency.metrics()
         n = self.consistency.tokens
@@ -184,6 +207,10 @@ class RLLearner:
             extra=[trained_mtp] if trained_mtp is not None else [],
         )  # fmt: skip
         self.device = next(model.parameters()).device
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        """This process's place in a data-parallel learner (learner/distributed.py); (0, 1) alone."""
+        if self.world > 1:
+            broadcast_parameters([*model.parameters(), *(mtp.parameters() if mtp is not None else ())])
 
     @classmethod
     def from_config(cls, run: RunConfig) -> RLLearner:
@@ -221,7 +248,12 @@ class RLLearner:
         rows = to_rows(selection.batch, advantages, self.temperature)
         computed = [row for row in rows if row.advantage != 0.0 or row.teacher_logprobs is not None]
         trainable = sum(sum(row.loss_mask[1:]) for row in rows)
-        stats = self._accumulate(computed, trainable)
+        computed_trainable = sum(sum(row.loss_mask[1:]) for row in computed)
+        stats = self._accumulate(shard_rows(computed, self.rank, self.world), trainable, computed_trainable)
+        if self.world > 1:
+            if computed:
+                all_reduce_gradients(self.params)
+            stats = _StepStats.combined(gather_objects(stats.portable()))  # every rank's, in rank order
         grad_norm = self._step() if computed else None
         gaps = warn_gaps(stats.consistency, self.config.logprob_gap_warning, self.version)
         push_due = grad_norm is not None and self.version % self.config.push_every == 0
@@ -242,10 +274,11 @@ class RLLearner:
         """The MTP layer when this learner trains it (it has one and a positive loss weight), else None."""
         return self.mtp if self.mtp is not None and self.config.mtp_loss_weight > 0 else None
 
-    def _accumulate(self, rows: list[Row], total_trainable: int) -> _StepStats:
-        """Forward and backward every micro-batch; gradients add up to the whole step's token mean."""
+    def _accumulate(self, rows: list[Row], total_trainable: int, computed_trainable: int) -> _StepStats:
+        """Forward and backward every micro-batch of `rows` (this rank's share); gradients add up to the whole
+        step's token mean (`total_trainable`: every selected row's trainable tokens; `computed_trainable`:
+        those of the computed rows, all ranks' shares)."""
         stats = _StepStats()
-        computed_trainable = sum(sum(r.loss_mask[1:]) for r in rows)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for batch in micro_batches(rows, pad, self.config.micro_batch_tokens):
             batch = batch.to(self.device)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from asyncrl.configs import ConfigError
 from asyncrl.configs.schema import RunConfig
 from asyncrl.distill.teachers import Teachers, check_checkpoints
 from asyncrl.envs.base import Environment
@@ -202,10 +203,16 @@ def start_ray(config: RunConfig) -> bool:
     actors at this process's niceness; False when Ray was already started (by a caller who owns it)."""
     from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
 
-    if ray.is_initialized():
-        return False  # a caller (a test, a notebook) owns the session
-    needed = config.rollout.num_workers * config.rollout.cpus_per_worker + config.learner.num_cpus
+    needed = config.rollout.num_workers * config.rollout.cpus_per_worker + config.learner.num_cpus * config.learner.num_ranks
     needed += len(config.distill.teachers) * config.distill.cpus_per_teacher
+    if ray.is_initialized():  # a caller (a test, a notebook) owns the session: it must have room for every actor
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < needed:
+            raise ConfigError(
+                f"the run's actors need {needed:g} CPUs (rollout.num_workers x rollout.cpus_per_worker + learner.num_ranks x "
+                f"learner.num_cpus{' + teachers' if config.distill.teachers else ''}), the Ray cluster has {cpus:g}"
+            )
+        return False
     ray.init(
         num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False, log_to_driver=False,
         _system_config=RAY_SYSTEM_CONFIG,

@@ -104,8 +104,14 @@ def _learn(config, json_path, options=None):
     return run(config, json_path, options)
 
 
+def _learner(config, json_path, options=None):
+    from .learner import run
+
+    return run(config, json_path, options)
+
+
 def _registry() -> dict[str, Benchmark]:
-    from . import agentic, asyncloop, learn, replay, soak
+    from . import agentic, asyncloop, learn, learner, replay, soak
 
     return {
         "engine": Benchmark(_engine),
@@ -115,6 +121,7 @@ def _registry() -> dict[str, Benchmark]:
         "soak": Benchmark(_soak, options=soak.SoakBenchOptions),
         "replay": Benchmark(_replay, replay.PRESET, options=replay.ReplayBenchOptions),
         "learn": Benchmark(_learn, learn.PRESET, learn.OVERRIDES, learn.LearnBenchOptions),
+        "learner": Benchmark(_learner, learner.PRESET, learner.OVERRIDES, learner.LearnerBenchOptions),
     }
 
 

@@ -1,0 +1,168 @@
+"""Benchmark: the learner alone, with 1 and 2 data-parallel ranks, and its weight push against its limit.
+
+Each side is the real `LearnerActor` (learner/actor.py) with `learner.num_ranks` set, on the run's
+policy (`policy.path`, or the tiny policy), fed the same synthetic GRPO batches: `learner.batch_groups`
+groups of `learner.group_size` rollouts of `bench.prompt_tokens` + `bench.reply_tokens` random tokens,
+rewards spread within every group so every row is computed. After a warm-up step, `bench.steps`
+steps are timed; the sides alternate `bench.repeats` times and the medians are reported.
+
+- `samples_per_s` per rank count and `dp_speedup` (2 ranks over 1): on CPU each rank has
+  `learner.torch_threads` threads, so 2 ranks use twice the cores of 1.
+- `peak_rss_mb` per rank: what each learner process held at most (ru_maxrss).
+- the push: `LearnerActor.state` (the CPU copy of every weight, put in Ray's object store) timed until
+  the driver holds it, against its limit, the state's bytes over this machine's measured memory copy
+  bandwidth (a tensor of the same size cloned, best of five): `push_over_copy_limit` is how many
+  copies' worth of time the push costs (a copy, a serialization, a fetch: about 3 is the floor). A small
+  policy's push is bound by the actor call's latency (milliseconds), not by its bytes.
+
+    asyncrl bench learner --json bench-learner.json
+    asyncrl bench learner policy.path=runs/quickstart/sft/checkpoint bench.steps=10
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from asyncrl.configs.schema import RunConfig, Section
+from asyncrl.records import UNSAMPLED_VERSION, Sample
+
+from .asyncloop import _with
+
+PRESET = "quickstart"
+OVERRIDES = ("name=bench-learner", "policy.mtp.enabled=false", "learner.num_cpus=1", "learner.torch_threads=1")
+
+
+class LearnerBenchOptions(Section):
+    """Settings of `asyncrl bench learner` itself (`bench.KEY=VALUE` on the command line)."""
+
+    ranks: list[int] = Field([1, 2], min_length=1)
+    """learner.num_ranks of each side, in this order."""
+    steps: int = Field(6, ge=1, le=10000)
+    """Timed optimizer steps per side and repeat (after one warm-up step)."""
+    repeats: int = Field(2, ge=1, le=100)
+    """Times the sides alternate; medians are reported."""
+    prompt_tokens: int = Field(32, ge=1)
+    reply_tokens: int = Field(96, ge=1)
+
+
+def synthetic_batch(config: RunConfig, options: LearnerBenchOptions, vocab: int, seed: int) -> list[Sample]:
+    """`batch_groups` GRPO groups with distinct rewards in each, of random tokens below `vocab`."""
+    rng = random.Random(seed)
+    prompt_n, reply_n, size = options.prompt_tokens, options.reply_tokens, config.learner.group_size
+    samples = []
+    for group in range(config.learner.batch_groups):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_n)]
+        for member in range(size):
+            reply = [rng.randrange(vocab) for _ in range(reply_n)]
+            samples.append(Sample(
+                token_ids=prompt + reply, loss_mask=[0] * prompt_n + [1] * reply_n,
+                logprobs=[0.0] * prompt_n + [-3.0] * reply_n, versions=[UNSAMPLED_VERSION] * prompt_n + [0] * reply_n,
+                reward=float(member), group_id=f"g{seed}-{group}", rollout_id=f"r{seed}-{group}-{member}", status="ok", task="bench",
+            ))  # fmt: skip
+    return samples
+
+
+COPY_PROBE_BYTES = 256 << 20
+"""The copy bandwidth is measured on at least this much, well past the CPU's caches: main memory's."""
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes per second of cloning one tensor of max(`nbytes`, COPY_PROBE_BYTES) here (best of five)."""
+    import torch
+
+    data = torch.ones(max(nbytes, COPY_PROBE_BYTES) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.clone()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def _side(config: RunConfig, ranks: int, batches: list[list[Sample]], options: LearnerBenchOptions) -> dict:
+    import ray
+
+    from asyncrl.learner.actor import create_learner
+
+    learner = create_learner(_with(config, f"learner.num_ranks={ranks}"))
+    try:
+        ray.get(learner.train_step.remote(batches[0], 0))  # warm-up: process start, first allocations
+        start = time.perf_counter()
+        for step in range(options.steps):
+            ray.get(learner.train_step.remote(batches[1 + step % (len(batches) - 1)], step + 1))
+        wall = time.perf_counter() - start
+        usage = ray.get(learner.usage.remote())
+        start = time.perf_counter()
+        state = ray.get(learner.state.remote())
+        push_s = time.perf_counter() - start
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    finally:
+        ray.kill(learner)
+    samples = options.steps * len(batches[0])
+    return {
+        "samples_per_s": samples / wall,
+        "peak_rss_mb": [b / 2**20 for b in usage["peak_rss_bytes"]],
+        "push_s": push_s,
+        "push_bytes": nbytes,
+    }
+
+
+def run(config: RunConfig, json_path: str | None = None, options: LearnerBenchOptions | None = None) -> dict:
+    import ray
+
+    from asyncrl.policy.checkpoint import build_policy
+    from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
+
+    options = options or LearnerBenchOptions()
+    vocab = build_policy(config.policy.model_copy(update={"mtp": config.policy.mtp.model_copy(update={"enabled": False})}), 0)[0]
+    vocab_size = min(vocab.config.vocab_size, 1 << 20)
+    batches = [synthetic_batch(config, options, vocab_size, seed) for seed in range(4)]
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=math.ceil(max(options.ranks) * config.learner.num_cpus), include_dashboard=False, log_to_driver=False,
+                 _system_config=RAY_SYSTEM_CONFIG)  # fmt: skip
+    runs: dict[int, list[dict]] = {n: [] for n in options.ranks}
+    try:
+        for _ in range(options.repeats):
+            for ranks in options.ranks:
+                runs[ranks].append(_side(config, ranks, batches, options))
+                print(f"[bench learner] {ranks} rank(s): {runs[ranks][-1]['samples_per_s']:.1f} samples/s", flush=True)
+    finally:
+        if started:
+            ray.shutdown()
+    sides = {
+        str(n): {
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in results),
+            "peak_rss_mb": [max(r["peak_rss_mb"][i] for r in results) for i in range(n)],
+            "push_s": statistics.median(r["push_s"] for r in results),
+            "repeats": [r["samples_per_s"] for r in results],
+        }
+        for n, results in runs.items()
+    }
+    nbytes = runs[options.ranks[0]][0]["push_bytes"]
+    bandwidth = copy_bandwidth(nbytes)
+    push_s = statistics.median(r["push_s"] for results in runs.values() for r in results)
+    results = {
+        "benchmark": "learner",
+        "samples_per_step": len(batches[0]),
+        "tokens_per_sample": options.prompt_tokens + options.reply_tokens,
+        "torch_threads_per_rank": config.learner.torch_threads,
+        "sides": sides,
+        "dp_speedup": sides["2"]["samples_per_s"] / sides["1"]["samples_per_s"] if {"1", "2"} <= sides.keys() else None,
+        "push": {
+            "seconds": push_s,
+            "bytes": nbytes,
+            "copy_bandwidth_gb_s": bandwidth / 1e9,
+            "push_over_copy_limit": push_s / (nbytes / bandwidth),
+        },
+    }
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
+    return results

@@ -1,0 +1,26 @@
+"""`asyncrl bench learner`: both rank counts run the real learner actor, and the JSON has every figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncrl.cli import main
+
+pytestmark = pytest.mark.slow  # a Ray start and three learner processes
+
+
+def test_bench_learner_reports_both_rank_counts_and_the_push(tmp_path):
+    path = tmp_path / "learner.json"
+    overrides = ["policy.tiny.arch=qwen3", "policy.tiny.hidden_size=32", "policy.tiny.num_layers=2", "policy.tiny.num_heads=2",
+                 "learner.batch_groups=2", "learner.group_size=4", "bench.steps=1", "bench.repeats=1", "bench.reply_tokens=8"]  # fmt: skip
+    assert main(["bench", "learner", *overrides, "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["samples_per_step"] == 8 and set(result["sides"]) == {"1", "2"}
+    for ranks, side in result["sides"].items():
+        assert side["samples_per_s"] > 0 and len(side["peak_rss_mb"]) == int(ranks) and all(mb > 50 for mb in side["peak_rss_mb"])
+    assert result["dp_speedup"] == pytest.approx(result["sides"]["2"]["samples_per_s"] / result["sides"]["1"]["samples_per_s"])
+    push = result["push"]
+    assert push["bytes"] > 0 and push["seconds"] > 0 and push["copy_bandwidth_gb_s"] > 0
+    assert push["push_over_copy_limit"] == pytest.approx(push["seconds"] / (push["bytes"] / (push["copy_bandwidth_gb_s"] * 1e9)))

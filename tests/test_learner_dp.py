@@ -1,0 +1,103 @@
+"""The data-parallel learner (learner/distributed.py): two Ray actors in a gloo group take the step one
+learner takes on the same batch, and a checkpoint written by two ranks resumes under one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import SMALL_SHAPE
+
+from asyncrl.configs.schema import LearnerConfig, MTPConfig, PolicyConfig, RunConfig, TinyModelConfig
+from asyncrl.learner.distributed import shard_rows
+from asyncrl.learner.rl import Row
+from asyncrl.records import UNSAMPLED_VERSION, Sample
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow  # a Ray start plus five learner processes importing torch
+
+
+def config(ranks: int) -> RunConfig:
+    return RunConfig(
+        policy=PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(enabled=False)),
+        learner=LearnerConfig(group_size=4, num_cpus=0.5, num_ranks=ranks, micro_batch_tokens=64),  # the default lr, 1e-4
+    )  # fmt: skip
+
+
+def batch() -> list[Sample]:
+    """Three groups of four with spread rewards and ragged lengths (rollout log-probs near the policy's)."""
+    rng = random.Random(0)
+    samples = []
+    for group in range(3):
+        for member in range(4):
+            prompt, reply = [rng.randrange(3, 60) for _ in range(4)], [rng.randrange(3, 60) for _ in range(rng.randrange(3, 12))]
+            samples.append(Sample(
+                token_ids=prompt + reply, loss_mask=[0] * len(prompt) + [1] * len(reply),
+                logprobs=[0.0] * len(prompt) + [-4.0] * len(reply), versions=[UNSAMPLED_VERSION] * len(prompt) + [0] * len(reply),
+                reward=float(member % 2 + group), group_id=f"g{group}", rollout_id=f"r{group}-{member}", status="ok", task="t",
+            ))  # fmt: skip
+    return samples
+
+
+def test_rows_are_split_by_tokens_deterministically_in_their_order():
+    rows = [Row(token_ids=[0] * n, loss_mask=[], logprobs=[], advantage=1.0, temperatures=[]) for n in (9, 2, 7, 3, 3, 8)]
+    shares = [shard_rows(rows, rank, 2) for rank in range(2)]
+    # Longest first to the lighter rank: 9->0, 8->1, 7->1, 3->0, 3->0, 2->0 (a tie at 15 goes to rank 0); original order kept.
+    assert [len(r.token_ids) for r in shares[0]] == [9, 2, 3, 3] and [len(r.token_ids) for r in shares[1]] == [7, 8]
+    assert sorted(map(id, shares[0] + shares[1])) == sorted(map(id, rows))
+    assert shard_rows(rows, 0, 1) == rows and shard_rows(rows, 0, 2) == shares[0]
+
+
+def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_path):
+    import torch
+
+    from asyncrl.learner.actor import create_learner
+
+    samples = batch()
+    alone = create_learner(config(1))
+    before = ray.get(alone.state.remote())
+    one = ray.get(alone.train_step.remote(samples))
+    grouped = create_learner(config(2))
+    two = ray.get(grouped.train_step.remote(samples))
+    assert one["stepped"] and two["stepped"] and one["version"] == two["version"] == 1
+    # Each rank computed a share: the micro-batches of both add up; the step's figures are the whole batch's.
+    assert two["micro_batches"] > one["micro_batches"] // 2 and two["computed_tokens"] == one["computed_tokens"]
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6, abs=1e-9)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for key in ("ratio_mean", "logprob_gap_mean", "masked_token_frac"):
+        assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-9), key
+    weights_one, weights_two = ray.get([alone.state.remote(), grouped.state.remote()])
+    gap = max(float((weights_one[name] - weights_two[name]).abs().max()) for name in weights_one)
+    moved = max(float((weights_one[name] - before[name]).abs().max()) for name in weights_one)
+    assert gap < 1e-5 and moved > 100 * gap
+
+    # Written by two ranks, resumed by one: the same weights, version and optimizer moments.
+    ray.get(grouped.save.remote(str(tmp_path / "ckpt")))
+    resumed = create_learner(config(1), resume_from=str(tmp_path / "ckpt"))
+    assert ray.get(resumed.version.remote()) == 1
+    weights_resumed = ray.get(resumed.state.remote())
+    assert all(torch.equal(weights_resumed[name], weights_two[name]) for name in weights_two)
+    # Both take the same next step from there.
+    after_two, after_resumed = ray.get([grouped.train_step.remote(samples), resumed.train_step.remote(samples)])
+    assert after_two["loss"] == pytest.approx(after_resumed["loss"], rel=1e-5) and after_two["version"] == after_resumed["version"] == 2
+    for actor in (alone, grouped, resumed):
+        ray.kill(actor)
+
+
+def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path):
+    import json
+
+    from loop_helpers import TINY
+
+    from asyncrl.cli import main
+    from asyncrl.sched.rundir import RunDir
+
+    common = [*TINY, f"runs_dir={tmp_path}", "name=dp", "loop.mode=sync", "loop.eval_every=1000", "eval.num_problems=4",
+              'tasks.mix={echo: {env: "replay_envs:EchoEnv"}}']  # fmt: skip
+    assert main(["run", "quickstart", *common, "learner.num_ranks=2", "loop.steps=2"]) == 0
+    run_dir = RunDir(tmp_path / "dp")
+    assert run_dir.latest_checkpoint() is not None
+    assert main(["run", "--resume", str(run_dir.path), "learner.num_ranks=1", "loop.steps=4"]) == 0
+    summary = json.loads((run_dir.path / "summary.json").read_text())
+    assert summary["balanced"] and summary["version"] == 4
