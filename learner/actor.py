@@ -57,7 +57,7 @@ class LearnerActor:
                 address = free_address()
                 options = dict(num_cpus=config.learner.num_cpus)
                 self.peers = [
-                    LearnerActorClass.options(**options).remote(config.model_dump(), resume_from, r, address) for r in range(1, world)
+                    LearnerPeerClass.options(**options).remote(config.model_dump(), resume_from, r, address) for r in range(1, world)
                 ]
             assert address is not None
             join_group(address, rank, world, torch.device("cpu"))
@@ -111,9 +111,15 @@ class LearnerActor:
         os._exit(1)  # the other ranks are this actor's own: they go with it
 
 
+class LearnerPeer(LearnerActor):
+    """A rank above 0 of a data-parallel learner, started by rank 0 (its own class so that its processes
+    are told apart: `ray::LearnerPeer` in ps and the Ray dashboard)."""
+
+
 LearnerActorClass: ActorClass[LearnerActor] = ray.remote(LearnerActor)
 """LearnerActor as a Ray actor class (made by a call rather than a decorator, so that type checkers
 see the actor class and its `.options`, not the plain class)."""
+LearnerPeerClass: ActorClass[LearnerPeer] = ray.remote(LearnerPeer)
 
 
 def create_learner(config: RunConfig, resume_from: str | None = None):

@@ -15,6 +15,7 @@ that do not fit one device is not done here.
 
 from __future__ import annotations
 
+import datetime
 import socket
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
@@ -23,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+"""How long a collective waits for a rank that neither answers nor dies."""
 BUCKET_BYTES = 32 << 20
 """Gradients are reduced in flattened buckets of about this size: few collective calls, bounded extra memory."""
 
@@ -101,4 +104,6 @@ def join_group(address: tuple[str, int], rank: int, world: int, device: torch.de
     """Join the learner's process group (gloo on CPU, NCCL on CUDA) at rank 0's address."""
     host, port = address
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world)
+    # A rank that dies closes its sockets and the others' collectives fail at once; the timeout bounds
+    # what it cannot catch (a rank that hangs), well above any step.
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world, timeout=GROUP_TIMEOUT)

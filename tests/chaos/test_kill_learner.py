@@ -1,7 +1,7 @@
-"""Kill -9 the learner actor of a real `asyncrl run` mid-run, after a checkpoint and at least one step
-past it: the driver restarts the learner from that checkpoint (the run's commit point) and the run
-finishes, with the dead learner's steps since the checkpoint undone and their rollouts trained once
-by the new learner (sched/recovery.py `Recovery.restart_learner`)."""
+"""Kill -9 the learner actor (or a rank of a data-parallel learner) of a real `asyncrl run` mid-run, after
+a checkpoint and at least one step past it: the driver restarts the learner from that checkpoint (the
+run's commit point) and the run finishes, with the dead learner's steps since the checkpoint undone and
+their rollouts trained once by the new learner (sched/recovery.py `Recovery.restart_learner`)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def test_a_killed_learner_restarts_from_the_last_checkpoint_and_the_run_finishes
         "step_at_kill": step_at_kill, "restarted_at_step": restarted["step"], "reclaimed": restarted["recovered"],
         "steps": STEPS, **accounts,
     })  # fmt: skip
+
+
+def test_a_killed_rank_of_a_data_parallel_learner_restarts_the_group(start_run, books):
+    run = start_run("learner-dp", f"loop.steps={STEPS}", "learner.checkpoint_every=2", "learner.num_ranks=2")
+    peer = run.wait_for_actor("ray::LearnerPeer")
+    run.wait_until(lambda: run.step() > run.committed() >= 2, "a learner step past a checkpoint")
+    run.kill9(peer)
+
+    assert run.finish() == 0, run.tail()
+    summary = run.summary()
+    assert summary["version"] == STEPS and summary["engine_versions"] == [STEPS]
+    # Rank 0 went down with its peer, and the loop restarted the whole group from the checkpoint.
+    assert [r["event"] for r in summary["recoveries"]] == ["learner_restarted"]
+    books(run.run_dir)
