@@ -729,6 +729,11 @@ class LearnerConfig(Section):
     """torch intra-op threads in the learner process."""
     num_cpus: float = Field(1.0, gt=0.0)
     """Ray CPU resources of the learner actor (of each rank's, with num_ranks > 1)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the learner computes; auto picks cuda when its process sees a GPU (a whole GPU per rank is asked of Ray
+    when this is cuda, or auto on a cluster with GPUs, unless gpus_per_rank says otherwise)."""
+    gpus_per_rank: float = Field(0.0, ge=0.0)
+    """Ray GPU resources of each learner rank; 0: one whole GPU each when the learner runs on CUDA, none on CPU."""
     num_ranks: int = Field(1, ge=1, le=1024)
     """Data-parallel learner processes (learner/distributed.py): each computes a share of every step's rows
     and the gradients are summed over a torch.distributed group (gloo on CPU); the result is the one-rank step's."""

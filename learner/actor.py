@@ -35,7 +35,7 @@ from asyncrl.records import Sample
 
 from .consistency import LogprobGapWarning
 from .distributed import free_address, join_group
-from .rl import RLLearner
+from .rl import RLLearner, learner_device
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,12 @@ class LearnerActor:
         if world > 1:
             if rank == 0:
                 address = free_address()
-                options = dict(num_cpus=config.learner.num_cpus)
+                options = dict(num_cpus=config.learner.num_cpus, num_gpus=gpus_per_rank(config))
                 self.peers = [
                     LearnerPeerClass.options(**options).remote(config.model_dump(), resume_from, r, address) for r in range(1, world)
                 ]
             assert address is not None
-            join_group(address, rank, world, torch.device("cpu"))
+            join_group(address, rank, world, learner_device(config))
         self.learner = RLLearner.from_config(config)
         if resume_from is not None:
             self.learner.load(resume_from)
@@ -122,7 +122,19 @@ see the actor class and its `.options`, not the plain class)."""
 LearnerPeerClass: ActorClass[LearnerPeer] = ray.remote(LearnerPeer)
 
 
+def gpus_per_rank(config: RunConfig) -> float:
+    """Ray GPUs of each learner rank: `learner.gpus_per_rank`, else one whole GPU when the learner will run on
+    CUDA (learner.device cuda, or auto on a cluster with GPUs), else none. Whole GPUs are never shared with an
+    engine's, so rollout and learner only share a device when fractions ask for it."""
+    learner = config.learner
+    if learner.gpus_per_rank > 0:
+        return learner.gpus_per_rank
+    on_gpu = learner.device == "cuda" or (learner.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return 1.0 if on_gpu else 0.0
+
+
 def create_learner(config: RunConfig, resume_from: str | None = None):
-    """Start the LearnerActor on `config.learner.num_cpus` CPUs (call after `ray.init()`); with
-    `learner.num_ranks` > 1 it is rank 0 and starts the others."""
-    return LearnerActorClass.options(num_cpus=config.learner.num_cpus).remote(config.model_dump(), resume_from)
+    """Start the LearnerActor on `config.learner.num_cpus` CPUs and `gpus_per_rank` GPUs (call after
+    `ray.init()`); with `learner.num_ranks` > 1 it is rank 0 and starts the others."""
+    options = dict(num_cpus=config.learner.num_cpus, num_gpus=gpus_per_rank(config))
+    return LearnerActorClass.options(**options).remote(config.model_dump(), resume_from)

@@ -88,6 +88,18 @@ def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature:
     return chosen - torch.logsumexp(scaled, dim=-1)
 
 
+def learner_device(run: RunConfig) -> torch.device:
+    """`learner.device` resolved in this process, refusing a CUDA learner without a GPU and a dtype its GPU
+    cannot run (checked before the policy loads)."""
+    wanted = run.learner.device
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ValueError("learner.device=cuda: the learner's process sees no CUDA device (Ray gives it learner.gpus_per_rank GPUs)")
+    device = torch.device("cuda" if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()) else "cpu")
+    if device.type == "cuda" and run.policy.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"policy.dtype=bfloat16: {torch.cuda.get_device_name()} cannot run bfloat16 (use float16 or float32)")
+    return device
+
+
 def advantages_for(selection: Selection, normalize_std: bool) -> list[float]:
     """Group-relative advantages of the selected batch; exactly 0 for every all-equal group.
 
@@ -222,7 +234,11 @@ class RLLearner:
                 "does not reproduce, so importance ratios are biased below 1",
                 stacklevel=2,
             )
+        device = learner_device(run)
         model, tokenizer, mtp = build_policy(run.policy, run.seed)
+        modules: list[torch.nn.Module] = [model, *([mtp] if mtp is not None else [])]
+        for module in modules:
+            module.to(device)  # in place
         return cls(
             run.learner, model, tokenizer, mtp,
             sampling_temperature=sampling.temperature, mtp_depth_weights=run.policy.mtp.weights_per_depth(),

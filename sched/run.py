@@ -200,24 +200,45 @@ def eval_by_task(records: list[dict], names: list[str]) -> dict:
 
 def start_ray(config: RunConfig) -> bool:
     """Local Ray sized so every actor fits (logical CPUs; real cores are bounded by torch threads), its
-    actors at this process's niceness; False when Ray was already started (by a caller who owns it)."""
+    actors at this process's niceness; False when Ray was already started (by a caller who owns it).
+    A cluster without the CPUs or GPUs the run's actors ask for is refused before any starts."""
     from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
 
-    needed = config.rollout.num_workers * config.rollout.cpus_per_worker + config.learner.num_cpus * config.learner.num_ranks
+    rollout, learner = config.rollout, config.learner
+    needed = rollout.num_workers * rollout.cpus_per_worker + learner.num_cpus * learner.num_ranks
     needed += len(config.distill.teachers) * config.distill.cpus_per_teacher
-    if ray.is_initialized():  # a caller (a test, a notebook) owns the session: it must have room for every actor
-        cpus = ray.cluster_resources().get("CPU", 0)
-        if cpus < needed:
-            raise ConfigError(
-                f"the run's actors need {needed:g} CPUs (rollout.num_workers x rollout.cpus_per_worker + learner.num_ranks x "
-                f"learner.num_cpus{' + teachers' if config.distill.teachers else ''}), the Ray cluster has {cpus:g}"
-            )
-        return False
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False, log_to_driver=False,
-        _system_config=RAY_SYSTEM_CONFIG,
-    )  # fmt: skip
-    return True
+    started = not ray.is_initialized()  # else a caller (a test, a notebook) owns the session
+    if started:
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False, log_to_driver=False,
+            _system_config=RAY_SYSTEM_CONFIG,
+        )  # fmt: skip
+    resources = ray.cluster_resources()
+    problems = []
+    if resources.get("CPU", 0) < needed:
+        problems.append(
+            f"the run's actors need {needed:g} CPUs (rollout.num_workers x rollout.cpus_per_worker + learner.num_ranks x "
+            f"learner.num_cpus{' + teachers' if config.distill.teachers else ''}), the Ray cluster has {resources.get('CPU', 0):g}"
+        )
+    gpus = _gpus_asked(config)
+    if resources.get("GPU", 0) < gpus:
+        problems.append(
+            f"the run's actors need {gpus:g} GPUs (rollout.num_workers x rollout.gpus_per_worker + learner.num_ranks x "
+            f"learner.gpus_per_rank, a whole GPU each where a device is cuda), the Ray cluster has {resources.get('GPU', 0):g}"
+        )
+    if problems:
+        if started:
+            ray.shutdown()
+        raise ConfigError("; ".join(problems))
+    return started
+
+
+def _gpus_asked(config: RunConfig) -> float:
+    """GPUs the run's engines and learner ranks ask for explicitly (a fraction, or cuda meaning one each)."""
+    rollout, learner = config.rollout, config.learner
+    per_worker = rollout.gpus_per_worker or (1.0 if rollout.device == "cuda" else 0.0)
+    per_rank = learner.gpus_per_rank or (1.0 if learner.device == "cuda" else 0.0)
+    return rollout.num_workers * per_worker + learner.num_ranks * per_rank
 
 
 def _stop_ray(actors: list, started_ray: bool) -> None:

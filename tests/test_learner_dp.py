@@ -101,3 +101,30 @@ def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path):
     assert main(["run", "--resume", str(run_dir.path), "learner.num_ranks=1", "loop.steps=4"]) == 0
     summary = json.loads((run_dir.path / "summary.json").read_text())
     assert summary["balanced"] and summary["version"] == 4
+
+
+def test_more_ranks_or_gpus_than_the_cluster_has_are_refused_before_any_actor_starts(ray_session):
+    from asyncrl.configs import ConfigError, load_config
+    from asyncrl.sched.run import start_ray
+
+    # The module's Ray has 2 CPUs and no GPU.
+    with pytest.raises(ConfigError, match=r"need 5 CPUs \(rollout.num_workers x rollout.cpus_per_worker \+ learner.num_ranks x .*has 2"):
+        start_ray(load_config("quickstart", ["learner.num_ranks=4", "learner.num_cpus=1", "rollout.cpus_per_worker=1"]))
+    with pytest.raises(ConfigError, match=r"need 2 GPUs .*the Ray cluster has 0"):
+        start_ray(
+            load_config("quickstart", ["learner.device=cuda", "learner.num_ranks=2", "learner.num_cpus=0.5", "rollout.cpus_per_worker=0.5"])
+        )
+    assert start_ray(load_config("quickstart", ["learner.num_cpus=0.5", "rollout.cpus_per_worker=0.5"])) is False  # fits: the caller's Ray
+
+
+def test_a_cuda_learner_without_a_gpu_is_refused_naming_the_key():
+    import torch
+
+    from asyncrl.configs import load_config
+    from asyncrl.learner.rl import learner_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=r"learner.device=cuda: the learner's process sees no CUDA device"):
+        learner_device(load_config("quickstart", ["learner.device=cuda"]))
+    assert learner_device(load_config("quickstart", [])).type == "cpu"

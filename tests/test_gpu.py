@@ -1,0 +1,57 @@
+"""The CUDA paths, wherever a GPU is present (marker `gpu`; skipped on CPU machines): the learner on the GPU
+takes the CPU learner's step, the embedded engine on the GPU samples with transformers' log-probs, and
+`asyncrl run` trains with both on GPUs. scripts/gpu_smoke.sh runs these on a lent GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_the_learner_on_cuda_takes_the_cpu_learners_step():
+    from test_learner_dp import batch, config
+
+    from asyncrl.learner.rl import RLLearner
+
+    cpu = RLLearner.from_config(config(1).model_copy(update={"learner": config(1).learner.model_copy(update={"device": "cpu"})}))
+    gpu = RLLearner.from_config(config(1).model_copy(update={"learner": config(1).learner.model_copy(update={"device": "cuda"})}))
+    assert gpu.device.type == "cuda"
+    one, two = cpu.train_step(batch()), gpu.train_step(batch())
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-3)
+    gap = max(
+        float((a - b.cpu()).abs().max()) for a, b in zip(cpu.model.state_dict().values(), gpu.model.state_dict().values(), strict=True)
+    )
+    assert gap < 1e-4
+
+
+def test_the_embedded_engine_on_cuda_matches_transformers():
+    from conftest import run_to_completion
+    from families import tiny_family_model
+    from test_engine_numerics import PROMPTS, assert_matches_hf
+
+    from asyncrl.configs.schema import EmbeddedRolloutConfig
+    from asyncrl.records import SamplingParams
+    from asyncrl.rollout import EmbeddedEngine
+
+    for family in ("llama", "gpt2"):
+        model = tiny_family_model(family)
+        engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=4, device="cuda"))
+        assert engine.device.type == "cuda"
+        results = run_to_completion(engine, [(p, SamplingParams(temperature=1.0, max_tokens=8, seed=2)) for p in PROMPTS])
+        assert_matches_hf(model, results)
+        engine.shutdown()
+
+
+def test_asyncrl_run_with_learner_and_engine_on_gpus(tmp_path):
+    import json
+
+    from loop_helpers import TINY
+
+    from asyncrl.cli import main
+
+    overrides = [*TINY, f"runs_dir={tmp_path}", "name=gpu", "loop.mode=sync", "loop.steps=3", "learner.device=cuda", "rollout.device=cuda"]
+    assert main(["run", "quickstart", *overrides]) == 0
+    summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
+    assert summary["balanced"] and summary["version"] == 3
