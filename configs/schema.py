@@ -739,6 +739,9 @@ class LearnerConfig(Section):
     and the gradients are summed over a torch.distributed group (gloo on CPU); the result is the one-rank step's."""
     micro_batch_tokens: int = Field(8192, ge=1)
     """Most padded tokens (rows x longest) in one forward/backward; bounds activation memory."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them: activation memory
+    of one layer instead of all, for about a third more compute (a model too big for its device at micro_batch_tokens)."""
     checkpoint_every: int = Field(50, ge=1)
     """Save an HF checkpoint plus learner state every this many optimizer steps."""
     keep_checkpoints_every: int | None = Field(None, ge=1)

@@ -88,6 +88,28 @@ def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature:
     return chosen - torch.logsumexp(scaled, dim=-1)
 
 
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """transformers' per-layer activation checkpointing, in the learner's eval mode.
+
+    transformers checkpoints a decoder layer only while that layer is in training mode; the learner
+    keeps the policy in eval mode so that no dropout changes what it scores. So only the decoder layers
+    themselves are marked as training: their submodules (attention and its dropout, MLPs, routers)
+    keep eval mode, and the layers compute exactly what they compute without checkpointing
+    (tests/test_learner_rl.py checks gradients equal).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    family = model.config.model_type
+    if not model.supports_gradient_checkpointing:
+        raise ValueError(f"learner.gradient_checkpointing: transformers does not support it for {family}")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"learner.gradient_checkpointing: {family} has no layer transformers can checkpoint")
+    for layer in layers:
+        layer.training = True  # this flag alone, not .train(): the submodules stay in eval mode
+
+
 def learner_device(run: RunConfig) -> torch.device:
     """`learner.device` resolved in this process, refusing a CUDA learner without a GPU and a dtype its GPU
     cannot run (checked before the policy loads)."""
@@ -207,6 +229,8 @@ class RLLearner:
                 if ".indexer." in name:
                     param.requires_grad_(False)
         check_plain_head(model)
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         # DSA and router top-k through the functions the embedded engine uses (ties included).
         use_shared_selection(model, *([mtp] if mtp is not None else []))
         self.params = [p for p in model.parameters() if p.requires_grad]

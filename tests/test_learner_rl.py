@@ -169,6 +169,33 @@ def test_micro_batches_give_the_step_of_one_batch():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "glm_moe_dsa"])
+def test_gradient_checkpointing_takes_the_same_step(arch):
+    def learner(**config) -> RLLearner:
+        model = make_tiny_model(arch)
+        return RLLearner(LearnerConfig(group_size=2, lr=1e-3, weight_decay=0.0, **config), model, build_tokenizer())
+
+    plain, checkpointed = learner(), learner(gradient_checkpointing=True)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in checkpointed.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers and all(layer.training for layer in layers) and not any(m.training for m in checkpointed.model.model.norm.modules())
+    recomputed = []
+    # A submodule's hook fires again when the backward pass recomputes its layer.
+    layers[0].input_layernorm.register_forward_hook(lambda *_: recomputed.append(torch.is_grad_enabled()))
+    steps = []
+    for one in (plain, checkpointed):
+        batch = [sample(one, "a", "g", 1.0, [10, 11, 12]), sample(one, "b", "g", 0.0, [20, 21]),
+                 sample(one, "c", "h", 0.5, [12, 30]), sample(one, "d", "h", 0.0, [13, 14, 15, 16])]  # fmt: skip
+        steps.append(one.train_step(batch))
+    assert recomputed.count(True) == 2  # the training forward, then its recomputation in the backward pass
+    assert steps[1]["loss"] == pytest.approx(steps[0]["loss"], abs=1e-7) and steps[1]["grad_norm"] == pytest.approx(
+        steps[0]["grad_norm"], rel=1e-6
+    )
+    for p, q in zip(plain.model.parameters(), checkpointed.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-7, rtol=1e-6)
+
+
 def test_each_token_is_scored_at_its_own_sampling_temperature():
     learner = make_learner(temperature=1.0)
     hot = sample(learner, "a", "g", 1.0, [10, 11, 12], more=[13, 14], env=[40])

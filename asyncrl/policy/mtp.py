@@ -119,7 +119,8 @@ def policy_hidden_and_logits(
     """The policy's final (normed) hidden states and its logits, from one forward pass (any family;
     `check_plain_head` says whether decoder then head is the family's whole forward)."""
     decoder, head = decoder_and_head(policy)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    # No cache: a full forward needs none, and a checkpointed layer must not write one twice.
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return hidden, head(hidden)
 
 
