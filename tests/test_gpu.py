@@ -47,6 +47,9 @@ def test_the_embedded_engine_on_cuda_matches_transformers():
 def test_asyncrl_run_with_learner_and_engine_on_gpus(tmp_path):
     import json
 
+    pytest.importorskip("ray", reason="a machine without Ray (the lent GPU machine: scripts/gpu_smoke.sh --offline)")
+    pytest.importorskip("fastapi", reason="a machine without the gateway's dependencies")
+
     from loop_helpers import TINY
 
     from asyncrl.cli import main

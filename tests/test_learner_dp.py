@@ -13,8 +13,6 @@ from asyncrl.learner.distributed import shard_rows
 from asyncrl.learner.rl import Row
 from asyncrl.records import UNSAMPLED_VERSION, Sample
 
-ray = pytest.importorskip("ray")
-
 pytestmark = pytest.mark.slow  # a Ray start plus five learner processes importing torch
 
 
@@ -50,6 +48,7 @@ def test_rows_are_split_by_tokens_deterministically_in_their_order():
 
 
 def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_path):
+    import ray
     import torch
 
     from asyncrl.learner.actor import create_learner

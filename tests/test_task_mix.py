@@ -136,6 +136,9 @@ def test_a_sandbox_backend_that_cannot_start_stops_the_run_before_it_starts(tmp_
     with pytest.raises(SandboxError, match="no Docker engine answers"):
         asyncio.run(TaskMix.from_config(load_config("agentic", dead)).check_sandboxes())
     assert asyncio.run(TaskMix.from_config(load_config("quickstart")).check_sandboxes()) is None  # nothing sandboxed
-    args = ["run", "agentic", *dead, f"runs_dir={tmp_path}", f"policy.path={tmp_path}", "logging.wandb=disabled"]
+    from families import save_family_checkpoint
+
+    checkpoint = save_family_checkpoint("llama", tmp_path / "checkpoint")  # a policy that passes its own start-up check
+    args = ["run", "agentic", *dead, f"runs_dir={tmp_path}", f"policy.path={checkpoint}", "logging.wandb=disabled"]
     assert main(args) == 2
     assert "no Docker engine answers" in capsys.readouterr().err

@@ -1,0 +1,181 @@
+"""The GPU checks behind scripts/gpu_smoke.sh, each measured side by side in this one process.
+
+1. The embedded engine on the device: log-probs of what it samples against transformers' full forward
+   on the CPU (a native family and a generic one), then decode throughput of a generated Llama-shaped
+   model, native forward against the generic path, same requests.
+2. The learner on the device: one step against the same step on the CPU (loss, weights), then
+   samples/s and peak device memory on synthetic GRPO batches, with and without gradient checkpointing.
+3. Where Ray is installed: `asyncrl run quickstart` with the learner and the engine on the device for
+   `--run-seconds`, its held-out accuracy before and after and its samples/s.
+
+Writes gpu_smoke.json to --out and prints one line per figure. `--device cpu` runs the same code on
+the CPU (how the script is tested on machines without a GPU; the figures then mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny family checkpoints (tests/families.py)
+
+
+def say(results: dict, key: str, value) -> None:
+    results[key] = value
+    print(f"[gpu-smoke] {key}: {value}", flush=True)
+
+
+SCALE = {
+    "full": dict(requests=64, prompt=256, decode=128, groups=16, reply=384),
+    "quick": dict(requests=4, prompt=16, decode=8, groups=2, reply=16),
+}
+"""Sizes of the throughput figures; `quick` only exercises the code (the script's own test)."""
+
+
+def engine_checks(device: str, results: dict, size: int, scale: dict) -> None:
+    from conftest import run_to_completion
+    from families import tiny_family_model
+    from test_engine_numerics import PROMPTS, hf_logprobs
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.configs.schema import EmbeddedRolloutConfig
+    from asyncrl.records import SamplingParams
+    from asyncrl.rollout import EmbeddedEngine
+    from asyncrl.rollout.models import ARCHITECTURES
+
+    for family in ("llama", "gpt2"):
+        model = tiny_family_model(family)
+        engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=4, device=device))
+        runs = run_to_completion(engine, [(p, SamplingParams(temperature=1.0, max_tokens=16, seed=1)) for p in PROMPTS])
+        engine.shutdown()
+        gap = max(float((torch.tensor(r.logprobs) - hf_logprobs(model, r.prompt_token_ids, r.token_ids)).abs().max()) for r in runs)
+        say(results, f"engine_{family}_{type(engine.model).__name__}_max_logprob_gap", gap)
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=32000, hidden_size=size, num_hidden_layers=8, num_attention_heads=size // 64, num_key_value_heads=size // 128,
+        intermediate_size=size * 4, max_position_embeddings=2048, eos_token_id=None,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    prompts = [[(7 * i + j) % 31000 + 10 for j in range(scale["prompt"])] for i in range(scale["requests"])]
+    params = SamplingParams(temperature=1.0, max_tokens=scale["decode"], seed=3)
+    for path in ("native", "generic", "native", "generic"):
+        native = ARCHITECTURES.pop("llama") if path == "generic" else None
+        try:
+            engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=64, retained_prefixes=0, device=device))
+        finally:
+            if native is not None:
+                ARCHITECTURES["llama"] = native
+        run_to_completion(engine, [(prompts[0], SamplingParams(temperature=1.0, max_tokens=4, seed=1))])  # warm-up
+        start = time.perf_counter()
+        done = run_to_completion(engine, [(p, params) for p in prompts])
+        wall = time.perf_counter() - start
+        engine.shutdown()
+        results.setdefault(f"engine_{path}_tokens_per_s", []).append(sum(len(r.token_ids) for r in done) / wall)
+    for path in ("native", "generic"):
+        say(results, f"engine_{path}_tokens_per_s", [round(x) for x in results[f"engine_{path}_tokens_per_s"]])
+
+
+def learner_checks(device: str, results: dict, size: int, scale: dict) -> None:
+    from test_learner_dp import batch, config
+
+    from asyncrl.bench.learner import LearnerBenchOptions, synthetic_batch
+    from asyncrl.configs import load_config
+    from asyncrl.learner.rl import RLLearner
+
+    def learner(run, where: str) -> RLLearner:
+        return RLLearner.from_config(run.model_copy(update={"learner": run.learner.model_copy(update={"device": where})}))
+
+    tiny = config(1)
+    on_cpu, on_device = learner(tiny, "cpu"), learner(tiny, device)
+    one, two = on_cpu.train_step(batch()), on_device.train_step(batch())
+    gap = max(
+        float((a - b.cpu()).abs().max())
+        for a, b in zip(on_cpu.model.state_dict().values(), on_device.model.state_dict().values(), strict=True)
+    )
+    say(results, "learner_step_loss_cpu_vs_device", [one["loss"], two["loss"]])
+    say(results, "learner_step_max_weight_gap", gap)
+
+    shape = ["policy.tiny.arch=qwen3", f"policy.tiny.hidden_size={size}", "policy.tiny.num_layers=8", f"policy.tiny.num_heads={size // 64}",
+             f"policy.tiny.intermediate_size={size * 4}", "policy.tiny.max_position_embeddings=2048", "policy.mtp.enabled=false",
+             f"learner.batch_groups={scale['groups']}", "learner.group_size=8"]  # fmt: skip
+    options = LearnerBenchOptions(prompt_tokens=scale["prompt"], reply_tokens=scale["reply"])
+    for checkpointing in (False, True):
+        run = load_config("quickstart", [*shape, f"learner.gradient_checkpointing={str(checkpointing).lower()}"])
+        trainer = learner(run, device)
+        batches = [synthetic_batch(run, options, trainer.model.config.vocab_size, seed) for seed in range(3)]
+        trainer.train_step(batches[0])  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for samples in batches[1:]:
+            trainer.train_step(samples)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        tag = "checkpointed" if checkpointing else "plain"
+        say(results, f"learner_{tag}_samples_per_s", round(sum(len(b) for b in batches[1:]) / wall, 1))
+        if device == "cuda":
+            say(results, f"learner_{tag}_peak_memory_gib", round(torch.cuda.max_memory_allocated() / 2**30, 2))
+        del trainer
+
+
+def run_check(device: str, results: dict, out: Path, seconds: float) -> None:
+    if seconds <= 0:
+        say(results, "asyncrl_run", "skipped: --run-seconds 0")
+        return
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        say(results, "asyncrl_run", "skipped: ray is not installed here")
+        return
+    from asyncrl.cli import main
+
+    overrides = [f"runs_dir={out / 'runs'}", "name=gpu-smoke", f"learner.device={device}", f"rollout.device={device}",
+                 f"loop.wall_budget_s={seconds}", "sft.time_budget_s=120", "logging.wandb=disabled", "logging.progress=false"]  # fmt: skip
+    code = main(["run", "quickstart", *overrides])
+    summary = json.loads((out / "runs" / "gpu-smoke" / "summary.json").read_text())
+    say(results, "asyncrl_run_exit", code)
+    say(results, "asyncrl_run_heldout", [summary.get("eval_before"), summary.get("eval_after")])
+    say(results, "asyncrl_run_version", summary.get("version"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--out", default=str(ROOT / "runs" / "gpu-smoke"))
+    parser.add_argument("--size", type=int, default=1024, help="hidden size of the generated models for the throughput figures")
+    parser.add_argument("--run-seconds", type=float, default=120.0, help="wall budget of the asyncrl run check (0 skips it)")
+    parser.add_argument("--quick", action="store_true", help="small throughput workloads: only exercises the code")
+    args = parser.parse_args()
+    from asyncrl.learner.consistency import LogprobGapWarning
+
+    warnings.simplefilter("ignore", LogprobGapWarning)  # the synthetic batches' rollout log-probs are made up
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("[gpu-smoke] no CUDA device here (--device cpu runs the same checks on the CPU)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
+    print(f"[gpu-smoke] {results}", flush=True)
+    scale = SCALE["quick" if args.quick else "full"]
+    for check in (
+        lambda: engine_checks(args.device, results, args.size, scale),
+        lambda: learner_checks(args.device, results, args.size, scale),
+    ):
+        check()
+        (out / "gpu_smoke.json").write_text(json.dumps(results, indent=2) + "\n")
+    run_check(args.device, results, out, args.run_seconds)
+    (out / "gpu_smoke.json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
