@@ -36,7 +36,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "gpt2": ("qwen3", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
     "phi": ("qwen3", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, partial_rotary_factor=0.5)),
 }
-NATIVE = {"llama": "DenseModel", "qwen2": "DenseModel", "mistral": "DenseModel", "deepseek_v3": "GlmMoeDsaModel"}
+NATIVE = {"llama": "GqaModel", "qwen2": "GqaModel", "mistral": "GqaModel", "deepseek_v3": "GlmMoeDsaModel", "glm4_moe": "GqaModel"}
 """Families the embedded engine runs natively (besides the project's own glm_moe_dsa and qwen3), and the class that does."""
 
 

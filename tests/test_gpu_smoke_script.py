@@ -31,7 +31,7 @@ def test_the_smoke_checks_run_on_the_cpu_and_write_every_figure(tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_smoke.json").read_text())
-    assert results["engine_llama_DenseModel_max_logprob_gap"] < 1e-4 and results["engine_gpt2_TransformersModel_max_logprob_gap"] < 1e-4
+    assert results["engine_llama_GqaModel_max_logprob_gap"] < 1e-4 and results["engine_gpt2_TransformersModel_max_logprob_gap"] < 1e-4
     assert len(results["engine_native_tokens_per_s"]) == 2 and min(results["engine_generic_tokens_per_s"]) > 0
     assert results["learner_step_max_weight_gap"] == 0.0  # the same device twice
     assert results["learner_plain_samples_per_s"] > 0 and results["learner_checkpointed_samples_per_s"] > 0

@@ -17,8 +17,8 @@ from asyncrl.policy.validate import check_policy_directory
 from asyncrl.records import SamplingParams
 from asyncrl.rollout import EmbeddedEngine
 from asyncrl.rollout.fp8 import Fp8Error
-from asyncrl.rollout.models.dense import DenseModel
 from asyncrl.rollout.models.generic import TransformersModel
+from asyncrl.rollout.models.gqa import GqaModel
 from asyncrl.rollout.scoring import NativeScorer
 
 
@@ -51,7 +51,7 @@ def test_llama_with_biases_and_llama3_rope_scaling_runs_natively():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.3)
     engine = engine_for(biased)
-    assert isinstance(engine.model, DenseModel)
+    assert isinstance(engine.model, GqaModel)
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=5)
     assert_matches_hf(biased, run_to_completion(engine, [(p, params) for p in PROMPTS]))
     engine.shutdown()
@@ -69,8 +69,18 @@ def test_a_variant_the_native_forward_lacks_runs_on_the_generic_path(family, fie
     engine.shutdown()
 
 
-def test_native_deepseek_v3_runs_fp8_weights_and_records_routes():
-    engine = EmbeddedEngine(tiny_family_model("deepseek_v3"), EmbeddedRolloutConfig(max_num_seqs=2, fp8=True, record_routes=True))
+def test_glm4_moe_without_qk_norm_or_biases_and_with_grouped_routing_runs_natively():
+    model = tiny_family_model("glm4_moe", use_qk_norm=False, attention_bias=False, n_routed_experts=8, n_group=2, topk_group=1)
+    engine = engine_for(model)
+    assert type(engine.model).__name__ == "GqaModel" and engine.model.rotary_dim == 8  # half of each 16-wide head
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=6)
+    assert_matches_hf(model, run_to_completion(engine, [(p, params) for p in PROMPTS]))
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_native_moe_families_run_fp8_weights_and_record_routes(family):
+    engine = EmbeddedEngine(tiny_family_model(family), EmbeddedRolloutConfig(max_num_seqs=2, fp8=True, record_routes=True))
     (result,) = run_to_completion(engine, [(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=5, seed=1))])
     assert engine.model.fp8 and len(result.token_ids) == 5
     assert len(result.routes) == 5 and all(len(step) == 1 and len(step[0]) == 2 for step in result.routes)  # one MoE layer, top-2

@@ -144,8 +144,8 @@ def _router_inputs_at_last_prompt_position(model, layer: int) -> tuple[torch.Ten
     engine's prefill and the learner's forward (over a sequence as long as the one to come) compute them."""
     engine = engine_for(model)
     inputs: list[torch.Tensor] = []
-    native_route = engine.model._route
-    engine.model._route = lambda lw, x: (inputs.append(x.clone()), native_route(lw, x))[1]
+    native_moe = engine.model.moe
+    engine.model.moe = lambda lw, x: (inputs.append(x.reshape(-1, x.shape[-1]).clone()), native_moe(lw, x))[1]
     run_to_completion(engine, [(PROMPT, SamplingParams(max_tokens=1, seed=0))])
     engine_x = inputs[layer]  # the prefill's MoE calls, one per layer
     captured: list[torch.Tensor] = []
@@ -249,3 +249,23 @@ def test_learner_step_replays_the_recorded_routes(routing_replay):
         assert metrics["logprob_gap_max"] < TOLERANCE
     else:
         assert metrics["logprob_gap_max"] > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_the_other_sigmoid_moe_families_record_and_replay_routes(family):
+    # GLM-4.5 and DeepSeek-V3 run natively with the same router: the engine records what it chose and the
+    # learner's transformers model replays it, with every MoE layer's gate found.
+    from families import tiny_family_model
+
+    model = tiny_family_model(family, eos_token_id=None)
+    assert len(moe_gates(model)) == 1  # two layers, the first dense
+    results = run_to_completion(
+        engine_for(model), [(PROMPT, SamplingParams(temperature=1.0, max_tokens=COMPLETION, seed=s)) for s in (7, 8)]
+    )
+    samples = []
+    for i, r in enumerate(results):
+        assert len(r.routes) == COMPLETION
+        turn = Turn(f"r{i}", r.prompt_token_ids, r.token_ids, r.logprobs, r.versions, r.finish_reason, routes=r.routes)
+        samples += trajectory_to_samples(Trajectory(f"r{i}", group_id="g", turns=[turn], status="ok", reward=float(i)))
+    metrics = RLLearner(LearnerConfig(group_size=2, routing_replay=True), model, build_tokenizer()).train_step(samples)
+    assert metrics["stepped"] and metrics["logprob_gap_max"] < TOLERANCE

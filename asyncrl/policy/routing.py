@@ -92,7 +92,7 @@ _REPLAY: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDic
 
 
 def _gate_forward(gate, hidden_states: torch.Tensor):
-    """`GlmMoeDsaTopkRouter.forward` through `route`, replaying the routes `replaying_routes` set."""
+    """A router's forward (`ROUTERS`) through `route`, replaying the routes `replaying_routes` set."""
     hidden_states = hidden_states.view(-1, gate.hidden_dim)
     logits = F.linear(hidden_states.float(), gate.weight.float())
     replay = _REPLAY.get(gate)
@@ -106,14 +106,19 @@ def _modules(model: nn.Module, class_name: str) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == class_name]
 
 
+ROUTERS = ("GlmMoeDsaTopkRouter", "Glm4MoeTopkRouter", "DeepseekV3TopkRouter")
+"""transformers' routers of the sigmoid-routed MoE families (GLM-5, GLM-4.5, DeepSeek-V3): the same fields and
+forward, so `route` replaces each the same way."""
+
+
 def moe_gates(model: nn.Module) -> list[nn.Module]:
-    """The router of every MoE layer of a transformers `glm_moe_dsa` model, in layer order."""
-    return _modules(model, "GlmMoeDsaTopkRouter")
+    """The router of every MoE layer of a transformers model of those families, in layer order."""
+    return [m for m in model.modules() if type(m).__name__ in ROUTERS]
 
 
 def use_shared_selection(*models: nn.Module) -> None:
-    """Make the routers and DSA indexers of these transformers `glm_moe_dsa` modules (a policy, its
-    MTP layer) choose through `route` and `asyncrl.policy.dsa`, the functions the engine uses.
+    """Make the routers (`ROUTERS`) and DSA indexers of these transformers modules (a policy, its MTP layer)
+    choose through `route` and `asyncrl.policy.dsa`, the functions the engine uses.
     In place and idempotent; the weights and the state dict are untouched. Other families: no-op."""
     for model in models:
         for gate in moe_gates(model):

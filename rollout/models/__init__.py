@@ -8,16 +8,16 @@ import logging
 import torch
 
 from .common import NativeUnsupported
-from .dense import DenseModel
 from .generic import TransformersModel
 from .glm_moe_dsa import GlmMoeDsaModel
+from .gqa import GqaModel
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = {
     "glm_moe_dsa": GlmMoeDsaModel,
     "deepseek_v3": GlmMoeDsaModel,
-    **dict.fromkeys(("llama", "qwen2", "mistral", "qwen3"), DenseModel),
+    **dict.fromkeys(("llama", "qwen2", "mistral", "qwen3", "glm4_moe"), GqaModel),
 }
 """transformers model_type -> native implementation; other families, and variants a native one refuses
 (`NativeUnsupported`), run through `TransformersModel`."""

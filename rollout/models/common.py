@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ..fp8 import linear
+from ..fp8 import linear, quantize_weights
 from ..kv_cache import ForwardBatch
 
 
@@ -120,3 +120,17 @@ def weight_getter(state_dict: dict, *, dtype: torch.dtype, device: torch.device)
         return state_dict[name].detach().to(device=device, dtype=dtype)
 
     return get
+
+
+def native_weights(model, state_dict: dict) -> dict:
+    """A native model's whole weight dict from transformers-named weights: embedding, each decoder layer's
+    (`model.layer_weights`), final norm and LM head (the embedding where tied), linear weights in FP8
+    when `model.fp8`. Built whole before the caller swaps it in: a load is all or nothing."""
+    get = weight_getter(state_dict, dtype=model.dtype, device=model.device)
+    layers = [model.layer_weights(get, i) for i in range(model.config.num_hidden_layers)]
+    embed = get("model.embed_tokens.weight")
+    tied = model.config.tie_word_embeddings and "lm_head.weight" not in state_dict
+    weights = dict(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=embed if tied else get("lm_head.weight"))
+    if model.fp8:
+        quantize_weights(weights, model.linear_keys)
+    return weights

@@ -15,23 +15,20 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding, yarn_apply_mscale
 
 from asyncrl.policy.dsa import index_scores, selection_mask
-from asyncrl.policy.routing import RouterSpec, route
 
-from ..fp8 import linear, quantize_weights
+from ..fp8 import linear
 from ..kv_cache import CacheLayout, ForwardBatch, KVCache
-from .common import NativeUnsupported, RopeTable, attend, attention_bias, last_tokens, rotate, swiglu, weight_getter
+from . import moe
+from .common import NativeUnsupported, RopeTable, attend, attention_bias, last_tokens, native_weights, rotate, swiglu
+from .moe import RouteRecorder, SigmoidMoE, mlp_weights
 
 LATENT_NORM_EPS = 1e-6
 """transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with this eps, not rms_norm_eps."""
-DENSE_EXPERTS_MAX = 32
-"""Up to this many routed experts, every expert runs on every token (two matmuls, unchosen experts
-weighted by exactly 0); beyond it, experts run one by one on the tokens routed to them."""
-LINEAR_KEYS = frozenset({"in_proj", "q_b", "kv_b", "o", "index_q", "gate_up", "down", "expert_gate_up", "expert_down"})
-"""Weight-dict entries that are matrices of a linear layer (what rollout.fp8 quantizes). The router
-stays in full precision: it chooses experts, and a flipped choice is a large change, not a small one."""
+LINEAR_KEYS = frozenset({"in_proj", "q_b", "kv_b", "o", "index_q"}) | moe.LINEAR_KEYS
+"""Weight-dict entries that are matrices of a linear layer (what rollout.fp8 quantizes)."""
 
 
-class GlmMoeDsaModel:
+class GlmMoeDsaModel(RouteRecorder):
     linear_keys = LINEAR_KEYS
 
     def __init__(self, config, state_dict: dict, *, max_len: int, dtype: torch.dtype, device: torch.device, fp8: bool = False):
@@ -50,7 +47,8 @@ class GlmMoeDsaModel:
         self.index_heads: int = config.index_n_heads if dsa else 0
         self.index_dim: int = config.index_head_dim if dsa else 0
         self.index_topk: int = config.index_topk if dsa else 0
-        self.experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
+        self.moe = SigmoidMoE(config)
+        self.top_k = self.moe.top_k
         self.scale = yarn_apply_mscale(config.rope_parameters, (self.nope + self.rope_dim) ** -0.5)
         self.interleaved = getattr(config, "rope_interleave", True)
         # One entry past the last layer: the MTP block (asyncrl.policy.mtp builds it like the last
@@ -64,11 +62,9 @@ class GlmMoeDsaModel:
         self.is_moe.append(self.is_moe[-1])
         rotary = GlmMoeDsaRotaryEmbedding(config) if dsa else DeepseekV3RotaryEmbedding(config)
         self.rope = RopeTable(rotary, max_len, dtype=dtype, device=device)
-        self.router_spec = RouterSpec.of(config)
         self.record_routes = False
         """Keep the experts every MoE layer chose in the last forward (`routes`), for routing replay."""
         self.routes: list[torch.Tensor] | None = None
-        """With `record_routes`: per decoder MoE layer, the chosen experts [B * T, top_k] of the last forward."""
         self.load_state_dict(state_dict)
 
     def cache_layout(self, extra_layers: int = 0) -> CacheLayout:
@@ -81,14 +77,7 @@ class GlmMoeDsaModel:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Take transformers-named weights and fuse what reads the same input into one matrix."""
-        get = weight_getter(state_dict, dtype=self.dtype, device=self.device)
-        layers = [self.layer_weights(get, i) for i in range(self.config.num_hidden_layers)]
-        embed = get("model.embed_tokens.weight")
-        tied = self.config.tie_word_embeddings and "lm_head.weight" not in state_dict
-        weights = dict(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=embed if tied else get("lm_head.weight"))
-        if self.fp8:
-            quantize_weights(weights, LINEAR_KEYS)
-        self.weights = weights  # swapped whole, after every tensor (and its quantization) is ready
+        self.weights = native_weights(self, state_dict)  # swapped whole, after every tensor (and its quantization) is ready
 
     def layer_weights(self, get, i: int) -> dict:
         """Decoder layer i's weights; i = num_hidden_layers is the MTP block, named the same way."""
@@ -120,39 +109,8 @@ class GlmMoeDsaModel:
                 index_norm_w=get(a + "indexer.k_norm.weight"),
                 index_norm_b=get(a + "indexer.k_norm.bias"),
             )
-        w.update(self._moe_weights(get, p + "mlp.") if self.is_moe[i] else self._mlp_weights(get, p + "mlp."))
+        w.update(self.moe.weights(get, p + "mlp.") if self.is_moe[i] else mlp_weights(get, p + "mlp."))
         return w
-
-    @staticmethod
-    def _mlp_weights(get, p: str) -> dict:
-        return dict(gate_up=torch.cat([get(p + "gate_proj.weight"), get(p + "up_proj.weight")]), down=get(p + "down_proj.weight"))
-
-    def _moe_weights(self, get, p: str) -> dict:
-        gate_up = get(p + "experts.gate_up_proj")  # [E, 2I, H]: gate rows then up rows per expert
-        down = get(p + "experts.down_proj")  # [E, H, I]
-        shared = self._mlp_weights(get, p + "shared_experts.")
-        w = dict(router=get(p + "gate.weight"), router_bias=get(p + "gate.e_score_correction_bias"))
-        if self.experts > DENSE_EXPERTS_MAX:
-            return dict(w, expert_gate_up=gate_up, expert_down=down, shared=shared)
-        experts, inner, hidden = down.shape[0], down.shape[2], down.shape[1]
-        shared_gate, shared_up = shared["gate_up"].chunk(2)
-        # All experts plus the shared one as a single MLP of width M = E*I + I_shared: gate rows of
-        # every expert, then up rows of every expert, so one chunk(2) splits them.
-        gates, ups = gate_up.view(experts, 2, inner, hidden).unbind(1)
-        routed_down = down.permute(1, 0, 2).reshape(hidden, experts * inner)
-        # expand[e, m] = 1 where column m belongs to expert e (row E is the shared expert): turns
-        # per-token routing weights [N, E+1] into per-column scales [N, M] with one exact matmul.
-        width = experts * inner + shared_gate.shape[0]
-        expand = torch.zeros(experts + 1, width, dtype=down.dtype, device=down.device)
-        for e in range(experts):
-            expand[e, e * inner : (e + 1) * inner] = 1
-        expand[experts, experts * inner :] = 1
-        return dict(
-            w,
-            gate_up=torch.cat([gates.reshape(-1, hidden), shared_gate, ups.reshape(-1, hidden), shared_up]),
-            down=torch.cat([routed_down, shared["down"]], dim=1),
-            expand=expand,
-        )
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -174,11 +132,14 @@ class GlmMoeDsaModel:
         x = F.rms_norm(h, (hidden,), lw["ln2"], eps)
         if not self.is_moe[i]:
             return h + swiglu(x, lw["gate_up"], lw["down"])
-        return h + self._moe(lw, x, record=i < self.config.num_hidden_layers)  # the MTP block's routes are not the policy's
+        out, chosen = self.moe(lw, x)
+        if i < self.config.num_hidden_layers:  # the MTP block's routes are not the policy's
+            self.keep(chosen)
+        return h + out
 
     def _trunk(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         ctx = self.begin(batch)
-        self.routes = [] if self.record_routes else None
+        self.start_recording()
         h = F.embedding(batch.tokens, self.weights["embed"])
         for i, lw in enumerate(self.weights["layers"]):
             h = self.layer(i, lw, h, batch, cache, ctx)
@@ -242,37 +203,3 @@ class GlmMoeDsaModel:
         # The learner selects through the same two functions (asyncrl.policy.dsa), ties included.
         scores = index_scores(q, keys, index_weights * self.index_heads**-0.5, batch.mask)
         return selection_mask(scores, self.index_topk, batch.mask)
-
-    def recorded_routes(self, rows: int) -> torch.Tensor:
-        """[B, T, MoE layers, top_k] expert ids (ascending) the last forward over B = `rows` rows chose."""
-        if not self.routes:
-            raise RuntimeError("no routes recorded: set record_routes before the forward (and the model needs MoE layers)")
-        return torch.stack(self.routes, dim=1).sort(dim=-1).values.view(rows, -1, len(self.routes), self.top_k)
-
-    def _moe(self, lw, x: torch.Tensor, *, record: bool) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        chosen, weights = self._route(lw, x)
-        if record and self.routes is not None:
-            self.routes.append(chosen)
-        if "expand" not in lw:
-            return self._moe_loop(lw, x, chosen, weights).view(shape)
-        per_expert = torch.zeros(x.shape[0], self.experts + 1, dtype=x.dtype, device=x.device)
-        per_expert[:, self.experts] = 1  # the shared expert always runs with weight 1
-        per_expert.scatter_(1, chosen, weights)
-        gate, up = linear(x, lw["gate_up"]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up * (per_expert @ lw["expand"]), lw["down"]).view(shape)
-
-    def _route(self, lw, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid scores; choice by score + correction bias within the best groups; weights from scores
-        (`asyncrl.policy.routing.route`, the learner's router too)."""
-        chosen, weights = route(F.linear(x.float(), lw["router"].float()), lw["router_bias"], self.router_spec)
-        return chosen, weights.to(x.dtype)
-
-    def _moe_loop(self, lw, x, chosen, weights) -> torch.Tensor:
-        out = swiglu(x, lw["shared"]["gate_up"], lw["shared"]["down"])
-        for e in chosen.unique().tolist():
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            y = swiglu(x[rows], lw["expert_gate_up"][e], lw["expert_down"][e])
-            out.index_add_(0, rows, y * weights[rows, slot, None])
-        return out
