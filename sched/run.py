@@ -45,7 +45,7 @@ from asyncrl.envs.base import Environment
 from asyncrl.gateway.app import run_loop, settle_heap
 from asyncrl.gateway.serving import InProcessGateway, episode_http_client
 from asyncrl.gateway.store import open_store
-from asyncrl.policy.validate import check_policy_directory
+from asyncrl.policy.validate import resolve_policy
 from asyncrl.records import TERMINAL_STATUSES
 
 from . import usage
@@ -83,7 +83,7 @@ def run(
     elif config is None:
         raise TypeError("run() needs a config, or resume= a run directory")
     else:
-        check_policy_directory(config.policy)
+        config = config.model_copy(update={"policy": resolve_policy(config.policy)})
         rundir = RunDir.for_config(config)
         if rundir.has_run():
             raise RunExists(f"{rundir.path} already holds a run: continue it with `asyncrl run --resume {rundir.path}`, "

@@ -44,7 +44,7 @@ from asyncrl.learner.sft import evaluation_loss, sft_optimizer, train_step
 from asyncrl.learner.sft_data import ChatRenderer, DemoStream, MixedStream
 from asyncrl.learner.sft_rows import ChatRows
 from asyncrl.policy.checkpoint import build_policy, save_policy
-from asyncrl.policy.validate import check_policy_directory
+from asyncrl.policy.validate import resolve_policy
 from asyncrl.rollout import EmbeddedEngine
 from asyncrl.runlog import MetricsLog, Panel, plot_panels
 
@@ -210,7 +210,7 @@ def _record_warmup(reporter: _Reporter, step: int, start: float, metrics: dict) 
 
 def run_sft(config: RunConfig) -> SFTResult:
     """Train, evaluate, stop by the SFT rules, save; see the module docstring for the outputs."""
-    check_policy_directory(config.policy)
+    config = config.model_copy(update={"policy": resolve_policy(config.policy)})
     torch.set_num_threads(config.torch_threads)
     sft = config.sft
     out_dir = Path(config.runs_dir) / config.name / "sft"

@@ -216,3 +216,21 @@ def _drop_template(directory) -> str:
             path.write_text(json.dumps(config))
     assert template
     return template
+
+
+def test_a_family_without_an_mtp_layer_runs_without_one_unless_the_config_asks(tmp_path):
+    from asyncrl.configs import load_config
+    from asyncrl.policy.checkpoint import build_policy
+    from asyncrl.policy.validate import resolve_policy
+
+    gpt2 = save_family_checkpoint("gpt2", tmp_path / "gpt2")
+    with pytest.warns(UserWarning, match=r"policy.mtp.enabled: asyncrl cannot build an MTP layer for gpt2 .*goes on without one"):
+        settled = resolve_policy(load_config("quickstart", [f"policy.path={gpt2}"]).policy)
+    assert not settled.mtp.enabled and build_policy(settled, 0)[2] is None
+    asked = load_config("quickstart", [f"policy.path={gpt2}", "policy.mtp.enabled=true"]).policy
+    with pytest.raises(ConfigError, match=r"cannot build an MTP layer for gpt2 .*set policy.mtp.enabled=false"):
+        resolve_policy(asked)
+    with pytest.raises(ConfigError, match=r"cannot build an MTP layer for gpt2 .*set policy.mtp.enabled=false"):
+        build_policy(asked, 0)
+    llama = load_config("quickstart", [f"policy.path={save_family_checkpoint('llama', tmp_path / 'llama')}"]).policy
+    assert resolve_policy(llama) == llama and build_policy(llama, 0)[2] is not None  # a fresh layer

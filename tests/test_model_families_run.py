@@ -13,7 +13,7 @@ from asyncrl.cli import main
 from asyncrl.sched.rundir import RunDir
 
 RUN = [
-    "policy.mtp.enabled=false", "loop.sft_first=false", "rollout.cpus_per_worker=0.5", "rollout.max_num_seqs=16",
+    "loop.sft_first=false", "rollout.cpus_per_worker=0.5", "rollout.max_num_seqs=16",
     "learner.num_cpus=0.5", "learner.group_size=4", "learner.batch_groups=2", "learner.lr=1e-2", "learner.checkpoint_every=2",
     "loop.max_inflight=16", "loop.mode=sync", "loop.steps=3", "loop.eval_every=1000", "eval.num_problems=4", "eval.max_tokens=4",
     "logging.wandb=disabled", "logging.progress=false", 'tasks.mix={echo: {env: "replay_envs:EchoEnv"}}',

@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import logging as hf_logging
 
+from asyncrl.configs.loader import ConfigError
 from asyncrl.configs.schema import PolicyConfig
 
 from .mtp import MTPLayer, build_mtp
@@ -54,6 +55,11 @@ _EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\
 
 def _mtp_path(directory: Path, model_type: str) -> Path:
     return directory / (MTP_FILE if model_type in VLLM_MTP_FAMILIES else f"mtp/{MTP_FILE}")
+
+
+def has_mtp_layer(directory: str | Path, model_type: str) -> bool:
+    """Whether a checkpoint directory carries an MTP layer as `save_policy` writes it."""
+    return _mtp_path(Path(directory), model_type).exists()
 
 
 @contextlib.contextmanager
@@ -195,4 +201,28 @@ def build_policy(policy: PolicyConfig, seed: int) -> tuple[PreTrainedModel, PreT
         model, tokenizer, mtp = load_policy(policy.path, policy.dtype, policy.chat_template)
     if not policy.mtp.enabled:
         return model, tokenizer, None
-    return model, tokenizer, mtp if mtp is not None else build_mtp(model, seed=seed + 1)
+    if mtp is None:
+        mtp = _fresh_mtp(model, policy, seed + 1)
+    return model, tokenizer, mtp
+
+
+def _fresh_mtp(model: PreTrainedModel, policy: PolicyConfig, seed: int) -> MTPLayer:
+    """A new MTP layer for a policy that has none; ConfigError for a family it cannot be built for (GPT-2, Phi:
+    no `model.layers` of RMSNorm decoder blocks). `validate.resolve_policy` turns the default off for those first."""
+    try:
+        return build_mtp(model, seed=seed)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"{mtp_unsupported(model.config)}; set policy.mtp.enabled=false") from err
+
+
+def mtp_unsupported(config) -> str | None:
+    """Why asyncrl cannot build an MTP layer for a model of this config, or None when it can (tried on the meta
+    device: no memory, no weights)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            build_mtp(AutoModelForCausalLM.from_config(config))
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        return f"policy.mtp.enabled: asyncrl cannot build an MTP layer for {config.model_type} ({type(err).__name__}: {err})"
+    return None

@@ -7,6 +7,7 @@ family's head, `mtp.check_plain_head`; the engine's path, `rollout/models`) is c
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
@@ -61,3 +62,22 @@ def check_policy_directory(policy: PolicyConfig, key: str = "policy.path") -> No
             f"{key}: the tokenizer in {directory} has no chat template; set policy.chat_template to a Jinja file "
             "(the gateway renders every conversation with it)"
         )
+
+
+def resolve_policy(policy: PolicyConfig) -> PolicyConfig:
+    """`policy` checked (`check_policy_directory`) and settled for the run's config: a checkpoint without an MTP
+    layer whose family asyncrl cannot build one for runs without (a warning) when MTP was on by default, and
+    is refused (ConfigError) when the config asked for it. The run directory keeps the settled config, so
+    every process that reads it agrees."""
+    check_policy_directory(policy)
+    if policy.path is None or not policy.mtp.enabled:
+        return policy
+    from .checkpoint import has_mtp_layer, mtp_unsupported
+
+    config = AutoConfig.from_pretrained(policy.path)
+    if has_mtp_layer(policy.path, config.model_type) or (problem := mtp_unsupported(config)) is None:
+        return policy
+    if "enabled" in policy.mtp.model_fields_set:
+        raise ConfigError(f"{problem}; set policy.mtp.enabled=false")
+    warnings.warn(f"{problem}; the run goes on without one (policy.mtp.enabled=false)", stacklevel=2)
+    return policy.model_copy(update={"mtp": policy.mtp.model_copy(update={"enabled": False})})
