@@ -76,8 +76,16 @@ class LearnerActor:
         pending = [peer.train_step.remote(shared, current_version) for peer in self.peers]
         try:
             metrics = self.learner.train_step(samples, current_version)
+        except RuntimeError as error:  # a collective failed (a rank left mid-step): the group is broken
+            self._peer_failed(error)
+        except Exception:
+            # Bad input fails every rank the same way, before any collective (the step is deterministic):
+            # the caller gets rank 0's error, as from a single learner, once the others are done.
+            ray.wait(pending, num_returns=len(pending))
+            raise
+        try:
             ray.get(pending)
-        except Exception as error:  # a rank died or its collective failed: the group is broken
+        except ray.exceptions.RayActorError as error:  # a rank's process died
             self._peer_failed(error)
         return metrics
 

@@ -127,3 +127,18 @@ def test_a_cuda_learner_without_a_gpu_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"learner.device=cuda: the learner's process sees no CUDA device"):
         learner_device(load_config("quickstart", ["learner.device=cuda"]))
     assert learner_device(load_config("quickstart", [])).type == "cpu"
+
+
+def test_bad_samples_fail_a_data_parallel_step_as_they_fail_one_learner(ray_session):
+    import ray
+
+    from asyncrl.learner.actor import create_learner
+
+    grouped = create_learner(config(2))
+    bad = batch()
+    bad[0] = bad[0].__class__(**{**vars(bad[0]), "loss_mask": bad[0].loss_mask[:-1]})  # one mask entry short
+    with pytest.raises(ray.exceptions.RayTaskError, match="loss_mask"):
+        ray.get(grouped.train_step.remote(bad))
+    # The group is intact: the next step takes place on every rank.
+    assert ray.get(grouped.train_step.remote(batch()))["stepped"]
+    ray.kill(grouped)
