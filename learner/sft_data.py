@@ -129,6 +129,10 @@ def _encode(chat: ChatRenderer, spans: list[tuple[str, int]], whole: str) -> Dem
     return Demo(token_ids, loss_mask)
 
 
+MAX_SKIPPED_IN_A_ROW = 1000
+"""`DemoStream` gives up, with an error, after this many demonstrations in a row too long for the model."""
+
+
 class DemoSource(Protocol):
     """Anything with an environment's `demonstration(rng)`: an object with `messages` and `tools`."""
 
@@ -143,14 +147,31 @@ class DemoStream:
     seeded generator, so a seed fixes the whole stream.
     """
 
-    def __init__(self, renderer, shares: Sequence[tuple[float, DemoSource]], rest: DemoSource, seed: int) -> None:
+    def __init__(
+        self, renderer, shares: Sequence[tuple[float, DemoSource]], rest: DemoSource, seed: int, max_length: int | None = None
+    ) -> None:
+        """`max_length`: demonstrations longer than this many tokens are left out (the model's positions:
+        one with learned position embeddings cannot take more), counted in `too_long`."""
         if sum(share for share, _ in shares) > 1.0 + 1e-9:
             raise ValueError("the demonstration shares must not exceed 1")
         self.renderer, self.shares, self.rest = as_renderer(renderer), list(shares), rest
         self.rng = random.Random(seed)
+        self.max_length = max_length
+        self.too_long = 0
         self.pending: deque[Demo] = deque()  # the other turns of a demonstration split by `render_demos`
 
     def next(self) -> Demo:
+        for _ in range(MAX_SKIPPED_IN_A_ROW):
+            demo = self._next_any()
+            if self.max_length is None or len(demo.token_ids) <= self.max_length:
+                return demo
+            self.too_long += 1
+        raise ValueError(
+            f"{MAX_SKIPPED_IN_A_ROW} demonstrations in a row are longer than the model's {self.max_length} positions: "
+            "the policy cannot be trained on these tasks (lower sft.tool_demo_fraction, or use a model with more positions)"
+        )
+
+    def _next_any(self) -> Demo:
         if self.pending:
             return self.pending.popleft()
         draw, bound, source = self.rng.random(), 0.0, self.rest

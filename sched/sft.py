@@ -63,9 +63,11 @@ class SFTResult:
     """'accuracy', 'time_budget' or 'max_steps'."""
 
 
-def demo_stream(config: RunConfig, tokenizer, seed: int | None = None, renderer: ChatRenderer | None = None) -> DemoStream:
+def demo_stream(
+    config: RunConfig, tokenizer, seed: int | None = None, renderer: ChatRenderer | None = None, max_length: int | None = None
+) -> DemoStream:
     """The configured mix of the built-in environments' demonstrations (seed: `config.seed` by default),
-    rendered by `renderer` (default: the tokenizer's own chat template)."""
+    rendered by `renderer` (default: the tokenizer's own chat template), none longer than `max_length` tokens."""
     sft, context = config.sft, EnvContext.of(config)
     shares = [
         (share, _demonstrator(name, {}, context))
@@ -73,7 +75,7 @@ def demo_stream(config: RunConfig, tokenizer, seed: int | None = None, renderer:
         if share  # an environment that contributes nothing is not built (the general one loads its reward)
     ]
     seed = config.seed if seed is None else seed
-    return DemoStream(renderer or tokenizer, shares, _demonstrator(*base_task(config), context), seed=seed)
+    return DemoStream(renderer or tokenizer, shares, _demonstrator(*base_task(config), context), seed=seed, max_length=max_length)
 
 
 def gateway_form(messages, tools) -> tuple[list[dict], list[dict] | None]:
@@ -86,13 +88,14 @@ def chat_rows(config: RunConfig, tokenizer) -> ChatRows:
     return ChatRows.load(config.sft.data, chat_template(tokenizer), gateway_form)
 
 
-def training_stream(config: RunConfig, tokenizer, rows: ChatRows | None) -> DemoStream | MixedStream:
-    """The demonstrations, or the file's rows mixed with them by `sft.data.fraction`."""
+def training_stream(config: RunConfig, tokenizer, rows: ChatRows | None, max_length: int | None = None) -> DemoStream | MixedStream:
+    """The demonstrations (none longer than `max_length`, the model's positions), or the file's rows mixed with
+    them by `sft.data.fraction`."""
     renderer = chat_template(tokenizer)
     fraction = config.sft.data.fraction
     if rows is None:
-        return demo_stream(config, tokenizer, renderer=renderer)
-    demos = demo_stream(config, tokenizer, renderer=renderer) if fraction < 1.0 else None
+        return demo_stream(config, tokenizer, renderer=renderer, max_length=max_length)
+    demos = demo_stream(config, tokenizer, renderer=renderer, max_length=max_length) if fraction < 1.0 else None
     return MixedStream(rows.train, fraction, demos, config.seed)
 
 
@@ -226,7 +229,7 @@ def run_sft(config: RunConfig) -> SFTResult:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, sft.warmup_steps)))
     data = sft.data
     rows = chat_rows(config, tokenizer) if data.path is not None else None
-    stream = training_stream(config, tokenizer, rows)
+    stream = training_stream(config, tokenizer, rows, max_length=getattr(model.config, "max_position_embeddings", None))
     pack_length = data.max_length if data.packing else None
     heldout_rows = rows.heldout[: data.heldout_max_rows] if rows is not None else []
     heldout = HeldOut(config, model, tokenizer)
@@ -289,6 +292,9 @@ def run_sft(config: RunConfig) -> SFTResult:
             accuracy = scores["eval_accuracy"]
             reporter.record({"step": step, **scores, "elapsed_s": time.perf_counter() - start})
             reporter.say(f"final  step {step}  held-out {accuracy:.1%}")
+        too_long = getattr(stream, "too_long", 0) or getattr(getattr(stream, "demos", None), "too_long", 0)
+        if too_long:
+            reporter.say(f"left out {too_long} demonstrations longer than the model's {model.config.max_position_embeddings} positions")
     finally:
         reporter.close()
         heldout.close()

@@ -266,3 +266,16 @@ def test_a_template_that_rewrites_old_turns_trains_each_assistant_turn_as_it_was
     (whole,) = render_demos(TOK, messages, [PYTHON])
     starts = [j for j in range(1, len(whole.loss_mask)) if whole.loss_mask[j] and not whole.loss_mask[j - 1]]
     assert len(starts) == 2 and whole.token_ids == render_demo(TOK, messages, [PYTHON]).token_ids
+
+
+def test_demonstrations_longer_than_the_models_positions_are_left_out_and_counted():
+    from asyncrl.sched.sft import demo_stream
+
+    config = RunConfig(sft={"tool_demo_fraction": 0.5})
+    lengths = [len(d.token_ids) for d in demo_stream(config, TOK, seed=2).batch(40)]
+    limit = sorted(lengths)[len(lengths) // 2]
+    capped = demo_stream(config, TOK, seed=2, max_length=limit)
+    kept = capped.batch(40)
+    assert all(len(d.token_ids) <= limit for d in kept) and capped.too_long > 0
+    with pytest.raises(ValueError, match=r"demonstrations in a row are longer than the model's 5 positions"):
+        demo_stream(config, TOK, seed=2, max_length=5).next()
