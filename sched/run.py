@@ -83,7 +83,8 @@ def run(
     elif config is None:
         raise TypeError("run() needs a config, or resume= a run directory")
     else:
-        config = config.model_copy(update={"policy": resolve_policy(config.policy)})
+        mtp_used = config.learner.mtp_loss_weight > 0 or config.rollout.mtp_drafting
+        config = config.model_copy(update={"policy": resolve_policy(config.policy, mtp_used=mtp_used)})
         rundir = RunDir.for_config(config)
         if rundir.has_run():
             raise RunExists(f"{rundir.path} already holds a run: continue it with `asyncrl run --resume {rundir.path}`, "

@@ -4,6 +4,8 @@ with log-probs equal to a full transformers forward; and what is refused, with t
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import run_to_completion
@@ -234,3 +236,10 @@ def test_a_family_without_an_mtp_layer_runs_without_one_unless_the_config_asks(t
         build_policy(asked, 0)
     llama = load_config("quickstart", [f"policy.path={save_family_checkpoint('llama', tmp_path / 'llama')}"]).policy
     assert resolve_policy(llama) == llama and build_policy(llama, 0)[2] is not None  # a fresh layer
+    # An RL run that neither trains nor drafts with it gets none; one that asks for it keeps it.
+    assert not resolve_policy(llama, mtp_used=False).mtp.enabled
+    asked = load_config("quickstart", [f"policy.path={llama.path}", "policy.mtp.enabled=true"]).policy
+    assert resolve_policy(asked, mtp_used=False).mtp.enabled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: nothing is lost
+        assert not resolve_policy(load_config("quickstart", [f"policy.path={gpt2}"]).policy, mtp_used=False).mtp.enabled

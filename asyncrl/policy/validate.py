@@ -64,20 +64,32 @@ def check_policy_directory(policy: PolicyConfig, key: str = "policy.path") -> No
         )
 
 
-def resolve_policy(policy: PolicyConfig) -> PolicyConfig:
-    """`policy` checked (`check_policy_directory`) and settled for the run's config: a checkpoint without an MTP
-    layer whose family asyncrl cannot build one for runs without (a warning) when MTP was on by default, and
-    is refused (ConfigError) when the config asked for it. The run directory keeps the settled config, so
-    every process that reads it agrees."""
+def resolve_policy(policy: PolicyConfig, *, mtp_used: bool = True) -> PolicyConfig:
+    """`policy` checked (`check_policy_directory`) and settled for the run's config. For a checkpoint without an
+    MTP layer, with MTP on by default (not set in the config):
+
+    - a fresh layer is left out when nothing would use it (`mtp_used` False: an RL run that neither trains
+      it, `learner.mtp_loss_weight`, nor drafts with it): an untrained extra decoder layer, saved with
+      copies of the embedding and head in every checkpoint, costs memory and disk for nothing;
+    - a family asyncrl cannot build one for runs without one, with a warning.
+
+    Asked for explicitly, MTP is kept, or refused (ConfigError) where it cannot be built. The run directory
+    keeps the settled config, so every process that reads it agrees."""
     check_policy_directory(policy)
     if policy.path is None or not policy.mtp.enabled:
         return policy
     from .checkpoint import has_mtp_layer, mtp_unsupported
 
     config = AutoConfig.from_pretrained(policy.path)
-    if has_mtp_layer(policy.path, config.model_type) or (problem := mtp_unsupported(config)) is None:
+    if has_mtp_layer(policy.path, config.model_type):
         return policy
-    if "enabled" in policy.mtp.model_fields_set:
+    explicit = "enabled" in policy.mtp.model_fields_set
+    off = policy.model_copy(update={"mtp": policy.mtp.model_copy(update={"enabled": False})})
+    if not mtp_used and not explicit:
+        return off
+    if (problem := mtp_unsupported(config)) is None:
+        return policy
+    if explicit:
         raise ConfigError(f"{problem}; set policy.mtp.enabled=false")
     warnings.warn(f"{problem}; the run goes on without one (policy.mtp.enabled=false)", stacklevel=2)
-    return policy.model_copy(update={"mtp": policy.mtp.model_copy(update={"enabled": False})})
+    return off
