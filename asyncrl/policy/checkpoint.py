@@ -195,7 +195,7 @@ def build_policy(policy: PolicyConfig, seed: int) -> tuple[PreTrainedModel, PreT
     """
     tokenizer: PreTrainedTokenizerBase
     if policy.path is None:
-        dtype = torch.float32 if policy.dtype == "auto" else getattr(torch, policy.dtype)
+        dtype = torch.float32 if policy.dtype == "auto" else DTYPES[policy.dtype]
         model, tokenizer, mtp = build_tiny_model(policy.tiny, seed=seed, dtype=dtype), build_tokenizer(), None
     else:
         model, tokenizer, mtp = load_policy(policy.path, policy.dtype, policy.chat_template)

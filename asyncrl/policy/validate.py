@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from asyncrl.configs.loader import ConfigError
@@ -29,12 +29,13 @@ def read_chat_template(path: str, key: str = "policy.chat_template") -> str:
     return template
 
 
-def check_policy_directory(policy: PolicyConfig, key: str = "policy.path") -> None:
+def check_policy_directory(policy: PolicyConfig, key: str = "policy.path") -> PretrainedConfig | None:
     """ConfigError naming `key` when `policy.path` cannot be the policy: not a directory with config.json,
     not a causal LM, no weights, a tokenizer that does not load, has more tokens than the model's
-    vocabulary, or has no chat template while `policy.chat_template` gives none. No-op for the tiny policy."""
+    vocabulary, or has no chat template while `policy.chat_template` gives none. Returns the model's config
+    (None for the tiny policy)."""
     if policy.path is None:
-        return
+        return None
     directory = Path(policy.path)
     if not (directory / "config.json").is_file():
         raise ConfigError(f"{key}: {directory} is not a model directory (no config.json)")
@@ -62,6 +63,7 @@ def check_policy_directory(policy: PolicyConfig, key: str = "policy.path") -> No
             f"{key}: the tokenizer in {directory} has no chat template; set policy.chat_template to a Jinja file "
             "(the gateway renders every conversation with it)"
         )
+    return config
 
 
 def resolve_policy(policy: PolicyConfig, *, mtp_used: bool = True) -> PolicyConfig:
@@ -75,13 +77,12 @@ def resolve_policy(policy: PolicyConfig, *, mtp_used: bool = True) -> PolicyConf
 
     Asked for explicitly, MTP is kept, or refused (ConfigError) where it cannot be built. The run directory
     keeps the settled config, so every process that reads it agrees."""
-    check_policy_directory(policy)
-    if policy.path is None or not policy.mtp.enabled:
+    config = check_policy_directory(policy)
+    if config is None or not policy.mtp.enabled:
         return policy
     from .checkpoint import has_mtp_layer, mtp_unsupported
 
-    config = AutoConfig.from_pretrained(policy.path)
-    if has_mtp_layer(policy.path, config.model_type):
+    if has_mtp_layer(str(policy.path), config.model_type):
         return policy
     explicit = "enabled" in policy.mtp.model_fields_set
     off = policy.model_copy(update={"mtp": policy.mtp.model_copy(update={"enabled": False})})
