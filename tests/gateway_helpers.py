@@ -73,6 +73,32 @@ def make_engine(engine_id: str = "e0", model=None):
     return EmbeddedEngine(model if model is not None else scripted_model(), config, engine_id=engine_id)
 
 
+@contextlib.contextmanager
+def one_token_per_delta(engine, wait_s: float = 60.0):
+    """While inside, the engine takes a step only once every stream's last delta has been taken by its
+    caller, so each step's token reaches the gateway as a delta of its own however loaded the machine is
+    (the front merges the steps of a caller that fell behind, by design). `wait_s` is a safety valve."""
+    core = engine.front.core
+    advance = core.advance
+
+    def drained() -> bool:
+        with engine.front._cv:
+            sinks = [sink for _, sink in engine.front._streams.values()]
+        return all(not sink._delta.token_ids for sink in sinks)
+
+    def gated_advance():
+        deadline = time.monotonic() + wait_s
+        while not drained() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return advance()
+
+    core.advance = gated_advance
+    try:
+        yield
+    finally:
+        del core.advance
+
+
 class ManualClock:
     """A clock that moves only when told: engine leases expire by it, never by how slow the machine is."""
 

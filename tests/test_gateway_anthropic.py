@@ -8,7 +8,7 @@ import json
 
 import anthropic
 import pytest
-from gateway_helpers import TOOLS, LiveGateway, make_engine, make_service, scripted_model
+from gateway_helpers import TOOLS, LiveGateway, make_engine, make_service, one_token_per_delta, scripted_model
 from test_gateway_streaming import REASONED, TEXT_SCRIPT, USER, _bpe_gateway, _same_record, bpe  # noqa: F401  (bpe: a fixture)
 
 from asyncrl.configs.schema import SamplingConfig
@@ -87,7 +87,7 @@ def test_a_streamed_message_is_the_plain_one_in_events(gateway) -> None:
     _same_record(_turns(gateway, plain_id)[0], _turns(gateway, streamed_id)[0])
 
 
-def test_text_replies_stop_reasons_and_stop_sequences(text_gateway) -> None:
+def test_text_replies_stop_reasons_and_stop_sequences(engines, text_gateway) -> None:
     _, key = text_gateway.open()
     client = _client(text_gateway, key)
     done = client.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": "hi"}])
@@ -97,9 +97,12 @@ def test_text_replies_stop_reasons_and_stop_sequences(text_gateway) -> None:
     stopped = client.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": "more"}], stop_sequences=[" "])
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", " ")
     assert stopped.content[0].text == "Hi, "  # the stop token stays in the text, as the agent must echo what was sampled
-    with client.messages.stream(model="m", max_tokens=16, messages=[{"role": "user", "content": "hi again"}]) as stream:
+    with (
+        one_token_per_delta(engines["text"]),
+        client.messages.stream(model="m", max_tokens=16, messages=[{"role": "user", "content": "hi again"}]) as stream,
+    ):
         texts = [event.delta.text for event in stream if event.type == "content_block_delta"]
-    assert "".join(texts) == "Hi, bot!" and len(texts) > 1
+    assert "".join(texts) == "Hi, bot!" and len(texts) > 1  # sent as sampled, not at the end
 
 
 def test_count_tokens_is_the_prompt_the_call_records(gateway) -> None:

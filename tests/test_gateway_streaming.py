@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_helpers import TOKENIZER, TOOLS, LiveGateway, Replier, make_engine, make_service, scripted_model
+from gateway_helpers import TOKENIZER, TOOLS, LiveGateway, Replier, make_engine, make_service, one_token_per_delta, scripted_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -60,7 +60,9 @@ def test_a_streamed_chat_returns_and_records_what_the_plain_call_does(engines, t
         asked = dict(model="policy", messages=USER, tools=TOOLS if policy == "tools" else None, seed=7, logprobs=True)
         asked = {k: v for k, v in asked.items() if v is not None}
         plain = gateway.openai(plain_key).chat.completions.create(**asked)
-        chunks = list(gateway.openai(streamed_key).chat.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
+        streamed = dict(asked, stream=True, stream_options={"include_usage": True})
+        with one_token_per_delta(engines[policy]):
+            chunks = list(gateway.openai(streamed_key).chat.completions.create(**streamed))
         _same_record(_turn(gateway, plain_id), _turn(gateway, streamed_id))
 
         assert chunks[0].choices[0].delta.role == "assistant"
