@@ -79,9 +79,29 @@ def test_the_command_line_prints_the_comparison_and_writes_json(recorded, tmp_pa
     printed = capsys.readouterr().out
     assert "learner step 3" in printed and "from v2" in printed and "match the log" in printed
     report = json.loads(out.read_text())
-    logged = [r for r in map(json.loads, (recorded / "metrics.jsonl").read_text().splitlines()) if r.get("step") == 3 and "loss" in r]
-    assert report["matches"] and abs(report["replayed"]["loss"] - logged[-1]["loss"]) <= TOLERANCE
+    # The record of the optimizer step that made version 3. A later step whose groups all had equal
+    # rewards takes no optimizer step and logs under the same version (`stepped: false`, loss 0.0).
+    records = [json.loads(line) for line in (recorded / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if r.get("step") == 3 and "loss" in r and "event" not in r and r["stepped"]]
+    assert len(logged) == 1 and report["logged"]["loss"] == logged[0]["loss"] == RunDir(recorded).read_batch(3).loss
+    assert report["matches"] and abs(report["replayed"]["loss"] - logged[0]["loss"]) <= TOLERANCE
     assert report["samples"] and report["top_tokens"] and report["tolerance"] == TOLERANCE
+
+
+def test_a_step_logged_again_without_stepping_is_compared_with_the_record_that_stepped(copy) -> None:
+    """What the loop logs under version 3 after step 3: a step with only equal-reward groups (no optimizer
+    step, loss 0.0, no grad norm), an evaluation and a resume event; the replay compares with step 3's own."""
+    metrics = copy / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    stepped = next(r for r in records if r.get("step") == 3 and r.get("stepped"))
+    idle = {**stepped, "stepped": False, "loss": 0.0, "grad_norm": None, "skipped_zero_adv": stepped["samples"]}
+    later = [idle, {"step": 3, "eval_accuracy": 0.5}, {"event": "resumed", "step": 3, "loss": 0.0}]
+    metrics.write_text(metrics.read_text() + "".join(json.dumps(r) + "\n" for r in later))
+    with RunView.open(copy) as view:
+        assert view.step_metrics(3) == stepped
+        report = replay_step(view, 3, top=1)
+    assert report.logged["loss"] == stepped["loss"] and report.logged["grad_norm"] == stepped["grad_norm"] is not None
+    assert report.matches and report.differences["loss"] <= TOLERANCE
 
 
 def test_an_unknown_step_lists_the_recorded_ones(recorded, capsys) -> None:
