@@ -55,6 +55,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume is None and args.config is None:
         print("asyncrl run: give a CONFIG, or --resume RUN_DIR", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    if args.address is not None:
+        args.overrides.append(f"cluster.address={args.address}")
     if args.resume is not None:
         # CONFIG is optional with --resume (the run directory holds it); a KEY=VALUE there is an override.
         overrides = ([args.config] if args.config else []) + args.overrides
@@ -219,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="SFT warm start (if needed), then asynchronous RL: engines, gateway, episodes, learner")
     _add_config_arguments(run, required=False)
     run.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a stopped run from its last checkpoint")
+    run.add_argument(
+        "--address", default=None, metavar="ADDR",
+        help="run on this Ray cluster: auto, HOST:PORT or ray://HOST:PORT (cluster.address; docs/CLUSTER.md)",
+    )  # fmt: skip
     run.set_defaults(handler=cmd_run)
 
     distill = sub.add_parser("distill", help="on-policy cross-stage distillation: the student (policy.path) learns from distill.teachers")

@@ -13,26 +13,10 @@ from __future__ import annotations
 import ipaddress
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import Field, Tag, TypeAdapter, model_validator
 
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, field docstrings become descriptions."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-
-
-def _choice(key: str, *tags: str) -> Discriminator:
-    """The discriminator of a section with choices: the value of `key`, which like any field has a
-    default (the first tag) when the section leaves it out. A bad value is one error naming the key."""
-
-    def tag(value: Any) -> Any:
-        return value.get(key, tags[0]) if isinstance(value, dict) else getattr(value, key, None)
-
-    expected = " or ".join(repr(t) for t in tags)
-    return Discriminator(
-        tag, custom_error_type="choice", custom_error_message=f"Input should be {expected}", custom_error_context={"key": key}
-    )
+from .cluster import ClusterConfig
+from .section import Section, choice
 
 
 class TinyModelConfig(Section):
@@ -476,7 +460,7 @@ class VLLMRolloutConfig(RolloutBase):
 
 RolloutConfig = Annotated[
     Annotated[EmbeddedRolloutConfig, Tag("embedded")] | Annotated[VLLMRolloutConfig, Tag("vllm")],
-    _choice("type", "embedded", "vllm"),
+    choice("type", "embedded", "vllm"),
 ]
 """The rollout section: `type` picks the engine, and each engine has the fields that apply to it."""
 
@@ -517,7 +501,7 @@ class RedisStoreConfig(StoreBase):
 
 StoreConfig = Annotated[
     Annotated[SQLiteStoreConfig, Tag("sqlite")] | Annotated[RedisStoreConfig, Tag("redis")],
-    _choice("type", "sqlite", "redis"),
+    choice("type", "sqlite", "redis"),
 ]
 """The store section: `type` picks the backend, and each backend has the fields that apply to it."""
 
@@ -572,7 +556,7 @@ class DockerSandboxConfig(SandboxBase):
 
 SandboxConfig = Annotated[
     Annotated[ProcessSandboxConfig, Tag("process")] | Annotated[DockerSandboxConfig, Tag("docker")],
-    _choice("backend", "process", "docker"),
+    choice("backend", "process", "docker"),
 ]
 """The sandbox section: `backend` picks where tool code runs, and each backend has the fields that apply to it."""
 _SANDBOX: TypeAdapter[SandboxConfig] = TypeAdapter(SandboxConfig)
@@ -871,6 +855,8 @@ class RunConfig(Section):
     """Where tool code runs; `backend` picks process or docker."""
     distill: DistillConfig = DistillConfig()
     """Cross-stage distillation."""
+    cluster: ClusterConfig = ClusterConfig()
+    """The Ray the actors run in (local by default) and where on it they go."""
 
     @model_validator(mode="after")
     def _check_loop(self) -> RunConfig:
@@ -881,4 +867,9 @@ class RunConfig(Section):
         if self.sft.task is not None and self.sft.task not in self.tasks.mix:
             known = ", ".join(self.tasks.mix) or "none"
             raise ValueError(f"sft.task {self.sft.task!r} is not a task of tasks.mix (its tasks: {known})")
+        if not self.cluster.is_local and self.store.type == "sqlite":
+            raise ValueError(
+                f"cluster.address {self.cluster.address!r} needs store.type redis: an SQLite store is a file on one machine's "
+                "disk, which gateways and processes on other nodes cannot share (store: {type: redis, url: redis://HOST:6379/0})"
+            )
         return self

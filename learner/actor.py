@@ -24,6 +24,7 @@ import os
 import resource
 import time
 import warnings
+from pathlib import Path
 from typing import NoReturn
 
 import ray
@@ -55,7 +56,7 @@ class LearnerActor:
         if world > 1:
             if rank == 0:
                 address = free_address()
-                options = dict(num_cpus=config.learner.num_cpus, num_gpus=gpus_per_rank(config))
+                options = rank_options(config)
                 self.peers = [
                     LearnerPeerClass.options(**options).remote(config.model_dump(), resume_from, r, address) for r in range(1, world)
                 ]
@@ -94,17 +95,28 @@ class LearnerActor:
 
     def usage(self) -> dict:
         """CPU time so far of this process and the other ranks' (`asyncrl run`'s summary reports each part's
-        share), and each rank's peak resident memory in bytes, rank 0 first."""
+        share), and each rank's peak resident memory in bytes and Ray node, rank 0 first."""
         others = ray.get([peer.usage.remote() for peer in self.peers]) if self.peers else []
         # ru_maxrss is in KiB on Linux.
         peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, *(p for u in others for p in u["peak_rss_bytes"])]
-        return {"process_cpu_s": time.process_time() + sum(u["process_cpu_s"] for u in others), "peak_rss_bytes": peaks}
+        nodes = [ray.get_runtime_context().get_node_id(), *(n for u in others for n in u["node_ids"])]
+        return {"process_cpu_s": time.process_time() + sum(u["process_cpu_s"] for u in others), "peak_rss_bytes": peaks, "node_ids": nodes}
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.learner.state_dict_for_push()
 
     def save(self, directory: str) -> str:
         return str(self.learner.save(directory))  # every rank holds the same state: rank 0 writes it
+
+    def reads(self, path: str, token: str) -> list[str]:
+        """The ranks, with their nodes, on which the file `path` does not hold `token`: a run directory that is
+        not the driver's (`sched/cluster.py`)."""
+        try:
+            seen = Path(path).read_text() == token
+        except OSError:
+            seen = False
+        unseen = [] if seen else [f"learner rank {self.rank} (node {ray.util.get_node_ip_address()})"]
+        return unseen + [node for nodes in ray.get([peer.reads.remote(path, token) for peer in self.peers]) for node in nodes]
 
     def load(self, directory: str) -> int:
         pending = [peer.load.remote(directory) for peer in self.peers]
@@ -144,5 +156,9 @@ def gpus_per_rank(config: RunConfig) -> float:
 def create_learner(config: RunConfig, resume_from: str | None = None):
     """Start the LearnerActor on `config.learner.num_cpus` CPUs and `gpus_per_rank` GPUs (call after
     `ray.init()`); with `learner.num_ranks` > 1 it is rank 0 and starts the others."""
-    options = dict(num_cpus=config.learner.num_cpus, num_gpus=gpus_per_rank(config))
-    return LearnerActorClass.options(**options).remote(config.model_dump(), resume_from)
+    return LearnerActorClass.options(**rank_options(config)).remote(config.model_dump(), resume_from)
+
+
+def rank_options(config: RunConfig) -> dict:
+    """Ray options of each learner rank: its CPUs, GPUs and custom resources (`cluster.learner_resources`)."""
+    return dict(num_cpus=config.learner.num_cpus, num_gpus=gpus_per_rank(config), resources=config.cluster.learner_resources)

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING
 import ray
 from pydantic import TypeAdapter
 from ray.actor import ActorClass
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from asyncrl.configs.schema import RolloutConfig
+from asyncrl.configs import ConfigError
+from asyncrl.configs.schema import ClusterConfig, RolloutConfig
 from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
 
 from .engine import EmbeddedEngine
@@ -93,7 +95,8 @@ class RolloutWorker:
         return self.engine.version
 
     async def health(self) -> dict:
-        return self.engine.health()
+        """The engine's health, and the Ray node this worker runs on (`node_id`)."""
+        return {**self.engine.health(), "node_id": ray.get_runtime_context().get_node_id()}
 
     async def version(self) -> int:
         return self.engine.version
@@ -141,29 +144,63 @@ class WorkerLauncher:
     asked: a replacement for a worker that died is started the same way as the first ones.
 
     CPU engines ask for `cpus_per_worker` (fractions allowed); GPU engines for `gpus_per_worker`,
-    or one whole GPU each when it is 0 and the engine will run on CUDA.
+    or one whole GPU each when it is 0 and the engine will run on CUDA. With `placement` (the cluster
+    section) the engines are one placement group, a bundle each with the section's custom resources,
+    spread over nodes or packed; engine slot i lives in bundle i, and so does its replacement, which Ray
+    places on another node with room when bundle i's node is gone.
     """
 
-    def __init__(self, model, config: RolloutConfig, mtp=None) -> None:
+    def __init__(self, model, config: RolloutConfig, mtp=None, placement: ClusterConfig | None = None) -> None:
         gpus = config.gpus_per_worker
         if gpus == 0 and (config.device == "cuda" or (config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)):
             gpus = 1
         # Kept in the object store for the whole run: a replacement builds its engine from it (and
         # then loads the current weights), so it never needs the driver's copy.
         self.model = model if isinstance(model, (str, ray.ObjectRef)) else ray.put(model)
-        self.options = dict(num_cpus=config.cpus_per_worker, num_gpus=gpus)
+        custom = placement.engine_resources if placement else {}
+        self.options = dict(num_cpus=config.cpus_per_worker, num_gpus=gpus, resources=custom)
         self.config = config.model_dump()
         self.mtp = None if mtp is None else mtp if isinstance(mtp, dict) else mtp.state_dict()
+        self.group = None
+        if placement is not None:
+            bundle = {"CPU": config.cpus_per_worker, **({"GPU": gpus} if gpus else {}), **custom}
+            self.group = _placed([bundle] * config.num_workers, placement)
 
-    def start(self, engine_id: str):
-        """One RolloutWorker actor whose engine is `engine_id`; its handle, returned before it is up."""
-        return RolloutWorkerActor.options(**self.options).remote(self.model, self.config, engine_id, mtp=self.mtp)
+    def start(self, engine_id: str, slot: int = 0):
+        """One RolloutWorker actor whose engine is `engine_id`, in engine slot `slot` (its bundle when the
+        engines have a placement group); its handle, returned before it is up."""
+        options = dict(self.options)
+        if self.group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=slot)
+        return RolloutWorkerActor.options(**options).remote(self.model, self.config, engine_id, mtp=self.mtp)
+
+    def close(self) -> None:
+        """Give the placement group's resources back (the workers must be gone, or going)."""
+        if self.group is not None:
+            ray.util.remove_placement_group(self.group)
+            self.group = None
+
+
+def _placed(bundles: list[dict[str, float]], placement: ClusterConfig):
+    """The engines' placement group, once Ray has placed every bundle; refused (ConfigError) when it could not
+    within `placement.placement_timeout_s`, naming what it asked for and what the cluster has free."""
+    group = ray.util.placement_group(bundles, strategy=placement.engine_placement.upper())
+    try:
+        ray.get(group.ready(), timeout=placement.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(group)
+        free = {name: round(amount, 3) for name, amount in sorted(ray.available_resources().items()) if not name.startswith("node:")}
+        raise ConfigError(
+            f"cluster: Ray could not place {len(bundles)} engine(s) of {bundles[0]} each ({placement.engine_placement}) within "
+            f"cluster.placement_timeout_s={placement.placement_timeout_s:g}; the cluster has free: {free}"
+        ) from None
+    return group
 
 
 def create_workers(model, config: RolloutConfig, *, name_prefix: str = "rollout", mtp=None) -> list:
     """Start `config.num_workers` RolloutWorker actors named `<name_prefix>-<i>` (see `WorkerLauncher`)."""
     launcher = WorkerLauncher(model, config, mtp)
-    return [launcher.start(f"{name_prefix}-{i}") for i in range(config.num_workers)]
+    return [launcher.start(f"{name_prefix}-{i}", i) for i in range(config.num_workers)]
 
 
 RolloutWorkerActor: ActorClass[RolloutWorker] = ray.remote(RolloutWorker)

@@ -71,6 +71,10 @@ class RayLearner:
     async def usage(self) -> dict:
         return await self._call(self.actor.usage)
 
+    async def reads(self, path: str, token: str) -> list[str]:
+        """The learner ranks, with their nodes, that do not read `token` from the file `path` (`sched/cluster.py`)."""
+        return await self._call(self.actor.reads, path, token)
+
     async def restart(self, checkpoint: str | None) -> None:
         import ray
 
@@ -109,11 +113,12 @@ class RayWorkers:
         of `<name_prefix>-<i>` is `<name_prefix>-<i>-r<n>`."""
         self.launcher = launcher
         ids = [f"{name_prefix}-{i}" for i in range(count)]
-        self.members: dict[str, Any] = {engine_id: launcher.start(engine_id) for engine_id in ids}
+        self.members: dict[str, Any] = {engine_id: launcher.start(engine_id, i) for i, engine_id in enumerate(ids)}
         self.engines: list[EngineHandle] = [RayEngine(actor, engine_id) for engine_id, actor in self.members.items()]
         self.latest: tuple[Weights, int] | None = None
         """The last push, which a replacement loads (so the object store keeps these weights until the next push)."""
-        self._slot = {engine_id: engine_id for engine_id in ids}
+        self._slot = {engine_id: (engine_id, i) for i, engine_id in enumerate(ids)}
+        """Each live engine's slot: the first engine's id and index (its bundle when placement-grouped)."""
         self._generation = itertools.count(1)
         self._lock = asyncio.Lock()
         self._pushed = asyncio.Event()
@@ -221,8 +226,8 @@ class RayWorkers:
 
         slot, began = self._slot.pop(dead_id), time.monotonic()
         for _ in range(REPLACEMENT_STARTS):
-            new_id = f"{slot}-r{next(self._generation)}"
-            actor = self.launcher.start(new_id)
+            new_id = f"{slot[0]}-r{next(self._generation)}"
+            actor = self.launcher.start(new_id, slot[1])
             try:
                 await _remote(actor.version)  # its engine is built
                 version = await self._join(new_id, actor)

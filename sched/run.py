@@ -29,8 +29,6 @@ CPU and each engine's busy time over the RL phase (`usage`, sched/usage.py).
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -38,7 +36,6 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from asyncrl.configs import ConfigError
 from asyncrl.configs.schema import RunConfig
 from asyncrl.distill.teachers import Teachers, check_checkpoints
 from asyncrl.envs.base import Environment
@@ -50,6 +47,7 @@ from asyncrl.records import TERMINAL_STATUSES
 
 from . import usage
 from .clients import PoolRouting, RayLearner, RayWorkers
+from .cluster import check_shared_run_dir, start_ray, write_shared_check
 from .display import Display
 from .loop import Loop
 from .parts import Parts
@@ -123,7 +121,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         return [*actors, *(workers.actors if workers else []), *([learner.actor] if learner else [])]
 
     async with AsyncExitStack() as stack:
-        stack.callback(lambda: _stop_ray(every_actor(), started_ray))
+        stack.callback(lambda: _stop_ray(every_actor(), workers, started_ray))
         stack.callback(display.close)
         store = _open_store(config, rundir)
         stack.callback(store.close)
@@ -132,6 +130,9 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         workers, tokenizer = _start_workers(config)
         stack.push_async_callback(workers.close)  # before the actors are killed: those deaths are not replaced
         learner = _start_learner(config, checkpoint)
+        if not config.cluster.is_local:
+            path, token = write_shared_check(rundir.path)
+            check_shared_run_dir(rundir.path, await learner.reads(path, token))
         teachers = None
         if distilling:
             handles = _start_teachers(config)
@@ -199,52 +200,11 @@ def eval_by_task(records: list[dict], names: list[str]) -> dict:
     return {"eval_before_by_task": by_task(evals[0]), "eval_after_by_task": by_task(evals[-1])}
 
 
-def start_ray(config: RunConfig) -> bool:
-    """Local Ray sized so every actor fits (logical CPUs; real cores are bounded by torch threads), its
-    actors at this process's niceness; False when Ray was already started (by a caller who owns it).
-    A cluster without the CPUs or GPUs the run's actors ask for is refused before any starts."""
-    from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
-
-    rollout, learner = config.rollout, config.learner
-    needed = rollout.num_workers * rollout.cpus_per_worker + learner.num_cpus * learner.num_ranks
-    needed += len(config.distill.teachers) * config.distill.cpus_per_teacher
-    started = not ray.is_initialized()  # else a caller (a test, a notebook) owns the session
-    if started:
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False, log_to_driver=False,
-            _system_config=RAY_SYSTEM_CONFIG,
-        )  # fmt: skip
-    resources = ray.cluster_resources()
-    problems = []
-    if resources.get("CPU", 0) < needed:
-        problems.append(
-            f"the run's actors need {needed:g} CPUs (rollout.num_workers x rollout.cpus_per_worker + learner.num_ranks x "
-            f"learner.num_cpus{' + teachers' if config.distill.teachers else ''}), the Ray cluster has {resources.get('CPU', 0):g}"
-        )
-    gpus = _gpus_asked(config)
-    if resources.get("GPU", 0) < gpus:
-        problems.append(
-            f"the run's actors need {gpus:g} GPUs (rollout.num_workers x rollout.gpus_per_worker + learner.num_ranks x "
-            f"learner.gpus_per_rank, a whole GPU each where a device is cuda), the Ray cluster has {resources.get('GPU', 0):g}"
-        )
-    if problems:
-        if started:
-            ray.shutdown()
-        raise ConfigError("; ".join(problems))
-    return started
-
-
-def _gpus_asked(config: RunConfig) -> float:
-    """GPUs the run's engines and learner ranks ask for explicitly (a fraction, or cuda meaning one each)."""
-    rollout, learner = config.rollout, config.learner
-    per_worker = rollout.gpus_per_worker or (1.0 if rollout.device == "cuda" else 0.0)
-    per_rank = learner.gpus_per_rank or (1.0 if learner.device == "cuda" else 0.0)
-    return rollout.num_workers * per_worker + learner.num_ranks * per_rank
-
-
-def _stop_ray(actors: list, started_ray: bool) -> None:
+def _stop_ray(actors: list, workers: RayWorkers | None, started_ray: bool) -> None:
     for actor in actors:
         ray.kill(actor)
+    if workers is not None:
+        workers.launcher.close()  # the engines' placement group, which would hold its resources in a caller's Ray
     if started_ray:
         ray.shutdown()
 
@@ -263,7 +223,7 @@ def _start_workers(config: RunConfig) -> tuple[RayWorkers, PreTrainedTokenizerBa
     drafting = config.rollout.mtp_drafting
     policy = config.policy.model_copy(update={"mtp": config.policy.mtp.model_copy(update={"enabled": drafting})})
     model, tokenizer, mtp = build_policy(policy, config.seed)
-    launcher = WorkerLauncher(model, config.rollout, mtp if drafting else None)
+    launcher = WorkerLauncher(model, config.rollout, mtp if drafting else None, placement=config.cluster)
     return RayWorkers(launcher, f"{config.name}-rollout", config.rollout.num_workers), tokenizer
 
 
@@ -281,7 +241,7 @@ def _start_teachers(config: RunConfig) -> dict:
 
     check_checkpoints(config)
     distill = config.distill
-    options = dict(num_cpus=distill.cpus_per_teacher, num_gpus=distill.gpus_per_teacher)
+    options = dict(num_cpus=distill.cpus_per_teacher, num_gpus=distill.gpus_per_teacher, resources=config.cluster.teacher_resources)
     return {
         name: RayScorer(ScoringWorkerActor.options(**options).remote(spec.checkpoint, distill.torch_threads, distill.max_batch_tokens))
         for name, spec in distill.teachers.items()

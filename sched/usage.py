@@ -7,7 +7,8 @@ learner), and each engine's busy fraction (time its stepping thread spent in ste
 engine's idle fraction, what the loop failed to feed it). Processes are named by their role, not
 their pid; an in-process engine or learner shares the driver's process (its CPU is the driver's).
 Engines without these figures (vLLM) report None, as does a learner that could not answer or was
-restarted meanwhile (its new process's clock starts again).
+restarted meanwhile (its new process's clock starts again). `nodes` says where each engine and each
+learner rank ran at the end (Ray node ids; None in process), which on a cluster shows the placement.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ async def snapshot(workers: Any, learner: Any) -> dict:
     except Exception:
         engines = {}
     try:
-        learner_cpu = (await learner.usage())["process_cpu_s"]
+        learned = await learner.usage()
     except Exception:
-        learner_cpu = None
+        learned = {}
+    nodes = {f"engine:{name}": h.get("node_id") for name, h in engines.items()}
     return {
-        "wall": time.monotonic(), "driver_cpu_s": time.process_time(), "learner_cpu_s": learner_cpu,
+        "wall": time.monotonic(), "driver_cpu_s": time.process_time(), "learner_cpu_s": learned.get("process_cpu_s"),
         "engines": {name: {"cpu_s": h.get("process_cpu_s"), "busy_s": h.get("busy_s")} for name, h in engines.items()},
+        "nodes": {**nodes, "learner": learned.get("node_ids")},
     }  # fmt: skip
 
 
@@ -46,6 +49,7 @@ def between(start: dict, end: dict) -> dict:
         "cpu_s": {name: None if s is None else round(s, 2) for name, s in cpu.items()},
         "cpu_core_frac": {name: None if s is None else round(s / wall, 4) for name, s in cpu.items()},
         "engine_busy_frac": busy,
+        "nodes": end["nodes"],
     }
 
 

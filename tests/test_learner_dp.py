@@ -80,6 +80,11 @@ def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_
     # Both take the same next step from there.
     after_two, after_resumed = ray.get([grouped.train_step.remote(samples), resumed.train_step.remote(samples)])
     assert after_two["loss"] == pytest.approx(after_resumed["loss"], rel=1e-5) and after_two["version"] == after_resumed["version"] == 2
+    # Every rank reads the driver's run-directory check back, or says which rank on which node did not.
+    (tmp_path / "check").write_text("token")
+    assert ray.get(grouped.reads.remote(str(tmp_path / "check"), "token")) == []
+    unseen = ray.get(grouped.reads.remote(str(tmp_path / "check"), "another"))
+    assert [entry.split(" (node ")[0] for entry in unseen] == ["learner rank 0", "learner rank 1"]
     for actor in (alone, grouped, resumed):
         ray.kill(actor)
 
@@ -104,7 +109,7 @@ def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path):
 
 def test_more_ranks_or_gpus_than_the_cluster_has_are_refused_before_any_actor_starts(ray_session):
     from asyncrl.configs import ConfigError, load_config
-    from asyncrl.sched.run import start_ray
+    from asyncrl.sched.cluster import start_ray
 
     # The module's Ray has 2 CPUs and no GPU.
     with pytest.raises(ConfigError, match=r"need 5 CPUs \(rollout.num_workers x rollout.cpus_per_worker \+ learner.num_ranks x .*has 2"):

@@ -150,7 +150,7 @@ import ray
 from asyncrl.configs.loader import load_config
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.rollout.worker import create_workers
-from asyncrl.sched.run import start_ray
+from asyncrl.sched.cluster import start_ray
 
 os.nice(3)  # neither 0 nor Ray's 15: the actor must take its driver's, whatever it is
 config = load_config("quickstart", sys.argv[1:])

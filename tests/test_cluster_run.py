@@ -1,0 +1,129 @@
+"""`asyncrl run` on a real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`, as Ray's own
+tests do): a head that only hosts the driver, two engine nodes and a learner node, each its own raylet with
+its own resources; the Redis store. The engines go to different nodes and the learner to its own, and a
+run whose engine node is killed (every process of it, kill -9) goes on: the dead engine's placement bundle
+moves to the node with room, its replacement serves at the current version, and the books balance."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+from loop_helpers import CoinEnv, run_config
+
+from asyncrl.gateway.store import open_store
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # four raylets, then a run across them
+
+WAIT_S = 120.0
+"""Longest wait for the run to replace the dead engine (a safety valve: the wait ends on the record)."""
+FAST_NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 500}
+"""The head's failure detection (a node is dead after ~2 s of missed health checks, not Ray's default ~30 s)."""
+
+
+@pytest.fixture
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
+
+    assert not ray.is_initialized(), "a test before this one left its Ray connected"
+    head = dict(num_cpus=0, include_dashboard=False, _system_config={**RAY_SYSTEM_CONFIG, **FAST_NODE_DEATH})
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    nodes = {
+        "a": cluster.add_node(num_cpus=1, resources={"rollout": 1}),
+        "b": cluster.add_node(num_cpus=1, resources={"rollout": 2}),  # room for a replacement
+        "c": cluster.add_node(num_cpus=1, resources={"trainer": 1}),
+    }
+    cluster.wait_for_nodes()
+    yield cluster, nodes
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()
+
+
+def cluster_config(tmp_path, cluster, name: str, *overrides: str):
+    return run_config(
+        tmp_path, f"name={name}", f"cluster.address={cluster.address}", "store.type=redis", f"store.namespace=cluster-{uuid.uuid4().hex}",
+        "rollout.num_workers=2", "cluster.engine_resources.rollout=1", "cluster.learner_resources.trainer=1", *overrides,
+    )  # fmt: skip
+
+
+def check_books(summary: dict, config) -> None:
+    """Every rollout the store started is in exactly one account, read from the store, not the logs."""
+    ledger = dict(summary["ledger"])
+    started = ledger.pop("started")
+    assert summary["balanced"] and sum(ledger.values()) == started > 0, summary
+    store = open_store(config.store.url, namespace=config.store.namespace)
+    try:
+        trajectories = store.list()
+        assert len(trajectories) == len({t.rollout_id for t in trajectories}) == started
+        assert store.counts()["acked"] == ledger["trained"] + ledger["dropped_stale"] + ledger["dropped_crash"] + ledger["dropped_group"]
+    finally:
+        store.close()
+
+
+def test_a_run_spreads_its_engines_over_nodes_and_puts_the_learner_on_its_own(tmp_path, cluster):
+    from asyncrl.sched.run import run
+
+    ray_cluster, nodes = cluster
+    config = cluster_config(tmp_path, ray_cluster, "spread", "loop.steps=2")
+    summary = run(config, env=CoinEnv())
+    check_books(summary, config)
+    assert summary["version"] == 2 and summary["engine_versions"] == [2, 2]
+    placed = summary["usage"]["nodes"]
+    engine_nodes = {placed["engine:spread-rollout-0"], placed["engine:spread-rollout-1"]}
+    assert engine_nodes == {nodes["a"].node_id, nodes["b"].node_id}  # one engine on each engine node
+    assert placed["learner"] == [nodes["c"].node_id]
+    assert (tmp_path / "spread" / "checkpoints" / "step-000002").is_dir()  # written on node c, read here
+
+
+class KillNodeEnv(CoinEnv):
+    """CoinEnv that kills `node` (every process of it) in the first episode after `when()` holds; episodes
+    after that wait until the gateway routes to the dead engine's replacement, so the steps after the kill
+    are sampled by it as well, however long Ray takes to notice the death and start it (WAIT_S: a safety valve)."""
+
+    def __init__(self, cluster, node, when) -> None:
+        super().__init__()
+        self.cluster, self.node, self.when = cluster, node, when
+        self.killed_at_episode: int | None = None
+
+    async def run_episode(self, task, client):
+        if self.killed_at_episode is None and self.when():
+            self.killed_at_episode = self.episodes
+            await asyncio.to_thread(self.cluster.remove_node, self.node, allow_graceful=False)
+        if self.killed_at_episode is not None:
+            gateway = client.with_options(base_url=str(client.base_url).removesuffix("v1/"))
+            deadline = time.monotonic() + WAIT_S
+            while not await self.replaced(gateway) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+        return await super().run_episode(task, client)
+
+    @staticmethod
+    async def replaced(gateway) -> bool:
+        health = await gateway.get("health", cast_to=object)
+        return any(engine["engine_id"].endswith("-r1") for engine in health["engines"])
+
+
+@pytest.mark.chaos
+def test_a_run_whose_engine_node_dies_replaces_the_engine_elsewhere_and_finishes(tmp_path, cluster):
+    from asyncrl.sched.run import run
+
+    ray_cluster, nodes = cluster
+    config = cluster_config(
+        tmp_path, ray_cluster, "lost", "loop.steps=6", "learner.checkpoint_every=2", f"loop.episode_timeout_s={2 * WAIT_S}"
+    )
+    checkpointed = lambda: (tmp_path / "lost" / "checkpoints" / "step-000002").is_dir()  # noqa: E731
+    env = KillNodeEnv(ray_cluster, nodes["a"], checkpointed)
+    summary = run(config, env=env)
+    assert env.killed_at_episode is not None
+    check_books(summary, config)
+    assert summary["version"] == 6 and summary["engine_versions"] == [6, 6]
+    (replaced,) = [r for r in summary["recoveries"] if r["event"] == "worker_replaced"]
+    assert replaced["version"] >= 2  # it joined at the weights of its time, not the start's
+    placed = summary["usage"]["nodes"]
+    assert placed[f"engine:{replaced['replacement']}"] == nodes["b"].node_id  # the only node with room
+    assert f"engine:{replaced['engine_id']}" not in placed
