@@ -110,8 +110,14 @@ def _learner(config, json_path, options=None):
     return run(config, json_path, options)
 
 
+def _scale(config, json_path, options=None):
+    from .scale import run
+
+    return run(config, json_path, options)
+
+
 def _registry() -> dict[str, Benchmark]:
-    from . import agentic, asyncloop, learn, learner, replay, soak
+    from . import agentic, asyncloop, learn, learner, replay, scale, soak
 
     return {
         "engine": Benchmark(_engine),
@@ -122,6 +128,7 @@ def _registry() -> dict[str, Benchmark]:
         "replay": Benchmark(_replay, replay.PRESET, options=replay.ReplayBenchOptions),
         "learn": Benchmark(_learn, learn.PRESET, learn.OVERRIDES, learn.LearnBenchOptions),
         "learner": Benchmark(_learner, learner.PRESET, learner.OVERRIDES, learner.LearnerBenchOptions),
+        "scale": Benchmark(_scale, scale.PRESET, options=scale.ScaleBenchOptions),
     }
 
 

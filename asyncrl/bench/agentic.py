@@ -158,7 +158,7 @@ def run(config: RunConfig, json_path: str | None = None, options: AgenticBenchOp
 
     options = options or AgenticBenchOptions()
     with tempfile.TemporaryDirectory(prefix="bench-agentic-") as tmp:
-        results = run_loop(_episodes(config, options, str(Path(tmp) / "trajectories.db")))
+        results = run_loop(episodes_at_once(config, options, str(Path(tmp) / "trajectories.db")))
     results.update(run_loop(_sandbox_starts(config, options)))
     results["setup"] = {
         "episodes": options.episodes, "engines": f"{ENGINES} StubEngine (asyncio.sleep {options.engine_latency_s} s a call)",
@@ -172,7 +172,7 @@ def run(config: RunConfig, json_path: str | None = None, options: AgenticBenchOp
     return results
 
 
-async def _episodes(config: RunConfig, options: AgenticBenchOptions, store_path: str) -> dict:
+async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, store_path: str) -> dict:
     from asyncrl.configs.context import EnvContext
     from asyncrl.envs.agentic import AgenticEnv
     from asyncrl.envs.runner import run_recorded_episode
