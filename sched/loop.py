@@ -37,7 +37,7 @@ from .parts import LearnerDied, Parts, Weights
 from .recovery import Recovery
 from .resume import CONSUMER, Books
 from .rundir import LoopState, Retention
-from .steps import batch_record, consistency_warnings, learn, step_record
+from .steps import batch_record, consistency_warnings, learn, no_signal_notice, step_record
 
 TICK_S = 0.05
 """Pause between rounds of the loop; episodes and the learner run on without it."""
@@ -59,6 +59,7 @@ class Loop:
         self.rng = random.Random(f"{config.seed}-{state.version}")
         self.t0, self.collected = time.monotonic(), 0
         self.last: dict = {}  # the last step's record
+        self.unstepped = 0  # batches in a row that took no optimizer step (no rollout had an advantage)
         self.accuracy = state.eval_before
         self.recovery = Recovery(self)
         self.recoveries = self.recovery.records  # every part that died and came back, in order
@@ -166,6 +167,9 @@ class Loop:
         self.p.metrics.record(self.last)
         for warning in consistency_warnings(metrics):
             self.p.display.say(warning)
+        self.unstepped = 0 if metrics["stepped"] else self.unstepped + 1
+        if notice := no_signal_notice(self.unstepped, self.last):
+            self.p.display.say(notice)
 
     async def push(self, weights: Weights | None = None) -> None:
         """The learner's weights (or `weights`, taken from it at this version) to every engine; the loop

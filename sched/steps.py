@@ -61,3 +61,23 @@ def consistency_warnings(metrics: dict) -> list[str]:
         f"log-prob {gap['gap']:.3f} over {gap['tokens']} tokens > learner.logprob_gap_warning"
         for gap in metrics.get("consistency_warnings", ())
     ]
+
+
+NO_SIGNAL_BATCHES = 10
+"""Batches in a row without an optimizer step after which the run says so (and every 10x that after)."""
+
+
+def no_signal_notice(batches: int, record: dict) -> str | None:
+    """The display's line when `batches` batches in a row took no optimizer step (`record`: the last one's
+    step record), at NO_SIGNAL_BATCHES and every 10 x NO_SIGNAL_BATCHES after; None otherwise. A run whose
+    policy never earns a reward shows step 0 at full speed forever otherwise."""
+    if batches != NO_SIGNAL_BATCHES and not (batches and batches % (10 * NO_SIGNAL_BATCHES) == 0):
+        return None
+    ledger = record.get("ledger", {})
+    return (
+        f"no optimizer step for {batches} batches in a row: in the last one {record.get('skipped_zero_adv', 0)} rollouts were in "
+        f"groups whose rewards were all equal (mean reward {record.get('reward', 0.0):.3f}) and "
+        f"{sum(v for k, v in ledger.items() if k.startswith('dropped'))} were dropped, so nothing had an advantage. "
+        "The task may be too hard for the policy (start from a warm start: policy.path, or loop.sft_first), too easy, "
+        "or its reward may not tell rollouts apart."
+    )

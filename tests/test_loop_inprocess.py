@@ -5,6 +5,7 @@ store, a tiny policy. Every rollout must end in exactly one account and be ackno
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -87,3 +88,37 @@ def test_a_killed_run_resumes_in_process_without_losing_or_retraining_trajectori
     assert sum(state.ledger.values()) == started(counts) and counts["acked"] == started(counts)
     assert counts["running"] == counts["pending"] == counts["claimed"] == 0
     assert state.version == 7 and result["versions"] == [7]
+
+
+class NoRewardEnv(CoinEnv):
+    """Rewards nothing, so no group has an advantage and no batch steps; a Ctrl-C once `batches` batches
+    have come back without a step."""
+
+    def __init__(self, metrics, batches: int) -> None:
+        super().__init__()
+        self.metrics, self.batches = metrics, batches
+
+    async def run_episode(self, task, client):
+        records = [json.loads(line) for line in self.metrics.read_text().splitlines()] if self.metrics.exists() else []
+        if sum(1 for r in records if r.get("stepped") is False) >= self.batches:
+            raise KeyboardInterrupt
+        result = await super().run_episode(task, client)
+        return dataclasses.replace(result, reward=0.0)
+
+
+def test_a_run_whose_batches_never_step_says_why(tmp_path, capsys):
+    from asyncrl.sched.steps import NO_SIGNAL_BATCHES
+
+    env = NoRewardEnv(tmp_path / "quiet" / "metrics.jsonl", NO_SIGNAL_BATCHES + 2)
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(run_in_process(config(tmp_path, "name=quiet", "loop.steps=5"), env))
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("no optimizer step")]
+    assert len(said) == 1 and said[0].startswith(f"no optimizer step for {NO_SIGNAL_BATCHES} batches in a row: in the last one 8 rollouts")
+    assert "mean reward 0.000" in said[0] and "0 were dropped" in said[0]
+
+
+def test_the_no_step_notice_comes_at_ten_batches_then_every_hundred():
+    from asyncrl.sched.steps import no_signal_notice
+
+    said = [n for n in range(1, 1001) if no_signal_notice(n, {"reward": 1.0, "skipped_zero_adv": 8, "ledger": {}})]
+    assert said == [10, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]
