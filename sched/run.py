@@ -4,8 +4,9 @@ Start-up, in order:
 
 1. SFT warm start when `policy.path` is unset and `loop.sft_first` allows it; RL starts from its
    checkpoint (a resumed run starts from its own last checkpoint instead).
-2. Ray, local: `rollout.num_workers` RolloutWorkers on `rollout.cpus_per_worker` CPUs each and the
-   LearnerActor on `learner.num_cpus` CPUs, each with its own torch thread budget, so rollout and
+2. Ray, local or the cluster of `cluster.address` (`sched/cluster.py`, docs/CLUSTER.md):
+   `rollout.num_workers` RolloutWorkers on `rollout.cpus_per_worker` CPUs each (one placement group)
+   and the LearnerActor on `learner.num_cpus` CPUs, each with its own torch thread budget, so rollout and
    learner never share a core budget; the loop reaches them through `RayWorkers` and `RayLearner`
    (sched/clients.py). The engines start from the learner's weights (one push).
 3. The trajectory store in the run directory (or Redis), and the TITO gateway in this process, on
