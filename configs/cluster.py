@@ -32,6 +32,13 @@ class ClusterConfig(Section):
     """Custom Ray resources each learner rank asks for (as engine_resources), e.g. {trainer: 1}."""
     teacher_resources: dict[str, float] = {}
     """Custom Ray resources each distillation teacher's scoring actor asks for (as engine_resources)."""
+    engine_labels: dict[str, str] = {}
+    """Node labels each engine needs (Ray label selectors: {role: rollout} places engines only on nodes started
+    with `ray start --labels role=rollout`; Ray's operators such as `!value` and `in(a,b)` work too)."""
+    learner_labels: dict[str, str] = {}
+    """Node labels each learner rank needs (as engine_labels)."""
+    teacher_labels: dict[str, str] = {}
+    """Node labels each distillation teacher's scoring actor needs (as engine_labels)."""
     placement_timeout_s: float = Field(300.0, gt=0)
     """How long the engines' placement group may wait for nodes with room before the run is refused, naming
     what it asked for and what the cluster has."""

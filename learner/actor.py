@@ -160,5 +160,8 @@ def create_learner(config: RunConfig, resume_from: str | None = None):
 
 
 def rank_options(config: RunConfig) -> dict:
-    """Ray options of each learner rank: its CPUs, GPUs and custom resources (`cluster.learner_resources`)."""
-    return dict(num_cpus=config.learner.num_cpus, num_gpus=gpus_per_rank(config), resources=config.cluster.learner_resources)
+    """Ray options of each learner rank: its CPUs, GPUs, custom resources and node labels (`cluster.learner_*`)."""
+    options = dict(num_cpus=config.learner.num_cpus, num_gpus=gpus_per_rank(config), resources=config.cluster.learner_resources)
+    if config.cluster.learner_labels:
+        options["label_selector"] = dict(config.cluster.learner_labels)
+    return options

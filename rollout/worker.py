@@ -184,14 +184,16 @@ class WorkerLauncher:
 def _placed(bundles: list[dict[str, float]], placement: ClusterConfig):
     """The engines' placement group, once Ray has placed every bundle; refused (ConfigError) when it could not
     within `placement.placement_timeout_s`, naming what it asked for and what the cluster has free."""
-    group = ray.util.placement_group(bundles, strategy=placement.engine_placement.upper())
+    labels = [dict(placement.engine_labels) for _ in bundles] if placement.engine_labels else None
+    group = ray.util.placement_group(bundles, strategy=placement.engine_placement.upper(), bundle_label_selector=labels)
     try:
         ray.get(group.ready(), timeout=placement.placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(group)
         free = {name: round(amount, 3) for name, amount in sorted(ray.available_resources().items()) if not name.startswith("node:")}
         raise ConfigError(
-            f"cluster: Ray could not place {len(bundles)} engine(s) of {bundles[0]} each ({placement.engine_placement}) within "
+            f"cluster: Ray could not place {len(bundles)} engine(s) of {bundles[0]} each ({placement.engine_placement}"
+            f"{f', on nodes labelled {placement.engine_labels}' if placement.engine_labels else ''}) within "
             f"cluster.placement_timeout_s={placement.placement_timeout_s:g}; the cluster has free: {free}"
         ) from None
     return group

@@ -49,7 +49,9 @@ def start_ray(config: RunConfig) -> bool:
             ray.init(address=config.cluster.address, log_to_driver=False)
         except ConnectionError as error:
             raise ConfigError(f"cluster.address {config.cluster.address!r}: no Ray cluster answered ({error})") from None
-    problems = shortfalls(needed, ray.cluster_resources())
+    problems = shortfalls(needed, ray.cluster_resources()) + unlabelled(
+        config, [n.get("Labels", {}) for n in ray.nodes() if n.get("Alive")]
+    )
     if problems:
         if started:
             ray.shutdown()
@@ -100,6 +102,20 @@ def shortfalls(needed: dict[str, float], cluster: dict[str, float]) -> list[str]
             source = asked_by.get(name, "cluster.engine_resources / learner_resources / teacher_resources")
             what = {"CPU": "CPUs", "GPU": "GPUs"}.get(name, f"of custom resource {name!r}")
             problems.append(f"the run's actors need {amount:g} {what} ({source}), the Ray cluster has {cluster.get(name, 0):g}")
+    return problems
+
+
+def unlabelled(config: RunConfig, nodes: list[dict[str, str]]) -> list[str]:
+    """The label selectors of the cluster section that no node (`nodes`: each node's labels) matches, one
+    sentence each. Only plain `key: value` selectors are checked; Ray's operators (`!v`, `in(a,b)`) are left
+    to Ray, which then waits for a matching node (the engines' placement times out with a message)."""
+    problems = []
+    teachers = any(spec.checkpoint for spec in config.distill.teachers.values())
+    for key in ("engine_labels", "learner_labels", "teacher_labels") if teachers else ("engine_labels", "learner_labels"):
+        wanted = getattr(config.cluster, key)
+        plain = wanted and not any(any(c in value for c in "!()") for value in wanted.values())
+        if plain and not any(all(labels.get(k) == v for k, v in wanted.items()) for labels in nodes):
+            problems.append(f"cluster.{key}: no node of the Ray cluster has the labels {wanted}")
     return problems
 
 

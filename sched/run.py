@@ -243,6 +243,8 @@ def _start_teachers(config: RunConfig) -> dict:
     check_checkpoints(config)
     distill = config.distill
     options = dict(num_cpus=distill.cpus_per_teacher, num_gpus=distill.gpus_per_teacher, resources=config.cluster.teacher_resources)
+    if config.cluster.teacher_labels:
+        options["label_selector"] = dict(config.cluster.teacher_labels)
     return {
         name: RayScorer(ScoringWorkerActor.options(**options).remote(spec.checkpoint, distill.torch_threads, distill.max_batch_tokens))
         for name, spec in distill.teachers.items()

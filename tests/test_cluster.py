@@ -71,3 +71,14 @@ def test_the_run_command_takes_the_cluster_address_as_a_flag(capsys):
     assert "address: ray://head:10001" in capsys.readouterr().out
     assert main(["run", "quickstart", "--address", "auto", "--dry-run"]) == EXIT_CONFIG_ERROR  # the SQLite store
     assert "needs store.type redis" in capsys.readouterr().err
+
+
+def test_label_selectors_no_node_matches_are_named():
+    from asyncrl.sched.cluster import unlabelled
+
+    config = load_config("quickstart", [*CLUSTER, "cluster.engine_labels.role=rollout", "cluster.learner_labels.role=trainer",
+                                        "cluster.teacher_labels.role=judge"])  # fmt: skip
+    nodes = [{"role": "rollout", "zone": "a"}, {"zone": "b"}]
+    assert unlabelled(config, nodes) == ["cluster.learner_labels: no node of the Ray cluster has the labels {'role': 'trainer'}"]
+    operators = load_config("quickstart", [*CLUSTER, "cluster.learner_labels.role='!rollout'"])  # quoted: YAML reads ! as a tag
+    assert unlabelled(operators, nodes) == []  # left to Ray

@@ -35,9 +35,9 @@ def cluster():
     head = dict(num_cpus=0, include_dashboard=False, _system_config={**RAY_SYSTEM_CONFIG, **FAST_NODE_DEATH})
     cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = {
-        "a": cluster.add_node(num_cpus=1, resources={"rollout": 1}),
-        "b": cluster.add_node(num_cpus=1, resources={"rollout": 2}),  # room for a replacement
-        "c": cluster.add_node(num_cpus=1, resources={"trainer": 1}),
+        "a": cluster.add_node(num_cpus=1, resources={"rollout": 1}, labels={"role": "rollout"}),
+        "b": cluster.add_node(num_cpus=1, resources={"rollout": 2}, labels={"role": "rollout"}),  # room for a replacement
+        "c": cluster.add_node(num_cpus=1, resources={"trainer": 1}, labels={"role": "trainer"}),
     }
     cluster.wait_for_nodes()
     yield cluster, nodes
@@ -46,10 +46,11 @@ def cluster():
     cluster.shutdown()
 
 
-def cluster_config(tmp_path, cluster, name: str, *overrides: str):
+def cluster_config(tmp_path, cluster, name: str, *overrides: str, learner: str = "cluster.learner_resources.trainer=1"):
+    """Two engines that need a `rollout` resource; the learner placed by `learner` (a resource, or a label)."""
     return run_config(
         tmp_path, f"name={name}", f"cluster.address={cluster.address}", "store.type=redis", f"store.namespace=cluster-{uuid.uuid4().hex}",
-        "rollout.num_workers=2", "cluster.engine_resources.rollout=1", "cluster.learner_resources.trainer=1", *overrides,
+        "rollout.num_workers=2", "cluster.engine_resources.rollout=1", learner, *overrides,
     )  # fmt: skip
 
 
@@ -68,10 +69,15 @@ def check_books(summary: dict, config) -> None:
 
 
 def test_a_run_spreads_its_engines_over_nodes_and_puts_the_learner_on_its_own(tmp_path, cluster):
+    """The learner goes by its node label: an engine node has half a CPU to spare, which it would fit."""
+    from asyncrl.configs import ConfigError
     from asyncrl.sched.run import run
 
     ray_cluster, nodes = cluster
-    config = cluster_config(tmp_path, ray_cluster, "spread", "loop.steps=2")
+    with pytest.raises(ConfigError, match=r"cluster.learner_labels: no node of the Ray cluster has the labels \{'role': 'judge'\}"):
+        run(cluster_config(tmp_path, ray_cluster, "unlabelled", learner="cluster.learner_labels.role=judge"), env=CoinEnv())
+    assert not ray.is_initialized()  # refused before any actor started, and let go of the cluster
+    config = cluster_config(tmp_path, ray_cluster, "spread", "loop.steps=2", learner="cluster.learner_labels.role=trainer")
     summary = run(config, env=CoinEnv())
     check_books(summary, config)
     assert summary["version"] == 2 and summary["engine_versions"] == [2, 2]
