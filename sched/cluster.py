@@ -39,9 +39,11 @@ def start_ray(config: RunConfig) -> bool:
     needed = resources_needed(config)
     started = not ray.is_initialized()
     if started and config.cluster.is_local:
+        # address="local": a new Ray even where `ray start` runs one on this machine, which a bare
+        # ray.init() would join (and then refuse num_cpus).
         ray.init(
-            num_cpus=max(os.cpu_count() or 1, math.ceil(needed["CPU"])), include_dashboard=False, log_to_driver=False,
-            _system_config=RAY_SYSTEM_CONFIG,
+            address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed["CPU"])), include_dashboard=False,
+            log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG,
         )  # fmt: skip
     elif started:
         _check_reachable(config.cluster.address)

@@ -70,7 +70,7 @@ def _engines(config: RunConfig, model, mtp=None) -> list:
 
         from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG, create_workers
 
-        ray.init(ignore_reinit_error=True, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
+        ray.init(address="local", ignore_reinit_error=True, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
         workers = create_workers(model, rollout, name_prefix=f"{config.name}-rollout", mtp=mtp)
         ray.get([worker.version.remote() for worker in workers])  # built, before the gateway's heartbeats watch them
         return [RayEngine(worker, f"{config.name}-rollout-{i}") for i, worker in enumerate(workers)]

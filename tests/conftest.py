@@ -73,7 +73,7 @@ def ray_session():
     ray = pytest.importorskip("ray")
     from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     yield
     ray.shutdown()
 

@@ -163,3 +163,17 @@ def test_a_run_whose_learner_node_dies_restarts_the_learner_on_another_node(tmp_
     (restarted,) = [r for r in summary["recoveries"] if r["event"] == "learner_restarted"]
     assert restarted["checkpoint"].endswith(("step-000002", "step-000004"))
     assert summary["usage"]["nodes"]["learner"] == [joined["node"].node_id]
+
+
+def test_a_local_run_beside_a_running_cluster_starts_a_ray_of_its_own(cluster):
+    """A cluster on this machine (which a bare `ray.init()` would join, then refuse num_cpus) is left alone."""
+    from asyncrl.configs import load_config
+    from asyncrl.sched.cluster import start_ray
+
+    ray_cluster, _ = cluster
+    assert start_ray(load_config("quickstart", ["learner.num_cpus=0.5", "rollout.cpus_per_worker=0.5"])) is True
+    try:
+        assert ray.get_runtime_context().gcs_address != ray_cluster.address
+        assert not any(node.get("Labels", {}).get("role") for node in ray.nodes())  # none of the cluster's nodes
+    finally:
+        ray.shutdown()

@@ -126,8 +126,8 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnerBenchOp
     batches = [synthetic_batch(config, options, vocab_size, seed) for seed in range(4)]
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=math.ceil(max(options.ranks) * config.learner.num_cpus), include_dashboard=False, log_to_driver=False,
-                 _system_config=RAY_SYSTEM_CONFIG)  # fmt: skip
+        cpus = math.ceil(max(options.ranks) * config.learner.num_cpus)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     runs: dict[int, list[dict]] = {n: [] for n in options.ranks}
     try:
         for _ in range(options.repeats):

@@ -111,7 +111,7 @@ def _pushes(options: ScaleBenchOptions) -> dict:
     print(f"[bench scale] pushes of {megabytes:.0f} MB to {options.push_engines} engines", flush=True)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=max(2, most), include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
+        ray.init(address="local", num_cpus=max(2, most), include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
         launcher = WorkerLauncher(model, rollout)
         parallel, serial = run_loop(_timed_pushes(launcher, weights, options))
