@@ -43,6 +43,13 @@ def _remote(method, *args) -> asyncio.Future:
     return asyncio.wrap_future(method.remote(*args).future())
 
 
+def _creation_failure(error: BaseException) -> str:
+    """`: <the exception>` when the actor died of an error in its constructor (say a checkpoint that is not on
+    its node's disk), else nothing: Ray's message puts the exception on its last line."""
+    text = str(error)
+    return f": {text.strip().splitlines()[-1]}" if "error raised in its creation task" in text else ""
+
+
 def _died(error: BaseException, actor: Any) -> bool:
     """Whether `error` says that `actor` itself is gone (not, say, the learner whose weights it was handed)."""
     import ray
@@ -91,7 +98,7 @@ class RayLearner:
         except ray.exceptions.RayActorError as error:
             if not _died(error, self.actor):
                 raise
-            raise LearnerDied(f"the learner actor died: {type(error).__name__}") from error
+            raise LearnerDied(f"the learner actor died: {type(error).__name__}{_creation_failure(error)}") from error
 
 
 class PoolRouting:

@@ -234,3 +234,24 @@ def test_a_dead_worker_leaves_routing_and_its_replacement_joins_serving_the_late
                 ray.kill(actor)
 
     asyncio.run(scenario())
+
+
+def test_a_learner_that_cannot_start_says_why(ray_session):
+    import asyncio
+
+    from asyncrl.sched.clients import RayLearner
+    from asyncrl.sched.parts import LearnerDied
+
+    class Unstartable:  # defined here: Ray ships it by value (this test module is not importable in a worker)
+        """Fails in its constructor, as a learner does when its checkpoint is not on its node's disk."""
+
+        def __init__(self, checkpoint: str) -> None:
+            raise FileNotFoundError(f"no checkpoint at {checkpoint} on this node")
+
+        def version(self) -> int:
+            return 0
+
+    learner = RayLearner(lambda checkpoint: ray.remote(num_cpus=0)(Unstartable).remote(checkpoint), "/shared/ckpt")
+    message = r"the learner actor died: ActorDiedError: FileNotFoundError: no checkpoint at /shared/ckpt on this node$"
+    with pytest.raises(LearnerDied, match=message):
+        asyncio.run(learner.check())
