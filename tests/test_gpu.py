@@ -1,15 +1,18 @@
 """The CUDA paths, wherever a GPU is present (marker `gpu`; skipped on CPU machines): the learner on the GPU
 takes the CPU learner's step, the embedded engine on the GPU samples with transformers' log-probs, and
-`asyncrl run` trains with both on GPUs. scripts/gpu_smoke.sh runs these on a lent GPU machine."""
+`asyncrl run` trains with both on GPUs. scripts/gpu_smoke.sh runs these on a lent GPU machine. The run test
+also runs on the CPU (marker `slow`), so its set-up is checked where no GPU is."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.gpu
+@needs_cuda
 def test_the_learner_on_cuda_takes_the_cpu_learners_step():
     from test_learner_dp import batch, config
 
@@ -26,6 +29,8 @@ def test_the_learner_on_cuda_takes_the_cpu_learners_step():
     assert gap < 1e-4
 
 
+@pytest.mark.gpu
+@needs_cuda
 def test_the_embedded_engine_on_cuda_matches_transformers():
     from conftest import run_to_completion
     from families import tiny_family_model
@@ -44,7 +49,8 @@ def test_the_embedded_engine_on_cuda_matches_transformers():
         engine.shutdown()
 
 
-def test_asyncrl_run_with_learner_and_engine_on_gpus(tmp_path):
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda]), pytest.param("cpu", marks=pytest.mark.slow)])
+def test_asyncrl_run_with_learner_and_engine_on_the_device(tmp_path, device):
     import json
 
     pytest.importorskip("ray", reason="a machine without Ray (the lent GPU machine: scripts/gpu_smoke.sh --offline)")
@@ -54,7 +60,11 @@ def test_asyncrl_run_with_learner_and_engine_on_gpus(tmp_path):
 
     from asyncrl.cli import main
 
-    overrides = [*TINY, f"runs_dir={tmp_path}", "name=gpu", "loop.mode=sync", "loop.steps=3", "learner.device=cuda", "rollout.device=cuda"]
+    # EchoEnv: a task whose groups a random tiny policy tells apart, so the loop has advantages to step on.
+    overrides = [*TINY, f"runs_dir={tmp_path}", "name=gpu", "loop.mode=sync", "loop.steps=3", "loop.eval_every=1000", "eval.num_problems=4",
+                 'tasks.mix={echo: {env: "replay_envs:EchoEnv"}}', f"learner.device={device}", f"rollout.device={device}"]  # fmt: skip
+    if device == "cuda" and torch.cuda.device_count() < 2:  # each asks for a whole GPU by default; on one, they share it by asking
+        overrides += ["learner.gpus_per_rank=0.5", "rollout.gpus_per_worker=0.5"]
     assert main(["run", "quickstart", *overrides]) == 0
     summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
     assert summary["balanced"] and summary["version"] == 3
