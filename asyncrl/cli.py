@@ -80,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"asyncrl run: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     print(format_summary(summary))
-    return 0 if summary["balanced"] else 1
+    return 0 if summary["balanced"] and summary.get("stop_reason") != "no_signal" else 1
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
@@ -110,7 +110,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         print("asyncrl pipeline: give a CONFIG, or --resume PIPELINE_DIR", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     from asyncrl.envs.sandbox.base import SandboxError
-    from asyncrl.sched.pipeline import PipelineDir, PipelineExists, run_pipeline
+    from asyncrl.sched.pipeline import PipelineDir, PipelineExists, StageLearnedNothing, run_pipeline
 
     # CONFIG is optional with --resume (the pipeline directory holds it); a KEY=VALUE there is an override.
     overrides = ([args.config] if args.resume is not None and args.config else []) + args.overrides
@@ -123,10 +123,19 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     except (PipelineExists, FileNotFoundError, SandboxError) as err:
         print(f"asyncrl pipeline: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except StageLearnedNothing as err:
+        print(f"asyncrl pipeline: {err}", file=sys.stderr)
+        return 1
     misses = [check for check in summary["checks"] if not check["passed"]]
     print(f"pipeline directory: {summary['pipeline_dir']}  ({len(summary['stages'])} stages, {summary['wall_s'] / 60:.1f} min)")
     print(f"checks: {len(summary['checks']) - len(misses)} of {len(summary['checks'])} met" + ("" if not misses else " (see above)"))
     return 0
+
+
+NO_SIGNAL_STOP = (
+    "stopped early: loop.max_batches_without_step batches in a row took no optimizer step (in every group the rewards "
+    "were equal). Start from a warm start (policy.path, or loop.sft_first), or check that the task's reward tells rollouts apart."
+)
 
 
 def format_summary(summary: dict) -> str:
@@ -140,6 +149,7 @@ def format_summary(summary: dict) -> str:
         f"run directory: {summary['run_dir']}  ({summary['mode']}, {summary['version']} optimizer steps, {summary['wall_s']:.0f} s)",
         f"held-out accuracy: {pct(summary['eval_before'])} before RL -> {pct(summary['eval_after'])} after",
         f"ledger: {accounts}  = {sum(v for k, v in ledger.items() if k != 'started')} of {ledger['started']} started ({check})",
+        *([NO_SIGNAL_STOP] if summary.get("stop_reason") == "no_signal" else []),
     ])  # fmt: skip
 
 

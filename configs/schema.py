@@ -758,6 +758,10 @@ class LoopConfig(Section):
     """Held-out evaluation (eval.num_problems, greedy) every this many pushed policy versions."""
     wall_budget_s: float | None = Field(None, gt=0)
     """Stop the RL loop after this many seconds even if `steps` is not reached (None: no limit)."""
+    max_batches_without_step: int = Field(1000, ge=0)
+    """Stop the run when this many batches in a row took no optimizer step because in every group the
+    rewards were equal (no rollout had an advantage): the policy learns nothing from its tasks, and the
+    run exits with status 1 saying so. 0: never stop for that."""
     sft_first: bool = True
     """With policy.path unset, run the SFT warm start first and start RL from its checkpoint."""
     episode_transport: Literal["inprocess", "http"] = "inprocess"

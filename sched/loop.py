@@ -86,7 +86,17 @@ class Loop:
             await asyncio.wait([self.pending[0]], timeout=TICK_S)
 
     def finished(self) -> bool:
-        return self.closing or self.state.version >= self.config.loop.steps or self.out_of_time()
+        return self.closing or self.stop_reason() is not None
+
+    def stop_reason(self) -> str | None:
+        """Why the run stops: `steps` reached, `no_signal` (loop.max_batches_without_step), `wall_budget`;
+        None while none holds."""
+        limit = self.config.loop.max_batches_without_step
+        if self.state.version >= self.config.loop.steps:
+            return "steps"
+        if limit and self.unstepped >= limit:
+            return "no_signal"
+        return "wall_budget" if self.out_of_time() else None
 
     def out_of_time(self) -> bool:
         budget = self.config.loop.wall_budget_s
@@ -98,7 +108,7 @@ class Loop:
         if not self.p.workers.serving():
             return  # the only engine is being replaced: new episodes would fail at their first call
         loop, taking = self.config.loop, self.pending is not None
-        allowed = 0 if self.out_of_time() else groups_to_admit(
+        allowed = 0 if self.stop_reason() is not None else groups_to_admit(
             mode=loop.mode, steps_left=loop.steps - self.state.version - taking, in_flight=len(self.episodes),
             max_inflight=loop.max_inflight, group_size=self.group_size, batch_groups=self.batch_groups,
             ahead=self.groups.rollouts, lag=self.state.version + taking - self.pushed,

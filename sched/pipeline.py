@@ -37,6 +37,10 @@ START_ROW = "start"
 """The matrix row of the checkpoint a pipeline without an SFT stage starts from (base.policy.path)."""
 
 
+class StageLearnedNothing(RuntimeError):
+    """An RL stage stopped by loop.max_batches_without_step: the pipeline stops rather than build on it."""
+
+
 class PipelineExists(RuntimeError):
     """A fresh pipeline would overwrite an earlier one's stages."""
 
@@ -175,6 +179,12 @@ class Pipeline:
                 rundir.write_config(config)
                 self.say(f"   resuming {rundir.path} from its last checkpoint")
             summary = distill(config, resume=resume) if distilling else run(config, resume=resume)
+        if summary.get("stop_reason") == "no_signal":
+            raise StageLearnedNothing(
+                f"{rundir.path}: the stage stopped after loop.max_batches_without_step batches in a row without an optimizer step "
+                "(in every group the rewards were equal), so the next stage would start from a policy that learned nothing here. "
+                "Fix the stage's tasks or its warm start, delete this run directory, and resume the pipeline"
+            )
         latest = rundir.latest_checkpoint()
         if latest is None:
             raise RuntimeError(f"{rundir.path}: the stage ended without a checkpoint")
@@ -187,6 +197,7 @@ class Pipeline:
             "rl_wall_s",
             "ledger",
             "balanced",
+            "stop_reason",
             "reverse_kl",
         )
         return latest[0], {key: summary[key] for key in keep if key in summary}

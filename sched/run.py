@@ -167,6 +167,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         settle_heap()  # the gateway's event loop stalls less on garbage collection (gateway/app.py)
         began_rl = await usage.snapshot(workers, learner)
         await loop.run()
+        stop_reason = loop.stop_reason()
         spent = usage.between(began_rl, await usage.snapshot(workers, learner))
         eval_after = await loop.close()
         engine_versions = await workers.versions()
@@ -176,7 +177,8 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
     started = sum(counts[status] for status in ("running", *TERMINAL_STATUSES))
     ledger = {**state.ledger, "started": started}
     summary = {
-        "mode": config.loop.mode, "version": state.version, "eval_before": state.eval_before, "eval_after": eval_after,
+        "mode": config.loop.mode, "version": state.version, "stop_reason": stop_reason,
+        "eval_before": state.eval_before, "eval_after": eval_after,
         **eval_by_task(records, [task.name for task, _ in tasks.evaluated(config.eval.num_problems)]),
         "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions,
         "ledger": ledger, "balanced": sum(state.ledger.values()) == started,

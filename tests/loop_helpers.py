@@ -90,6 +90,7 @@ async def run_in_process(config, env, *, resume: bool = False) -> dict:
                 if state.eval_before is None:
                     state.eval_before = await loop.evaluate(force=True)
                 await loop.run()
+                result["stop_reason"] = loop.stop_reason()
                 result["eval_after"] = await loop.close()
             finally:
                 await loop.episodes.stop()

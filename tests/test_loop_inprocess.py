@@ -117,6 +117,23 @@ def test_a_run_whose_batches_never_step_says_why(tmp_path, capsys):
     assert "mean reward 0.000" in said[0] and "0 were dropped" in said[0]
 
 
+class FlatEnv(CoinEnv):
+    """Rewards every rollout alike, so no group has an advantage."""
+
+    async def run_episode(self, task, client):
+        return dataclasses.replace(await super().run_episode(task, client), reward=0.0)
+
+
+def test_a_run_whose_batches_never_step_stops_after_max_batches_without_step(tmp_path):
+    run = config(tmp_path, "name=flat", "loop.mode=sync", "loop.steps=5", "loop.max_batches_without_step=3")
+    result = asyncio.run(run_in_process(run, FlatEnv()))
+    state, counts = result["state"], result["counts"]
+    batches = [r for r in result["records"] if "loss" in r]
+    assert result["stop_reason"] == "no_signal" and state.version == 0
+    assert len(batches) == 3 and not any(r["stepped"] for r in batches)  # nothing admitted once it holds
+    assert state.ledger["aborted"] == 0 and sum(state.ledger.values()) == started(counts) == counts["acked"]
+
+
 def test_the_no_step_notice_comes_at_ten_batches_then_every_hundred():
     from asyncrl.sched.steps import no_signal_notice
 

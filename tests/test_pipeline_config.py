@@ -135,3 +135,20 @@ def test_cli_dry_run_and_refusals(tmp_path, capsys):
     assert "not a pipeline directory" in capsys.readouterr().err
     assert main(["pipeline", "pipeline", "stages.x.kind=rl"]) == 2
     assert "stages.x" in capsys.readouterr().err
+
+
+def test_an_rl_stage_that_learned_nothing_stops_the_pipeline(tmp_path):
+    import json
+
+    from asyncrl.sched.pipeline import Pipeline, PipelineDir, StageLearnedNothing
+    from asyncrl.sched.rundir import RunDir
+
+    pipeline = load_pipeline("pipeline")
+    stage = "reasoning"
+    runner = Pipeline(pipeline, PipelineDir(tmp_path), say=print)
+    # The stage's run ended (its summary is written) because no batch had an advantage.
+    rundir = RunDir.for_config(runner.stage_config(stage, {}))
+    rundir.path.mkdir(parents=True)
+    (rundir.path / "summary.json").write_text(json.dumps({"stop_reason": "no_signal", "version": 0}))
+    with pytest.raises(StageLearnedNothing, match="delete this run directory"):
+        runner.run_rl(stage, str(tmp_path / "previous"))
