@@ -188,6 +188,8 @@ def _bench_epilog() -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.address is not None:  # engines on the cluster: as Ray actors
+        args.overrides += [f"cluster.address={args.address}", "gateway.engines=ray"]
     config = _resolve(args)
     if config is None:
         return 0
@@ -286,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start engines and the TITO gateway for agents to call by hand")
     _add_config_arguments(serve)
+    serve.add_argument(
+        "--address", default=None, metavar="ADDR",
+        help="start the engines on this Ray cluster (auto, HOST:PORT or ray://HOST:PORT; sets cluster.address and gateway.engines=ray)",
+    )  # fmt: skip
     serve.set_defaults(handler=cmd_serve)
 
     token = sub.add_parser("token", help="print the run token (or --engine: the engine token) of the gateway `asyncrl serve CONFIG` runs")

@@ -26,17 +26,17 @@ SHARED_CHECK = ".cluster-check"
 """The file in the run directory the driver writes and the learner's node reads back."""
 
 
-def start_ray(config: RunConfig) -> bool:
+def start_ray(config: RunConfig, *, learner: bool = True) -> bool:
     """Connect to the run's Ray and refuse one without the CPUs, GPUs or custom resources its actors ask
-    for; True when this call started (or connected) Ray and so owns the session, False when a caller (a
-    test, a notebook) already had one.
+    for (`learner` False: the engines alone, as `asyncrl serve` starts); True when this call started (or
+    connected) Ray and so owns the session, False when a caller (a test, a notebook) already had one.
 
     `local`: a private Ray sized so every actor fits (logical CPUs; real cores are bounded by torch
     threads), its actors at this process's niceness. Anything else: `ray.init(address=...)`; the
     cluster's own nodes decide niceness (`ray start --system-config`, docs/CLUSTER.md)."""
     from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG
 
-    needed = resources_needed(config)
+    needed = resources_needed(config, learner=learner)
     started = not ray.is_initialized()
     if started and config.cluster.is_local:
         # address="local": a new Ray even where `ray start` runs one on this machine, which a bare
@@ -52,7 +52,7 @@ def start_ray(config: RunConfig) -> bool:
         except ConnectionError as error:
             raise ConfigError(f"cluster.address {config.cluster.address!r}: no Ray cluster answered ({error})") from None
     problems = shortfalls(needed, ray.cluster_resources()) + unlabelled(
-        config, [n.get("Labels", {}) for n in ray.nodes() if n.get("Alive")]
+        config, [n.get("Labels", {}) for n in ray.nodes() if n.get("Alive")], learner=learner
     )
     if problems:
         if started:
@@ -74,16 +74,19 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
-def resources_needed(config: RunConfig) -> dict[str, float]:
-    """The Ray resources of every actor the run starts, summed: CPU, GPU and each custom resource."""
-    rollout, learner, distill, cluster = config.rollout, config.learner, config.distill, config.cluster
+def resources_needed(config: RunConfig, *, learner: bool = True) -> dict[str, float]:
+    """The Ray resources of every actor the run starts, summed: CPU, GPU and each custom resource
+    (`learner` False: the engines' alone)."""
+    rollout, training, distill, cluster = config.rollout, config.learner, config.distill, config.cluster
     needed: defaultdict[str, float] = defaultdict(float)
     teachers = sum(1 for spec in distill.teachers.values() if spec.checkpoint)
-    for count, cpus, gpus, custom in (
-        (rollout.num_workers, rollout.cpus_per_worker, _gpus(rollout.gpus_per_worker, rollout.device), cluster.engine_resources),
-        (learner.num_ranks, learner.num_cpus, _gpus(learner.gpus_per_rank, learner.device), cluster.learner_resources),
-        (teachers, distill.cpus_per_teacher, distill.gpus_per_teacher, cluster.teacher_resources),
-    ):
+    actors = [(rollout.num_workers, rollout.cpus_per_worker, _gpus(rollout.gpus_per_worker, rollout.device), cluster.engine_resources)]
+    if learner:
+        actors += [
+            (training.num_ranks, training.num_cpus, _gpus(training.gpus_per_rank, training.device), cluster.learner_resources),
+            (teachers, distill.cpus_per_teacher, distill.gpus_per_teacher, cluster.teacher_resources),
+        ]
+    for count, cpus, gpus, custom in actors:
         needed["CPU"] += count * cpus
         needed["GPU"] += count * gpus
         for name, amount in custom.items():
@@ -107,13 +110,15 @@ def shortfalls(needed: dict[str, float], cluster: dict[str, float]) -> list[str]
     return problems
 
 
-def unlabelled(config: RunConfig, nodes: list[dict[str, str]]) -> list[str]:
+def unlabelled(config: RunConfig, nodes: list[dict[str, str]], *, learner: bool = True) -> list[str]:
     """The label selectors of the cluster section that no node (`nodes`: each node's labels) matches, one
-    sentence each. Only plain `key: value` selectors are checked; Ray's operators (`!v`, `in(a,b)`) are left
-    to Ray, which then waits for a matching node (the engines' placement times out with a message)."""
+    sentence each (`learner` False: the engines' alone). Only plain `key: value` selectors are checked;
+    Ray's operators (`!v`, `in(a,b)`) are left to Ray, which then waits for a matching node (the engines'
+    placement times out with a message)."""
     problems = []
     teachers = any(spec.checkpoint for spec in config.distill.teachers.values())
-    for key in ("engine_labels", "learner_labels", "teacher_labels") if teachers else ("engine_labels", "learner_labels"):
+    keys = ["engine_labels"] + (["learner_labels"] if learner else []) + (["teacher_labels"] if learner and teachers else [])
+    for key in keys:
         wanted = getattr(config.cluster, key)
         plain = wanted and not any(any(c in value for c in "!()") for value in wanted.values())
         if plain and not any(all(labels.get(k) == v for k, v in wanted.items()) for labels in nodes):

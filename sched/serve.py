@@ -19,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from asyncrl.configs import ConfigError
 from asyncrl.configs.schema import RunConfig
 
 SECRET_FILE = "gateway.secret"
@@ -68,12 +69,21 @@ def _engines(config: RunConfig, model, mtp=None) -> list:
     if config.gateway.engines == "ray":
         import ray
 
-        from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG, create_workers
+        from asyncrl.rollout.worker import WorkerLauncher
 
-        ray.init(address="local", ignore_reinit_error=True, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
-        workers = create_workers(model, rollout, name_prefix=f"{config.name}-rollout", mtp=mtp)
+        from .cluster import start_ray
+
+        start_ray(config, learner=False)  # a Ray of its own, or cluster.address's
+        launcher = WorkerLauncher(model, rollout, mtp, placement=config.cluster)
+        names = [f"{config.name}-rollout-{i}" for i in range(rollout.num_workers)]
+        workers = [launcher.start(name, slot) for slot, name in enumerate(names)]
         ray.get([worker.version.remote() for worker in workers])  # built, before the gateway's heartbeats watch them
-        return [RayEngine(worker, f"{config.name}-rollout-{i}") for i, worker in enumerate(workers)]
+        return [RayEngine(worker, name) for worker, name in zip(workers, names, strict=True)]
+    if not config.cluster.is_local:
+        raise ConfigError(
+            f"cluster.address {config.cluster.address!r}: the engines run on the cluster only with gateway.engines=ray "
+            "(asyncrl serve --address sets it)"
+        )
     from asyncrl.rollout import EmbeddedEngine
 
     return [LocalEngine(EmbeddedEngine(model, rollout.embedded(), engine_id=f"engine-{i}", mtp=mtp)) for i in range(rollout.num_workers)]

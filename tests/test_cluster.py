@@ -42,6 +42,7 @@ def test_what_the_actors_ask_for_is_summed_and_each_shortfall_named():
     )  # fmt: skip
     needed = resources_needed(config)
     assert needed == {"CPU": 14.0, "GPU": 2.0, "rollout": 3.0, "trainer": 1.0}
+    assert resources_needed(config, learner=False) == {"CPU": 6.0, "GPU": 0.0, "rollout": 3.0}  # what `asyncrl serve` starts
     problems = shortfalls(needed, {"CPU": 16.0, "GPU": 1.0, "rollout": 3.0})
     assert problems == [
         "the run's actors need 2 GPUs (rollout.num_workers x rollout.gpus_per_worker + learner.num_ranks x learner.gpus_per_rank, "
@@ -80,5 +81,19 @@ def test_label_selectors_no_node_matches_are_named():
                                         "cluster.teacher_labels.role=judge"])  # fmt: skip
     nodes = [{"role": "rollout", "zone": "a"}, {"zone": "b"}]
     assert unlabelled(config, nodes) == ["cluster.learner_labels: no node of the Ray cluster has the labels {'role': 'trainer'}"]
+    assert unlabelled(config, nodes, learner=False) == []  # the engines' alone
     operators = load_config("quickstart", [*CLUSTER, "cluster.learner_labels.role='!rollout'"])  # quoted: YAML reads ! as a tag
     assert unlabelled(operators, nodes) == []  # left to Ray
+
+
+def test_serve_takes_the_cluster_address_as_a_flag_and_puts_its_engines_there(capsys):
+    from asyncrl.cli import EXIT_CONFIG_ERROR, main
+    from asyncrl.sched.serve import build_service
+
+    assert main(["serve", "quickstart", "store.type=redis", "--address", "ray://head:10001", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "address: ray://head:10001" in out and "engines: ray" in out
+    assert main(["serve", "quickstart", "store.type=redis", "--address", "127.0.0.1:1"]) == EXIT_CONFIG_ERROR
+    assert "cluster.address '127.0.0.1:1': nothing answers there" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"the engines run on the cluster only with gateway.engines=ray"):
+        build_service(load_config("quickstart", [*CLUSTER, "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1"]))

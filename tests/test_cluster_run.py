@@ -177,3 +177,47 @@ def test_a_local_run_beside_a_running_cluster_starts_a_ray_of_its_own(cluster):
         assert not any(node.get("Labels", {}).get("role") for node in ray.nodes())  # none of the cluster's nodes
     finally:
         ray.shutdown()
+
+
+def test_serve_with_an_address_starts_its_engines_on_the_cluster(tmp_path, cluster):
+    """`asyncrl serve --address` as a user runs it (a subprocess): its engines on the two engine nodes, an
+    agent's call answered through them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    import openai
+
+    ray_cluster, nodes = cluster
+    command = [
+        sys.executable, "-m", "asyncrl", "serve", "quickstart", f"runs_dir={tmp_path}", "name=served",
+        "store.type=redis", f"store.namespace=serve-{uuid.uuid4().hex}", "gateway.auth=false", "rollout.num_workers=2",
+        "cluster.engine_resources.rollout=1", "rollout.cpus_per_worker=0.5", "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1",
+        "policy.tiny.num_heads=2", "policy.tiny.intermediate_size=32", "rollout.sampling.max_tokens=4", "--address", ray_cluster.address,
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        said = []
+        for line in process.stdout:
+            said.append(line)
+            if "Ctrl-C" in line:
+                break
+        url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(said))
+        assert url, "".join(said)
+        opened = httpx.post(url[1] + "/rollouts", json={"task": "demo"}).json()
+        agent = openai.OpenAI(base_url=url[1] + "/v1", api_key=opened["api_key"], max_retries=0)
+        reply = agent.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        deadline = time.monotonic() + WAIT_S  # a safety valve: the loop ends once both heartbeats named their node
+        while time.monotonic() < deadline:
+            engines = httpx.get(url[1] + "/health").json()["engines"]
+            placed = {engine["health"].get("node_id") for engine in engines}
+            if len(engines) == 2 and None not in placed:
+                break
+            time.sleep(0.2)
+        assert placed == {nodes["a"].node_id, nodes["b"].node_id}  # spread: one engine on each engine node
+    finally:
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(60)
