@@ -274,3 +274,17 @@ class Replier:
 
     async def health(self) -> dict:
         return {}
+
+
+def serve_banner(process) -> tuple[str, str]:
+    """(base URL, banner) of an `asyncrl serve` subprocess (stdout a text pipe), read up to its Ctrl-C line."""
+    import re
+
+    banner = []
+    for line in process.stdout:
+        banner.append(line)
+        if "Ctrl-C" in line:
+            break
+    url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(banner))
+    assert url, "".join(banner)
+    return url[1], "".join(banner)

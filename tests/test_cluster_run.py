@@ -189,6 +189,7 @@ def test_serve_with_an_address_starts_its_engines_on_the_cluster(tmp_path, clust
 
     import httpx
     import openai
+    from gateway_helpers import serve_banner
 
     ray_cluster, nodes = cluster
     command = [
@@ -199,20 +200,14 @@ def test_serve_with_an_address_starts_its_engines_on_the_cluster(tmp_path, clust
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        said = []
-        for line in process.stdout:
-            said.append(line)
-            if "Ctrl-C" in line:
-                break
-        url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(said))
-        assert url, "".join(said)
-        opened = httpx.post(url[1] + "/rollouts", json={"task": "demo"}).json()
-        agent = openai.OpenAI(base_url=url[1] + "/v1", api_key=opened["api_key"], max_retries=0)
+        url, _ = serve_banner(process)
+        opened = httpx.post(url + "/rollouts", json={"task": "demo"}).json()
+        agent = openai.OpenAI(base_url=url + "/v1", api_key=opened["api_key"], max_retries=0)
         reply = agent.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].finish_reason in ("stop", "length")
         deadline = time.monotonic() + WAIT_S  # a safety valve: the loop ends once both heartbeats named their node
         while time.monotonic() < deadline:
-            engines = httpx.get(url[1] + "/health").json()["engines"]
+            engines = httpx.get(url + "/health").json()["engines"]
             placed = {engine["health"].get("node_id") for engine in engines}
             if len(engines) == 2 and None not in placed:
                 break

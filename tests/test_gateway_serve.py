@@ -11,7 +11,7 @@ import sys
 import httpx
 import openai
 import pytest
-from gateway_helpers import TOOLS
+from gateway_helpers import TOOLS, serve_banner
 
 from asyncrl.cli import main
 from asyncrl.gateway.inspect import show_trajectory
@@ -32,15 +32,7 @@ def test_serve_records_what_an_agent_does_and_trajectories_shows_it(tmp_path, ca
     command = [sys.executable, "-m", "asyncrl.cli", "serve", "quickstart", f"runs_dir={tmp_path}", "name=demo", *TINY]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        banner = []
-        for line in process.stdout:
-            banner.append(line)
-            if "Ctrl-C" in line:
-                break
-        url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(banner))
-        assert url, "".join(banner)
-        url = url[1]
-        banner = "".join(banner)
+        url, banner = serve_banner(process)
         assert f"authorization: Bearer $(asyncrl token {tmp_path / 'demo'})" in banner
         assert main(["token", str(tmp_path / "demo")]) == 0
         run_token = capsys.readouterr().out.strip()
