@@ -172,11 +172,38 @@ def checkpoint_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 def checked_weights(state_dict: dict, shapes: dict[str, tuple[int, ...]], *, tied: bool, version: int) -> list[tuple[str, torch.Tensor]]:
     """A pushed transformers state dict as the (name, CPU tensor) pairs vLLM reloads, or a ValueError
     naming what does not match the checkpoint's `shapes` (`version`: the one the engine keeps then).
-    Keys `mtp.*` are left out (the drafter keeps its weights); so is a tied `lm_head.weight`."""
+    Keys `mtp.*` are left out (`checked_drafter_weights` takes them); so is a tied `lm_head.weight`."""
     policy = {k: v for k, v in state_dict.items() if not k.startswith("mtp.")}
     if tied:
         policy.pop("lm_head.weight", None)
-    named = checkpoint_names(policy)
+    return _checked(checkpoint_names(policy), shapes, version)
+
+
+def checked_drafter_weights(
+    state_dict: dict, shapes: dict[str, tuple[int, ...]], *, layer: int, version: int
+) -> list[tuple[str, torch.Tensor]]:
+    """The pushed MTP layer (keys `mtp.*`, MTPLayer names) as the (name, CPU tensor) pairs vLLM's MTP
+    drafter reloads: under the names `save_policy` writes it to disk (`model.layers.{layer}.*`, the
+    block's parameters directly under the layer, experts one by one), with the policy's embedding and LM
+    head as the layer's own copies. Checked against the drafter's `shapes` on disk like the policy's;
+    [] when the push holds no MTP layer (the drafter keeps its weights)."""
+    mtp = {k.removeprefix("mtp."): v for k, v in state_dict.items() if k.startswith("mtp.")}
+    if not mtp:
+        return []
+    prefix = f"model.layers.{layer}."
+    named = checkpoint_names({prefix + name.removeprefix("block."): tensor for name, tensor in mtp.items()})
+    copies = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+    for own, policy in copies.items():
+        # A tied policy pushes no lm_head: its head is the embedding.
+        source = state_dict.get(policy, state_dict.get("model.embed_tokens.weight"))
+        if prefix + own in shapes and source is not None:
+            named[prefix + own] = source
+    return _checked(named, shapes, version, what="MTP drafter weight update")
+
+
+def _checked(
+    named: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], version: int, what: str = "weight update"
+) -> list[tuple[str, torch.Tensor]]:
     unknown = sorted(set(named) - set(shapes))
     missing = sorted(set(shapes) - set(named))
     wrong = sorted(n for n in set(named) & set(shapes) if tuple(named[n].shape) != shapes[n])
@@ -188,21 +215,34 @@ def checked_weights(state_dict: dict, shapes: dict[str, tuple[int, ...]], *, tie
     if wrong:
         problems.append("wrong shapes " + ", ".join(f"{n} {tuple(named[n].shape)} != {shapes[n]}" for n in wrong[:5]))
     if problems:
-        raise ValueError(f"weight update refused ({'; '.join(problems)}); the engine keeps version {version}")
+        raise ValueError(f"{what} refused ({'; '.join(problems)}); the engine keeps version {version}")
     return [(name, t.detach().cpu() if t.device.type != "cpu" else t.detach()) for name, t in named.items()]
 
 
-def read_checkpoint_shapes(directory: Path, num_layers: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every policy tensor on disk (the MTP layer, index >= num_layers, excluded)."""
+def read_checkpoint_shapes(directory: Path, num_layers: int, *, drafter: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every policy tensor on disk (the MTP layer, index >= num_layers, excluded); with
+    `drafter`, of the MTP layer's alone."""
     from safetensors import safe_open
 
     shapes = {}
-    mtp_layer = re.compile(r"^model\.layers\.(\d+)\.")
+    layer = re.compile(r"^model\.layers\.(\d+)\.")
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle has keys() but is not iterable)
-                match = mtp_layer.match(name)
-                if match and int(match[1]) >= num_layers:
-                    continue
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
+                match = layer.match(name)
+                if bool(match and int(match[1]) >= num_layers) == drafter:
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
+
+
+def reload_drafter(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Run by vLLM's `collective_rpc` on each worker: the MTP drafter's weights reloaded in place, the
+    way the model runner's `reload_weights` reloads the target's (checkpoint names through the drafter
+    model's own loader, then its post-load processing again)."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    runner = worker.model_runner
+    drafter = getattr(getattr(runner, "drafter", None), "model", None)
+    if drafter is None:
+        raise RuntimeError(f"{type(runner).__name__} has no drafter model to load MTP weights into")
+    reload_weights(runner.vllm_config, drafter, weights_iterator=weights, weights_path=None, is_checkpoint_format=True)

