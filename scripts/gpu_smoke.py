@@ -4,7 +4,8 @@
    on the CPU (a native family and a generic one), then decode throughput of a generated Llama-shaped
    model, native forward against the generic path, same requests.
 2. The learner on the device: one step against the same step on the CPU (loss, weights), then
-   samples/s and peak device memory on synthetic GRPO batches, with and without gradient checkpointing.
+   samples/s and peak device memory on synthetic GRPO batches, with and without gradient checkpointing,
+   and its push (the weights copied out for the engines) against the copy bandwidth.
 3. Where Ray is installed: `asyncrl run quickstart` with the learner and the engine on the device for
    `--run-seconds`, its held-out accuracy before and after and its samples/s.
 
@@ -126,7 +127,38 @@ def learner_checks(device: str, results: dict, size: int, scale: dict) -> None:
         say(results, f"learner_{tag}_samples_per_s", round(sum(len(b) for b in batches[1:]) / wall, 1))
         if device == "cuda":
             say(results, f"learner_{tag}_peak_memory_gib", round(torch.cuda.max_memory_allocated() / 2**30, 2))
+        if not checkpointing:
+            push_check(trainer, device, results)
         del trainer
+
+
+def push_check(trainer, device: str, results: dict) -> None:
+    """The learner's push (`state_dict_for_push`: every tensor copied to the CPU) against its limit, the
+    bytes over the measured copy bandwidth (device to host on a GPU, main memory on a CPU)."""
+    from asyncrl.bench.learner import copy_bandwidth
+
+    times = []
+    for _ in range(3):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        weights = trainer.state_dict_for_push()
+        times.append(time.perf_counter() - start)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    if device == "cuda":
+        probe, best = torch.ones(nbytes // 4 + 1, device="cuda"), float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            probe.to("cpu")
+            best = min(best, time.perf_counter() - start)
+        bandwidth = probe.numel() * 4 / best
+    else:
+        bandwidth = copy_bandwidth(nbytes)
+    push_s = sorted(times)[1]
+    say(results, "learner_push_mb", round(nbytes / 1e6, 1))
+    say(results, "learner_push_s", round(push_s, 4))
+    say(results, "learner_push_over_copy_limit", round(push_s / (nbytes / bandwidth), 2))
 
 
 def run_check(device: str, results: dict, out: Path, seconds: float) -> None:
