@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import secrets
@@ -40,6 +39,8 @@ from asyncrl.records import GenerationResult, SamplingParams, TokenDelta, Turn
 
 from . import api
 from .auth import Credentials
+from .background import BackgroundTasks
+from .engine_calls import EngineCalls
 from .errors import GatewayError, bad_request
 from .offload import CpuWorkers
 from .parsers import ParserNotFound, parse_reply, reasoning_parser, tool_call_parser
@@ -93,10 +94,11 @@ class GatewayService:
         # call, which took 0.2 ms a call on a busy machine.
         ids = random.Random(secrets.randbits(128))
         self._call_id = lambda: f"call_{ids.getrandbits(96):024x}"
-        self.in_flight = 0
+        self.calls = EngineCalls(pool, config)
+        """Every call to the engines (whole, streamed, scoring), and how many are in flight."""
         self._cpu = CpuWorkers()
         """Where big prompts are rendered and tokenized; a stop signal does not wait for them."""
-        self._background: set[asyncio.Task] = set()
+        self.background = BackgroundTasks()
         """Turns of streams being recorded, which the client leaving must not cancel."""
 
     @property
@@ -246,7 +248,7 @@ class GatewayService:
         rollout = await self.rollouts.for_key(key)
         sampling = self.sampling_policy.params(request, request.max_tokens)
         with rollout.budgeted(sampling.max_tokens) as reservation:
-            result, timings = await self._generate(rollout, request.prompt_token_ids, sampling)
+            result, timings = await self.calls.generate(rollout, request.prompt_token_ids, sampling)
             reservation.spend(len(result.token_ids))
         index = await self._record(rollout, request.prompt_token_ids, result, sampling, 0, timings, started)
         return api.TokenGenerateResponse(
@@ -256,18 +258,13 @@ class GatewayService:
 
     async def score_tokens(self, request: api.TokenScoreRequest) -> api.TokenScoreResponse:
         """Prefill-only log-probs from the least loaded engine; no rollout, nothing recorded."""
-        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
-        self.in_flight += 1
-        try:
-            result, _ = await self.pool.score(request.sequences, request.temperature, deadline=deadline)
-        finally:
-            self.in_flight -= 1
+        result = await self.calls.score(request.sequences, request.temperature)
         return api.TokenScoreResponse(logprobs=result.logprobs, engine_id=result.engine_id, version=result.version)
 
     async def generate(self, turn: ChatTurn | TextTurn) -> tuple[GenerationResult, dict]:
         """Sample a turn's completion whole (result, timings); a failure drops the turn."""
         try:
-            return await self._generate(turn.rollout, turn.prompt_token_ids, turn.sampling)
+            return await self.calls.generate(turn.rollout, turn.prompt_token_ids, turn.sampling)
         except BaseException:
             self.drop(turn)
             raise
@@ -278,27 +275,14 @@ class GatewayService:
         drops the turn. A caller that leaves before the result (`aclose`, or its task cancelled: the client
         disconnected) aborts the engine request, and the turn is recorded truncated: the tokens sampled so
         far, finish reason "abort" (`_keep_truncated`, on a task of its own, since the caller's is ending)."""
-        rollout, sampling = turn.rollout, turn.sampling
-        if len(turn.prompt_token_ids) > self.config.max_prompt_tokens:
-            self.drop(turn)
-            tokens, cap = len(turn.prompt_token_ids), self.config.max_prompt_tokens
-            raise bad_request(f"prompt is {tokens} tokens; gateway.max_prompt_tokens is {cap}")
-        if rollout.evaluation is not None:
-            sampling = dataclasses.replace(sampling, temperature=0.0)
-        loop = asyncio.get_running_loop()
         began = time.perf_counter()
         sampled = TokenDelta([], [], [])
         finished = False
-        self.in_flight += 1
         try:
-            engine = self.pool.stream(
-                rollout.id, turn.prompt_token_ids, sampling, deadline=loop.time() + self.config.request_timeout_s, abandon=rollout.abandon
-            )
-            async with contextlib.aclosing(engine):
+            async with contextlib.aclosing(self.calls.stream(turn.rollout, turn.prompt_token_ids, turn.sampling)) as engine:
                 async for item in engine:
                     if isinstance(item, GenerationResult):
                         finished = True
-                        item.timings = {**item.timings, "engine_call_s": time.perf_counter() - began}
                     else:
                         sampled.token_ids += item.token_ids
                         sampled.logprobs += item.logprobs
@@ -312,8 +296,6 @@ class GatewayService:
         except BaseException:
             self.drop(turn)
             raise
-        finally:
-            self.in_flight -= 1
 
     def _keep_truncated(self, turn: ChatTurn | TextTurn, sampled: TokenDelta, engine_s: float) -> None:
         """Record what a stream sampled before its caller left, on its own task; its errors are logged."""
@@ -336,35 +318,7 @@ class GatewayService:
             except Exception as error:  # the rollout ended meanwhile, the store failed: nobody is left to tell
                 log.warning("rollout %s: the truncated turn of a stream its client left was not recorded: %s", turn.rollout.id, error)
 
-        self.background(keep())
-
-    def background(self, coroutine) -> asyncio.Task:
-        """Run `coroutine` on a task of its own, which outlives the request that started it (`settle` waits for it)."""
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(_forget(self._background))
-        return task
-
-    async def settle(self) -> None:
-        """Wait for the turns still being recorded on background tasks (streams whose clients left)."""
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-
-    async def _generate(self, rollout: Rollout, prompt: list[int], sampling: SamplingParams) -> tuple[GenerationResult, dict]:
-        if len(prompt) > self.config.max_prompt_tokens:
-            raise bad_request(f"prompt is {len(prompt)} tokens; gateway.max_prompt_tokens is {self.config.max_prompt_tokens}")
-        if rollout.evaluation is not None:
-            sampling = dataclasses.replace(sampling, temperature=0.0)  # held-out evaluation decodes greedily
-        loop = asyncio.get_running_loop()
-        began = time.perf_counter()
-        self.in_flight += 1
-        try:
-            result, retries = await self.pool.generate(
-                rollout.id, prompt, sampling, deadline=loop.time() + self.config.request_timeout_s, abandon=rollout.abandon
-            )
-        finally:
-            self.in_flight -= 1
-        return result, {**result.timings, "engine_call_s": time.perf_counter() - began, "retries": float(retries)}
+        self.background.start(keep())
 
     async def _record(
         self, rollout: Rollout, prompt, result: GenerationResult, sampling: SamplingParams, branch: int, timings: dict, started: float
@@ -399,14 +353,5 @@ class GatewayService:
             "status": "ok" if engines else "no_engines",
             "engines": engines,
             "rollouts_running": len(self.rollouts.live),
-            "requests_in_flight": self.in_flight,
+            "requests_in_flight": self.calls.in_flight,
         }
-
-
-def _forget(tasks: set[asyncio.Task]):
-    def done(task: asyncio.Task) -> None:
-        tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: whoever awaited it has it, or nobody is left to tell
-
-    return done

@@ -153,7 +153,7 @@ def record_of(turn: ChatTurn | TextTurn, index: int, branch: int, result: Genera
 
 async def ended(service: GatewayService, coroutine) -> Any:
     """Finish recording a turn even if the client leaves meanwhile (the stream's task is then cancelled)."""
-    return await asyncio.shield(service.background(coroutine))
+    return await asyncio.shield(service.background.start(coroutine))
 
 
 def token_logprobs(service: GatewayService, delta: TokenDelta) -> dict:

@@ -543,7 +543,7 @@ def _wait_until(condition, what: str) -> None:
 
 def _idle(gateway) -> bool:
     """No request running in the gateway: none in uvicorn's task set, none at the engines."""
-    return not gateway.server.server_state.tasks and gateway.service.in_flight == 0
+    return not gateway.server.server_state.tasks and gateway.service.calls.in_flight == 0
 
 
 @pytest.mark.parametrize("stage", ["headers", "body"])
@@ -611,7 +611,8 @@ def test_a_stream_whose_client_leaves_at_once_leaks_nothing(gateway, path) -> No
         sock.sendall(_request(path, key, STREAMS[path]))
         assert sock.recv(12).startswith(b"HTTP/1.1 200")
     in_flight = lambda: gateway.http.get(f"/rollouts/{rollout_id}", headers=_auth(gateway, "/rollouts")).json()["in_flight"]  # noqa: E731
-    _wait_until(lambda: _idle(gateway) and not gateway.service._background and in_flight() == 0, "nothing running after the client left")
+    recording = gateway.service.background.running
+    _wait_until(lambda: _idle(gateway) and not recording and in_flight() == 0, "nothing running after the client left")
     assert [t.finish_reason for t in gateway.service.store.get(rollout_id).turns] in (["abort"], ["length"], ["stop"])
     response = gateway.http.post("/v1/chat/completions", json=_chat(), headers={"Authorization": f"Bearer {key}"})
     assert response.status_code == 200, response.text
