@@ -9,8 +9,8 @@
 #   bash scripts/gpu_smoke.sh --fetch-wheels  here, before a run on a machine without the network whose
 #                                             python has torch (the lent device machine): downloads what
 #                                             asyncrl needs and it lacks into .whl/ (git-ignored)
-#   bash scripts/gpu_smoke.sh --offline       there, with .whl/ carried: installs from it, then runs; with
-#                                             .whl-run/ there too, also the `asyncrl run` checks
+#   bash scripts/gpu_smoke.sh --offline       there, with .whl/ carried: installs from it, then runs; after
+#                                             --stage-run-wheels (below), the `asyncrl run` checks too
 #
 # The lent machine takes 64 MiB of carried files a call, so the Ray run's wheels (.whl-run/, Ray without
 # its Java jars and libraries asyncrl does not use) go in a call of their own just before, while the
@@ -45,9 +45,13 @@ case "${1:-}" in
         local folder=$1 pinned=() name
         shift
         for name in "$@"; do pinned+=("$name==$("$PY" -c "import importlib.metadata as m; print(m.version('$name'))")"); done
-        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        if ! log=$(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-            --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 -d "$folder" "${pinned[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+            --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 -d "$folder" "${pinned[@]}" 2>&1); then
+            grep -v "^WARNING: Location" <<<"$log" >&2
+            echo "[gpu-smoke] could not download the wheels for $folder/" >&2
+            exit 1
+        fi
     }
     download .whl "${WHEELS[@]}"
     download .whl-run "${RUN_WHEELS[@]}"
