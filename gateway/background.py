@@ -11,16 +11,11 @@ class BackgroundTasks:
         self.running: set[asyncio.Task] = set()
 
     def start(self, coroutine) -> asyncio.Task:
-        """Run `coroutine` on a task of its own, kept here until it ends (`settle` waits for them)."""
+        """Run `coroutine` on a task of its own, kept here until it ends."""
         task = asyncio.get_running_loop().create_task(coroutine)
         self.running.add(task)
         task.add_done_callback(self._forget)
         return task
-
-    async def settle(self) -> None:
-        """Wait for every task still running (turns of streams whose clients left)."""
-        while self.running:
-            await asyncio.gather(*self.running, return_exceptions=True)
 
     def _forget(self, task: asyncio.Task) -> None:
         self.running.discard(task)
