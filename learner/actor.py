@@ -33,6 +33,7 @@ from ray.actor import ActorClass
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.records import Sample
+from asyncrl.weight_transfer import Layout, WeightGroup, device_identity, host_store
 
 from .consistency import LogprobGapWarning
 from .distributed import free_address, join_group
@@ -53,6 +54,8 @@ class LearnerActor:
         world = config.learner.num_ranks
         self.rank = rank
         self.peers: list = []
+        self._next_group: tuple = (None, None, 0, -1)
+        self._weight_group: WeightGroup | None = None
         if world > 1:
             if rank == 0:
                 address = free_address()
@@ -104,6 +107,43 @@ class LearnerActor:
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.learner.state_dict_for_push()
+
+    def versioned_state(self) -> tuple[dict[str, torch.Tensor], int]:
+        """`state` and the version it is (call with `num_returns=2`: the weights stay an ObjectRef)."""
+        return self.learner.state_dict_for_push(), self.learner.version
+
+    # --- the broadcast push (`asyncrl/weight_transfer.py`): rank 0 of a group with the engines ----------
+
+    def device_identity(self) -> dict:
+        return device_identity(self.learner.device)
+
+    def weight_layout(self) -> Layout:
+        return Layout.plan(self.learner.push_tensors().items())
+
+    def open_weight_group(self, world: int, generation: int) -> tuple[str, int]:
+        """Serve the rendezvous of the next weight group; its address, for the engines."""
+        store, address = host_store(world)
+        self._next_group = store, address, world, generation
+        self._weight_group = None  # the old group's engines are gone or joining the new one
+        return address
+
+    def send_weights(self, generation: int, backend: str) -> int:
+        """Broadcast the weights to the engines of group `generation` (they call `receive_weights` meanwhile);
+        the version sent."""
+        if self._weight_group is None or self._weight_group.generation != generation:
+            store, address, world, opened = self._next_group
+            if opened != generation:
+                raise RuntimeError(f"weight group {generation} was never opened (the last opened is {opened})")
+            self._weight_group = WeightGroup(address, 0, world, backend, generation, store=store)
+        tensors = self.learner.push_tensors()
+        try:
+            self._weight_group.send(Layout.plan(tensors.items()), tensors)
+        except BaseException:
+            # A rank died mid-broadcast: closing the group fails the others' receives now, not at its timeout.
+            self._weight_group.close()
+            self._weight_group = None
+            raise
+        return self.learner.version
 
     def save(self, directory: str) -> str:
         return str(self.learner.save(directory))  # every rank holds the same state: rank 0 writes it

@@ -3,7 +3,8 @@
 On CPU the weights travel through the Ray object store: one `ray.put` (or the ObjectRef a
 `LearnerActor.state` call already returned), then every worker reads that one copy. Workers keep
 serving while they load; the call returns once every engine has switched, so the next token any of
-them samples carries `version`. (On GPU the vLLM / NCCL path will replace the object store.)
+them samples carries `version`. (`rollout.weight_transport=broadcast` sends them from the learner's
+device instead: `asyncrl/weight_transfer.py`, `sched/weight_push.py`.)
 """
 
 from __future__ import annotations

@@ -357,9 +357,14 @@ class RLLearner:
         """The policy's weights, plus its MTP layer under "mtp.*" when it trains one (so drafting
         engines keep drafting for the policy they serve), as CPU copies the engines can load while
         training goes on."""
-        weights = {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.push_tensors().items()}
+
+    def push_tensors(self) -> dict[str, torch.Tensor]:
+        """What `state_dict_for_push` copies, as the live tensors on the learner's device (no copy): for a
+        push that sends them while the learner waits (`asyncrl/weight_transfer.py`)."""
+        weights = dict(self.model.state_dict())
         if (trained_mtp := self._trained_mtp) is not None:
-            weights.update({f"mtp.{name}": t.detach().to("cpu", copy=True) for name, t in trained_mtp.state_dict().items()})
+            weights.update({f"mtp.{name}": t for name, t in trained_mtp.state_dict().items()})
         return weights
 
     def reset_optimizer(self) -> None:

@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 import ray
+import torch
 from pydantic import TypeAdapter
 from ray.actor import ActorClass
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -32,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from asyncrl.configs import ConfigError
 from asyncrl.configs.schema import ClusterConfig, RolloutConfig
 from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
+from asyncrl.weight_transfer import Layout, WeightGroup, device_identity
 
 from .engine import EmbeddedEngine
 
@@ -55,6 +57,7 @@ class RolloutWorker:
         else:
             self.engine = EmbeddedEngine.from_pretrained(model, config, engine_id=engine_id, version=version, mtp=mtp)
         self._outboxes: dict[str, _Outbox] = {}
+        self._weight_group: WeightGroup | None = None
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
@@ -92,6 +95,33 @@ class RolloutWorker:
     async def update_weights(self, state_dict: dict, version: int) -> int:
         # Waiting for the swap blocks; a thread keeps this actor's event loop serving generate calls.
         await asyncio.to_thread(self.engine.update_weights, state_dict, version)
+        return self.engine.version
+
+    async def device_identity(self) -> dict:
+        """The engine's device (`asyncrl/weight_transfer.py`): what decides how pushes reach it."""
+        return device_identity(torch.device(self.engine.health()["device"]))
+
+    async def receive_weights(
+        self, address: tuple[str, int], generation: int, rank: int, world: int, backend: str, layout: Layout, version: int
+    ) -> int:
+        """Take part in the learner's broadcast of `version` (`sched/weight_push.py`), joining group
+        `generation` first if this engine is not in it yet; the engine serves the weights once it returns."""
+
+        def receive() -> dict:
+            group = self._weight_group
+            if group is None or group.generation != generation:
+                self._weight_group = None  # the old group's resources go before the new one's
+                group = self._weight_group = WeightGroup(tuple(address), rank, world, backend, generation)  # type: ignore[arg-type]
+            try:
+                return group.receive(layout)
+            except BaseException:
+                group.close()
+                self._weight_group = None
+                raise
+
+        # Receiving and swapping block; threads keep this actor's event loop serving generate calls.
+        weights = await asyncio.to_thread(receive)
+        await asyncio.to_thread(self.engine.update_weights, weights, version)
         return self.engine.version
 
     async def health(self) -> dict:

@@ -27,6 +27,7 @@ from asyncrl.gateway.engines import EngineHandle, LocalEngine, RayEngine
 from asyncrl.records import Sample
 
 from .parts import LearnerDied, Routing, Weights
+from .weight_push import Broadcast, Broadcaster
 
 if TYPE_CHECKING:
     from asyncrl.gateway.pool import EnginePool
@@ -62,11 +63,15 @@ class RayLearner:
         """`start(checkpoint)` starts a LearnerActor (`learner/actor.py`) from a checkpoint directory or None."""
         self.start = start
         self.actor = start(checkpoint)
+        self.broadcast_backend: str | None = None
+        """Set when pushes broadcast (`sched/weight_push.py`): nccl or gloo."""
 
     async def train_step(self, samples: list[Sample]) -> dict:
         return await self._call(self.actor.train_step, samples)
 
     async def weights(self) -> Weights:
+        if self.broadcast_backend is not None:
+            return Broadcast(self.actor, self.broadcast_backend)
         return self.actor.state.remote()  # the ObjectRef: the workers fetch the weights, not the driver
 
     async def save(self, directory: str) -> None:
@@ -129,6 +134,7 @@ class RayWorkers:
         self._generation = itertools.count(1)
         self._lock = asyncio.Lock()
         self._pushed = asyncio.Event()
+        self.broadcaster = Broadcaster()
         self._routing: Routing | None = None
         self._watching: dict[str, asyncio.Task] = {}
         self._done: list[dict] = []
@@ -141,21 +147,32 @@ class RayWorkers:
 
     async def update_weights(self, weights: Weights, version: int) -> list[int]:
         async with self._lock:
-            members = list(self.members.values())
-            results = await asyncio.gather(*(_remote(actor.update_weights, weights, version) for actor in members), return_exceptions=True)
-            versions = []
-            for actor, result in zip(members, results, strict=True):
-                if isinstance(result, BaseException):
-                    if _died(result, actor):
-                        continue  # its watcher replaces it, and the replacement loads these weights
-                    raise result
-                versions.append(result)
+            versions = await self._push(weights, version, dict(self.members))
             if any(v != version for v in versions):
                 raise RuntimeError(f"pushed version {version} but workers report {versions}")
             self.latest = weights, version
             self._pushed.set()
             self._pushed = asyncio.Event()
             return versions
+
+    async def _push(self, weights: Weights, version: int, members: dict[str, Any]) -> list[int]:
+        """Each live member's version after the push (a member that died is left to its watcher, whose
+        replacement loads these weights); raises what any other failure raised."""
+        if isinstance(weights, Broadcast):
+            failure, results = await self.broadcaster.push(weights, members, version)
+        else:
+            loads = [_remote(actor.update_weights, weights, version) for actor in members.values()]
+            failure, results = None, await asyncio.gather(*loads, return_exceptions=True)
+        dead = {engine_id for (engine_id, actor), result in zip(members.items(), results, strict=True) if _died(result, actor)}
+        if isinstance(weights, Broadcast) and dead and (failure is None or not _died(failure, weights.learner)):
+            # One broadcast fails for every rank when one dies: again, in a group without the dead.
+            return await self._push(weights, version, {k: a for k, a in members.items() if k not in dead})
+        if failure is not None:
+            raise failure
+        for (engine_id, _), result in zip(members.items(), results, strict=True):
+            if isinstance(result, BaseException) and engine_id not in dead:
+                raise result
+        return [result for result in results if not isinstance(result, BaseException)]
 
     async def ready(self) -> None:
         """Wait until every worker's engine is built (a gateway heartbeating them sooner would drop them)."""
@@ -264,6 +281,8 @@ class RayWorkers:
             async with self._lock:
                 weights, version = self.latest or (None, None)
                 try:
+                    if isinstance(weights, Broadcast):  # the pushed weights live in the engines only
+                        weights, version = await weights.current()
                     if weights is not None:
                         await _remote(actor.update_weights, weights, version)
                 except ray.exceptions.RayActorError as error:

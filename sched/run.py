@@ -54,6 +54,7 @@ from .loop import Loop
 from .parts import Parts
 from .rundir import LoopState, RunDir
 from .tasks import TaskMix, distill_task_mix
+from .weight_push import broadcast_backend
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -140,6 +141,10 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
             actors += [handle.actor for handle in handles.values()]
             teachers = Teachers.from_config(config, handles)
         await workers.ready()
+        wanted = getattr(config.rollout, "weight_transport", "object_store")  # vLLM's loads through its own API
+        learner.broadcast_backend = await broadcast_backend(wanted, learner.actor, workers.actors)
+        if learner.broadcast_backend:
+            display.say(f"weight pushes: broadcast from the learner to the engines over {learner.broadcast_backend}")
         served = InProcessGateway(config, store, workers.engines, tokenizer)
         gateway = await stack.enter_async_context(served)
         metrics = rundir.metrics(config, resume=resumed)

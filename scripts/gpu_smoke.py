@@ -5,7 +5,8 @@
    model, native forward against the generic path, same requests.
 2. The learner on the device: one step against the same step on the CPU (loss, weights), then
    samples/s and peak device memory on synthetic GRPO batches, with and without gradient checkpointing,
-   and its push (the weights copied out for the engines) against the copy bandwidth.
+   and its push (the weights copied out for the engines) against the copy bandwidth, and the broadcast
+   push to an engine's process (NCCL), bit for bit and timed.
 3. Where Ray is installed: `asyncrl run quickstart` with the learner and the engine on the device for
    `--run-seconds`, its held-out accuracy before and after and its samples/s.
 
@@ -16,6 +17,7 @@ the CPU (how the script is tested on machines without a GPU; the figures then me
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 import time
@@ -129,6 +131,7 @@ def learner_checks(device: str, results: dict, size: int, scale: dict) -> None:
             say(results, f"learner_{tag}_peak_memory_gib", round(torch.cuda.max_memory_allocated() / 2**30, 2))
         if not checkpointing:
             push_check(trainer, device, results)
+            broadcast_check(trainer, device, results)
         del trainer
 
 
@@ -161,6 +164,83 @@ def push_check(trainer, device: str, results: dict) -> None:
     say(results, "learner_push_over_copy_limit", round(push_s / (nbytes / bandwidth), 2))
 
 
+def fingerprint(buffer: torch.Tensor) -> int:
+    """A bucket's bytes in one number that a changed or moved byte changes (a weighted sum, exact in int64)."""
+    weights = torch.arange(buffer.numel(), device=buffer.device) % 251 + 1
+    return int((buffer.long() * weights).sum())
+
+
+def broadcast_receiver(address, world: int, backend: str, layout, rounds: int, answers) -> None:
+    """The engine's side of `broadcast_check`, in a process of its own: receive `rounds` pushes, answer
+    each bucket's fingerprint."""
+    import os
+
+    from asyncrl.weight_transfer import WeightGroup
+
+    if backend == "nccl":
+        os.environ["NCCL_HOSTID"] = "asyncrl-smoke-engine"
+        torch.cuda.set_device(torch.cuda.device_count() - 1)
+    group = WeightGroup(address, 1, world, backend, generation=1)
+    for _ in range(rounds):
+        received = group.receive(layout)
+        answers.put([fingerprint(buffer) for buffer in _buckets(layout, received)])
+
+
+def _buckets(layout, tensors: dict) -> list[torch.Tensor]:
+    from asyncrl.weight_transfer import pack
+
+    device = next(iter(tensors.values())).device
+    return [pack(layout, bucket, tensors, device) for bucket in range(len(layout.bucket_sizes))]
+
+
+def broadcast_check(trainer, device: str, results: dict) -> None:
+    """The broadcast push (`rollout.weight_transport=broadcast`): the learner's weights to an engine's
+    process over NCCL (gloo on a CPU), bit for bit, and how long it takes. On one GPU both processes use
+    it, which NCCL allows only through its network transport (a host id of their own each): the check
+    then proves the code path, and its speed says little of two GPUs' NVLink."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    from asyncrl.weight_transfer import Layout, WeightGroup, host_store
+
+    backend, rounds = ("nccl" if device == "cuda" else "gloo"), 3
+    tensors = trainer.push_tensors()
+    layout = Layout.plan(tensors.items())
+    store, address = host_store(2)
+    context = mp.get_context("spawn")
+    answers = context.Queue()
+    receiver = context.Process(target=broadcast_receiver, args=(address, 2, backend, layout, rounds, answers))
+    receiver.start()
+    if backend == "nccl":
+        os.environ["NCCL_HOSTID"] = "asyncrl-smoke-learner"
+    times = []
+    try:
+        group = WeightGroup(address, 0, 2, backend, generation=1, store=store)
+        for _ in range(rounds):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            group.send(layout, tensors)
+            times.append(time.perf_counter() - start)
+        expected = [fingerprint(buffer) for buffer in _buckets(layout, tensors)]
+        same = all(answers.get(timeout=300) == expected for _ in range(rounds))
+        receiver.join(timeout=60)
+        group.close()
+    except Exception as error:  # recorded, and the checks after this one still run
+        say(results, "broadcast_error", repr(error))
+        return
+    finally:
+        if receiver.is_alive():
+            receiver.kill()
+    send_s = sorted(times)[1]
+    say(results, "broadcast_backend", backend)
+    say(results, "broadcast_buckets", len(layout.bucket_sizes))
+    say(results, "broadcast_bit_exact", same)
+    say(results, "broadcast_s", round(send_s, 4))
+    say(results, "broadcast_gb_per_s", round(layout.total_bytes / send_s / 1e9, 2))
+
+
 def run_check(device: str, results: dict, out: Path, seconds: float) -> None:
     if seconds <= 0:
         say(results, "asyncrl_run", "skipped: --run-seconds 0")
@@ -176,7 +256,9 @@ def run_check(device: str, results: dict, out: Path, seconds: float) -> None:
                  f"loop.wall_budget_s={seconds}", "sft.time_budget_s=120", "logging.wandb=disabled", "logging.progress=false"]  # fmt: skip
     if device == "cuda" and torch.cuda.device_count() < 2:  # the learner and the engine share the one GPU
         overrides += ["learner.gpus_per_rank=0.5", "rollout.gpus_per_worker=0.5"]
+    faulthandler.dump_traceback_later(seconds + 300)  # a run that never returns shows where it waits
     code = main(["run", "quickstart", *overrides])
+    faulthandler.cancel_dump_traceback_later()
     say(results, "asyncrl_run_exit", code)
     if code != 0:
         return
