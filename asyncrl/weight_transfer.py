@@ -13,8 +13,10 @@ The group is separate from the learner's data-parallel group (a `ProcessGroup` b
 `TCPStore`, not `init_process_group`), and every group has a generation: when the engines change (one
 died and was replaced), the driver opens the next one and the old one is dropped.
 
-NCCL refuses two ranks on one GPU, so a learner and an engine that share a GPU (fractional
-`gpus_per_rank` / `gpus_per_worker`) keep the object-store path (`resolve_transport`).
+NCCL refuses two ranks on one GPU. Where every engine shares the learner's GPU (fractional
+`gpus_per_rank` / `gpus_per_worker`), `cuda_ipc` hands the engines CUDA IPC handles to the learner's
+packed buckets instead (`share`, `open_shared`), one bucket at a time, and each engine copies it out.
+`resolve_transport` picks one for the devices at hand.
 """
 
 from __future__ import annotations
@@ -158,19 +160,45 @@ def device_identity(device: torch.device) -> dict:
     return {"type": "cuda", "uuid": str(torch.cuda.get_device_properties(device).uuid)}
 
 
+def share(buffer: torch.Tensor) -> tuple:
+    """A CUDA tensor as a handle that another process on the same GPU opens with `open_shared` (CUDA IPC);
+    the tensor must stay alive until that process copied it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    torch.cuda.current_stream(buffer.device).synchronize()  # its bytes are written before anyone reads them
+    return reduce_tensor(buffer)
+
+
+def open_shared(handle: tuple) -> torch.Tensor:
+    """The tensor behind `share`'s handle, mapped into this process (no copy)."""
+    rebuild, args = handle
+    return rebuild(*args)
+
+
 def resolve_transport(wanted: str, learner: dict, engines: list[dict]) -> tuple[str, str | None]:
-    """`rollout.weight_transport` for these devices (`device_identity`s): ("broadcast", backend) or
-    ("object_store", None). `auto` broadcasts over NCCL when the learner and every engine have GPUs of
-    their own; an explicit `broadcast` uses gloo unless all of them are on CUDA, and is refused where
-    NCCL cannot run (a GPU shared by two of them)."""
+    """`rollout.weight_transport` for these devices (`device_identity`s): ("broadcast", backend), ("cuda_ipc",
+    None) or ("object_store", None). `auto`: CUDA IPC when every engine shares the learner's GPU, an NCCL
+    broadcast when each has a GPU of its own, else the object store. An explicit `broadcast` uses gloo unless
+    all of them are on CUDA, and is refused where NCCL cannot run (a GPU shared by two of them); an explicit
+    `cuda_ipc` is refused unless every engine is on the learner's GPU."""
     on_cuda = learner["type"] == "cuda" and all(engine["type"] == "cuda" for engine in engines)
     uuids = [learner["uuid"], *(engine["uuid"] for engine in engines)]
     shared = on_cuda and len(set(uuids)) < len(uuids)
-    if wanted == "object_store" or (wanted == "auto" and (not on_cuda or shared)):
+    colocated = on_cuda and set(uuids) == {learner["uuid"]}
+    if wanted == "object_store":
+        return "object_store", None
+    if wanted == "cuda_ipc" or (wanted == "auto" and colocated):
+        if not colocated:
+            raise ValueError(
+                "rollout.weight_transport=cuda_ipc: every engine must be on the learner's GPU (fractional "
+                "learner.gpus_per_rank and rollout.gpus_per_worker); use broadcast or object_store otherwise"
+            )
+        return "cuda_ipc", None
+    if wanted == "auto" and (not on_cuda or shared):
         return "object_store", None
     if shared:
         raise ValueError(
             "rollout.weight_transport=broadcast: the learner and an engine (or two engines) share a GPU, where NCCL "
-            "cannot broadcast between them; give each its own GPU or use weight_transport=object_store"
+            "cannot broadcast between them; give each its own GPU, or use cuda_ipc (every engine on the learner's GPU)"
         )
     return "broadcast", "nccl" if on_cuda else "gloo"

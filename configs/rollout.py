@@ -77,11 +77,12 @@ class EmbeddedRolloutConfig(RolloutBase):
     record_routes: bool = False
     """Record the experts the MoE router chose for every sampled token (MoE policies), so the learner can
     route its forward the same way (learner.routing_replay)."""
-    weight_transport: Literal["auto", "object_store", "broadcast"] = "auto"
+    weight_transport: Literal["auto", "object_store", "broadcast", "cuda_ipc"] = "auto"
     """How pushes reach Ray engines: "object_store" (host copies through Ray's object store), "broadcast" (a
     torch.distributed group of the learner and the engines, NCCL on GPUs, gloo on CPU, bucketed, no host
-    copy on GPUs; the learner waits while it sends), or "auto": broadcast when the learner and every engine
-    have a GPU of their own, else the object store."""
+    copy on GPUs), "cuda_ipc" (every engine on the learner's GPU copies the learner's buckets through CUDA
+    IPC handles), or "auto": cuda_ipc when every engine shares the learner's GPU, broadcast when each has
+    a GPU of its own, else the object store. The learner waits while it sends directly."""
     prefill_chunk_tokens: int = Field(4096, ge=16, le=1_048_576)
     """Most prompt tokens of one request prefilled in one step; a longer prompt is prefilled piece by piece
     over several steps (each piece attends to the cache), so a step's attention scores take pieces x context

@@ -33,7 +33,7 @@ from ray.actor import ActorClass
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.records import Sample
-from asyncrl.weight_transfer import Layout, WeightGroup, device_identity, host_store
+from asyncrl.weight_transfer import Layout, WeightGroup, device_identity, host_store, pack, share
 
 from .consistency import LogprobGapWarning
 from .distributed import free_address, join_group
@@ -56,6 +56,7 @@ class LearnerActor:
         self.peers: list = []
         self._next_group: tuple = (None, None, 0, -1)
         self._weight_group: WeightGroup | None = None
+        self._shared: torch.Tensor | None = None
         if world > 1:
             if rank == 0:
                 address = free_address()
@@ -112,13 +113,22 @@ class LearnerActor:
         """`state` and the version it is (call with `num_returns=2`: the weights stay an ObjectRef)."""
         return self.learner.state_dict_for_push(), self.learner.version
 
-    # --- the broadcast push (`asyncrl/weight_transfer.py`): rank 0 of a group with the engines ----------
+    # --- the direct pushes (`asyncrl/weight_transfer.py`, `sched/weight_push.py`) ------------------------
 
     def device_identity(self) -> dict:
         return device_identity(self.learner.device)
 
     def weight_layout(self) -> Layout:
         return Layout.plan(self.learner.push_tensors().items())
+
+    def share_bucket(self, layout: Layout, bucket: int) -> tuple:
+        """Bucket `bucket` of the weights packed on this GPU, as a CUDA IPC handle for engines on it
+        (`sched/weight_push.py`); kept until `release_shared`."""
+        self._shared = pack(layout, bucket, self.learner.push_tensors(), self.learner.device)
+        return share(self._shared)
+
+    def release_shared(self) -> None:
+        self._shared = None
 
     def open_weight_group(self, world: int, generation: int) -> tuple[str, int]:
         """Serve the rendezvous of the next weight group; its address, for the engines."""

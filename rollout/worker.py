@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from asyncrl.configs import ConfigError
 from asyncrl.configs.schema import ClusterConfig, RolloutConfig
 from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
-from asyncrl.weight_transfer import Layout, WeightGroup, device_identity
+from asyncrl.weight_transfer import Layout, WeightGroup, device_identity, open_shared, unpack
 
 from .engine import EmbeddedEngine
 
@@ -58,6 +58,7 @@ class RolloutWorker:
             self.engine = EmbeddedEngine.from_pretrained(model, config, engine_id=engine_id, version=version, mtp=mtp)
         self._outboxes: dict[str, _Outbox] = {}
         self._weight_group: WeightGroup | None = None
+        self._incoming: dict[int, torch.Tensor] = {}  # a cuda_ipc push's buckets, until swapped in
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, session_id: str | None = None
@@ -121,6 +122,28 @@ class RolloutWorker:
 
         # Receiving and swapping block; threads keep this actor's event loop serving generate calls.
         weights = await asyncio.to_thread(receive)
+        await asyncio.to_thread(self.engine.update_weights, weights, version)
+        return self.engine.version
+
+    async def copy_shared_bucket(self, layout: Layout, bucket: int, handle: tuple) -> None:
+        """Copy bucket `bucket` of a push out of the learner's buffer on this GPU (`cuda_ipc`); the engine
+        serves it with the others at `swap_in_shared`."""
+
+        def copy() -> torch.Tensor:
+            copied = open_shared(handle).clone()
+            torch.cuda.current_stream(copied.device).synchronize()  # done before the learner frees its buffer
+            return copied
+
+        if bucket == 0:
+            self._incoming = {}
+        self._incoming[bucket] = await asyncio.to_thread(copy)
+
+    async def swap_in_shared(self, layout: Layout, version: int) -> int:
+        """Serve the buckets `copy_shared_bucket` took as `version` (all of them at once)."""
+        incoming, self._incoming = self._incoming, {}
+        if sorted(incoming) != list(range(len(layout.bucket_sizes))):
+            raise RuntimeError(f"push of version {version}: buckets {sorted(incoming)} of {len(layout.bucket_sizes)} arrived")
+        weights = {name: tensor for bucket, buffer in incoming.items() for name, tensor in unpack(layout, bucket, buffer).items()}
         await asyncio.to_thread(self.engine.update_weights, weights, version)
         return self.engine.version
 

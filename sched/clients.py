@@ -27,7 +27,7 @@ from asyncrl.gateway.engines import EngineHandle, LocalEngine, RayEngine
 from asyncrl.records import Sample
 
 from .parts import LearnerDied, Routing, Weights
-from .weight_push import Broadcast, Broadcaster
+from .weight_push import DirectPush, DirectPusher
 
 if TYPE_CHECKING:
     from asyncrl.gateway.pool import EnginePool
@@ -63,15 +63,15 @@ class RayLearner:
         """`start(checkpoint)` starts a LearnerActor (`learner/actor.py`) from a checkpoint directory or None."""
         self.start = start
         self.actor = start(checkpoint)
-        self.broadcast_backend: str | None = None
-        """Set when pushes broadcast (`sched/weight_push.py`): nccl or gloo."""
+        self.direct: tuple[str, str | None] | None = None
+        """Set when the learner pushes its weights itself (`sched/weight_push.py`): transport and backend."""
 
     async def train_step(self, samples: list[Sample]) -> dict:
         return await self._call(self.actor.train_step, samples)
 
     async def weights(self) -> Weights:
-        if self.broadcast_backend is not None:
-            return Broadcast(self.actor, self.broadcast_backend)
+        if self.direct is not None:
+            return DirectPush(self.actor, *self.direct)
         return self.actor.state.remote()  # the ObjectRef: the workers fetch the weights, not the driver
 
     async def save(self, directory: str) -> None:
@@ -134,7 +134,7 @@ class RayWorkers:
         self._generation = itertools.count(1)
         self._lock = asyncio.Lock()
         self._pushed = asyncio.Event()
-        self.broadcaster = Broadcaster()
+        self.pusher = DirectPusher()
         self._routing: Routing | None = None
         self._watching: dict[str, asyncio.Task] = {}
         self._done: list[dict] = []
@@ -158,13 +158,14 @@ class RayWorkers:
     async def _push(self, weights: Weights, version: int, members: dict[str, Any]) -> list[int]:
         """Each live member's version after the push (a member that died is left to its watcher, whose
         replacement loads these weights); raises what any other failure raised."""
-        if isinstance(weights, Broadcast):
-            failure, results = await self.broadcaster.push(weights, members, version)
+        if isinstance(weights, DirectPush):
+            failure, results = await self.pusher.push(weights, members, version)
         else:
             loads = [_remote(actor.update_weights, weights, version) for actor in members.values()]
             failure, results = None, await asyncio.gather(*loads, return_exceptions=True)
         dead = {engine_id for (engine_id, actor), result in zip(members.items(), results, strict=True) if _died(result, actor)}
-        if isinstance(weights, Broadcast) and dead and (failure is None or not _died(failure, weights.learner)):
+        broadcast = isinstance(weights, DirectPush) and weights.transport == "broadcast"
+        if broadcast and dead and (failure is None or not _died(failure, weights.learner)):
             # One broadcast fails for every rank when one dies: again, in a group without the dead.
             return await self._push(weights, version, {k: a for k, a in members.items() if k not in dead})
         if failure is not None:
@@ -281,7 +282,7 @@ class RayWorkers:
             async with self._lock:
                 weights, version = self.latest or (None, None)
                 try:
-                    if isinstance(weights, Broadcast):  # the pushed weights live in the engines only
+                    if isinstance(weights, DirectPush):  # the pushed weights live in the engines only
                         weights, version = await weights.current()
                     if weights is not None:
                         await _remote(actor.update_weights, weights, version)

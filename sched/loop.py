@@ -38,7 +38,7 @@ from .recovery import Recovery
 from .resume import CONSUMER, Books
 from .rundir import LoopState, Retention
 from .steps import batch_record, consistency_warnings, learn, no_signal_notice, step_record
-from .weight_push import Broadcast
+from .weight_push import DirectPush
 
 TICK_S = 0.05
 """Pause between rounds of the loop; episodes and the learner run on without it."""
@@ -163,7 +163,7 @@ class Loop:
         checkpoint_due = self.state.version // self.config.learner.checkpoint_every > before // self.config.learner.checkpoint_every
         if metrics["push_due"]:
             weights = await self.p.learner.weights()  # taken before the next step is sent, so of this version
-            if not checkpoint_due and not isinstance(weights, Broadcast):  # a broadcasting learner sends them itself
+            if not checkpoint_due and not isinstance(weights, DirectPush):  # a learner that sends them itself waits
                 # The learner trains the next batch while the engines load these weights (they were
                 # idle meanwhile: staleness holds admission until the push). Not before a checkpoint,
                 # which saves the learner at the version the books record.

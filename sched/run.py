@@ -54,7 +54,7 @@ from .loop import Loop
 from .parts import Parts
 from .rundir import LoopState, RunDir
 from .tasks import TaskMix, distill_task_mix
-from .weight_push import broadcast_backend
+from .weight_push import direct_transport
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -142,9 +142,10 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
             teachers = Teachers.from_config(config, handles)
         await workers.ready()
         wanted = getattr(config.rollout, "weight_transport", "object_store")  # vLLM's loads through its own API
-        learner.broadcast_backend = await broadcast_backend(wanted, learner.actor, workers.actors)
-        if learner.broadcast_backend:
-            display.say(f"weight pushes: broadcast from the learner to the engines over {learner.broadcast_backend}")
+        learner.direct = await direct_transport(wanted, learner.actor, workers.actors)
+        if learner.direct is not None:
+            transport, backend = learner.direct
+            display.say(f"weight pushes: {transport} from the learner to the engines" + (f" over {backend}" if backend else ""))
         served = InProcessGateway(config, store, workers.engines, tokenizer)
         gateway = await stack.enter_async_context(served)
         metrics = rundir.metrics(config, resume=resumed)

@@ -1,13 +1,17 @@
-"""The driver's side of the broadcast push (`rollout.weight_transport`, `asyncrl/weight_transfer.py`).
+"""The driver's side of the direct pushes (`rollout.weight_transport`, `asyncrl/weight_transfer.py`).
 
-The weights never pass through the driver or the object store: at push time the driver tells the
-learner to broadcast and every engine to receive, in one group (learner rank 0, engines 1..N), and
-waits for all of them. The group is opened once per set of engines and learner: a replacement engine,
-or a restarted learner, opens the next generation at the next push.
+The weights never pass through the driver or the object store: at push time the driver has the learner
+hand them to the engines itself, and waits for all of them.
 
-A replacement engine cannot join a broadcast in the middle of a run's pushes, so it starts from the
-learner's current weights, through the object store, at the version they are (`Broadcast.current`):
-newer than the other engines' at most by the steps since the last push, which every token records.
+- `broadcast`: one torch.distributed group (learner rank 0, engines 1..N), opened once per set of
+  engines and learner: a replacement engine, or a restarted learner, opens the next generation at the
+  next push. A rank that dies fails the broadcast for all; the push then runs again without it.
+- `cuda_ipc`: the engines share the learner's GPU; bucket by bucket, the learner packs its weights into
+  a buffer and hands out a CUDA IPC handle to it, and every engine copies the bucket out.
+
+A replacement engine cannot join a push in the middle of a run's pushes, so it starts from the learner's
+current weights, through the object store, at the version they are (`DirectPush.current`): newer than
+the other engines' at most by the steps since the last push, which every token records.
 """
 
 from __future__ import annotations
@@ -27,14 +31,16 @@ def _call(method, *args) -> asyncio.Future:
 
 
 @dataclass(frozen=True)
-class Broadcast:
-    """The weights of a broadcast push, as the learner client hands them to the workers: the learner sends
+class DirectPush:
+    """The weights of a direct push, as the learner client hands them to the workers: the learner sends
     them itself when the push runs, so it cannot train meanwhile (`Loop.finish_step` waits)."""
 
     learner: Any
     """The LearnerActor (rank 0)."""
-    backend: str
-    """nccl or gloo (`resolve_transport`)."""
+    transport: str
+    """broadcast or cuda_ipc (`resolve_transport`)."""
+    backend: str | None = None
+    """The broadcast's: nccl or gloo."""
 
     async def current(self) -> tuple[Any, int]:
         """The learner's weights now, as an ObjectRef, and their version (for a replacement engine)."""
@@ -42,9 +48,9 @@ class Broadcast:
         return state, await asyncio.wrap_future(version.future())
 
 
-class Broadcaster:
-    """Runs broadcast pushes for one worker group, opening a new group generation when its engines or
-    its learner changed."""
+class DirectPusher:
+    """Runs direct pushes for one worker group; for broadcasts, opens a new group generation when its
+    engines or its learner changed."""
 
     def __init__(self) -> None:
         self.generation = 0
@@ -52,13 +58,14 @@ class Broadcaster:
         self._learner: Any = None
         self._address: tuple[str, int] | None = None
 
-    def forget(self) -> None:
-        """Open a new group at the next push (the last one failed: a rank may be gone)."""
-        self._members = ()
+    async def push(self, weights: DirectPush, members: dict[str, Any], version: int) -> tuple[BaseException | None, list]:
+        """The learner's weights to `members` (engine id -> RolloutWorker) as `version`: the learner's
+        failure (None when it sent) and each member's result (its version, or its exception)."""
+        if weights.transport == "cuda_ipc":
+            return await self._share(weights.learner, members, version)
+        return await self._broadcast(weights, members, version)
 
-    async def push(self, weights: Broadcast, members: dict[str, Any], version: int) -> tuple[BaseException | None, list]:
-        """Broadcast the learner's weights to `members` (engine id -> RolloutWorker) as `version`: the
-        learner's failure (None when it sent) and each member's result (its version, or its exception)."""
+    async def _broadcast(self, weights: DirectPush, members: dict[str, Any], version: int) -> tuple[BaseException | None, list]:
         world = len(members) + 1
         if tuple(members) != self._members or weights.learner is not self._learner:
             self.generation += 1
@@ -73,16 +80,37 @@ class Broadcaster:
         sent, *received = await asyncio.gather(send, *calls, return_exceptions=True)
         failure = sent if isinstance(sent, BaseException) else None
         if failure is not None or any(isinstance(result, BaseException) for result in received):
-            self.forget()
+            self._members = ()  # a rank may be gone: a new group at the next push
         return failure, received
 
+    async def _share(self, learner: Any, members: dict[str, Any], version: int) -> tuple[BaseException | None, list]:
+        results: list = [None] * len(members)
+        try:
+            layout = await _call(learner.weight_layout)
+            actors = list(members.values())
+            for bucket in range(len(layout.bucket_sizes)):
+                handle = await _call(learner.share_bucket, layout, bucket)
+                live = [index for index, result in enumerate(results) if result is None]  # a failed member is left out
+                copied = [_call(actors[index].copy_shared_bucket, layout, bucket, handle) for index in live]
+                for index, result in zip(live, await asyncio.gather(*copied, return_exceptions=True), strict=True):
+                    if isinstance(result, BaseException):
+                        results[index] = result
+        except Exception as failure:
+            return failure, results
+        finally:
+            await asyncio.gather(_call(learner.release_shared), return_exceptions=True)
+        copied_all = [actor for actor, result in zip(members.values(), results, strict=True) if result is None]
+        swaps = [_call(actor.swap_in_shared, layout, version) for actor in copied_all]
+        swapped = iter(await asyncio.gather(*swaps, return_exceptions=True))
+        return None, [result if result is not None else next(swapped) for result in results]
 
-async def broadcast_backend(wanted: str, learner: Any, workers: list) -> str | None:
-    """The backend pushes broadcast over (`rollout.weight_transport`, resolved for the devices the learner
-    actor and the RolloutWorkers report), or None for the object store."""
+
+async def direct_transport(wanted: str, learner: Any, workers: list) -> tuple[str, str | None] | None:
+    """How pushes reach the engines (`rollout.weight_transport`, resolved for the devices the learner actor
+    and the RolloutWorkers report): a `DirectPush`'s transport and backend, or None for the object store."""
     if wanted == "object_store":
         return None
     devices = await asyncio.gather(_call(learner.device_identity), *(_call(worker.device_identity) for worker in workers))
     transport, backend = resolve_transport(wanted, devices[0], list(devices[1:]))
     log.info("weight pushes: %s%s (rollout.weight_transport=%s)", transport, f" over {backend}" if backend else "", wanted)
-    return backend
+    return None if transport == "object_store" else (transport, backend)

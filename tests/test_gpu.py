@@ -68,3 +68,54 @@ def test_asyncrl_run_with_learner_and_engine_on_the_device(tmp_path, device):
     assert main(["run", "quickstart", *overrides]) == 0
     summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
     assert summary["balanced"] and summary["version"] == 3
+    assert summary["engine_versions"] == [3]  # on one GPU, pushed through CUDA IPC (weight_transport auto)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_cuda_ipc_push_serves_what_the_object_store_serves(ray_session):
+    """The learner and two engines on one GPU: one engine takes the push through CUDA IPC handles, the
+    other through the object store, and both then sample the same tokens with the same log-probs."""
+    import asyncio
+
+    import ray
+    from conftest import SMALL_SHAPE
+
+    from asyncrl.configs.schema import EmbeddedRolloutConfig, LearnerConfig, MTPConfig, PolicyConfig, RunConfig, TinyModelConfig
+    from asyncrl.learner.actor import create_learner
+    from asyncrl.learner.publish import push_weights
+    from asyncrl.policy.checkpoint import build_policy
+    from asyncrl.records import SamplingParams
+    from asyncrl.rollout.worker import WorkerLauncher, create_workers
+    from asyncrl.sched.clients import RayWorkers
+    from asyncrl.sched.weight_push import DirectPush, direct_transport
+
+    rollout = EmbeddedRolloutConfig(num_workers=1, cpus_per_worker=0.25, gpus_per_worker=0.3, device="cuda", max_num_seqs=4)
+    config = RunConfig(
+        policy=PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(enabled=False)),
+        rollout=rollout, learner=LearnerConfig(group_size=2, lr=5e-2, num_cpus=0.25, device="cuda", gpus_per_rank=0.3),
+    )  # fmt: skip
+    model, _, _ = build_policy(config.policy, config.seed)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
+    prompt = [5, 6, 7]
+
+    async def scenario() -> None:
+        from test_learner_actor import to_sample
+
+        learner = create_learner(config)
+        workers = RayWorkers(WorkerLauncher(model, rollout), "ipc", 1)
+        witness = create_workers(model, rollout, name_prefix="witness")
+        await workers.ready()
+        assert await direct_transport("auto", learner, workers.actors) == ("cuda_ipc", None)
+        results = [ray.get(witness[0].generate.remote(prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=s))) for s in (1, 2)]
+        metrics = ray.get(learner.train_step.remote([to_sample(results[0], "a", 1.0), to_sample(results[1], "b", 0.0)]))
+        version = metrics["version"]
+        assert await workers.update_weights(DirectPush(learner, "cuda_ipc"), version) == [version]
+        push_weights(witness, learner.state.remote(), version)
+        served = [ray.get(w.generate.remote(prompt, params)) for w in [*workers.actors, *witness]]
+        assert all(r.versions == [version] * len(r.token_ids) for r in served)
+        assert served[0].token_ids == served[1].token_ids and served[0].logprobs == served[1].logprobs
+        for actor in [*workers.actors, *witness, learner]:
+            ray.kill(actor)
+
+    asyncio.run(scenario())

@@ -57,7 +57,9 @@ def gpu(uuid: str) -> dict:
     [
         ("auto", CPU, [CPU, CPU], ("object_store", None)),
         ("auto", gpu("a"), [gpu("b"), gpu("c")], ("broadcast", "nccl")),
-        ("auto", gpu("a"), [gpu("a")], ("object_store", None)),  # a shared GPU: NCCL cannot
+        ("auto", gpu("a"), [gpu("a"), gpu("a")], ("cuda_ipc", None)),  # every engine on the learner's GPU
+        ("auto", gpu("a"), [gpu("a"), gpu("b")], ("object_store", None)),  # some share it: NCCL cannot, IPC cannot reach b
+        ("cuda_ipc", gpu("a"), [gpu("a")], ("cuda_ipc", None)),
         ("auto", gpu("a"), [CPU], ("object_store", None)),
         ("broadcast", CPU, [CPU], ("broadcast", "gloo")),
         ("broadcast", gpu("a"), [CPU], ("broadcast", "gloo")),
@@ -68,9 +70,13 @@ def test_the_transport_follows_the_devices(wanted, learner, engines, chosen):
     assert resolve_transport(wanted, learner, engines) == chosen
 
 
-def test_broadcast_is_refused_where_two_ranks_share_a_gpu():
+def test_broadcast_is_refused_where_two_ranks_share_a_gpu_and_cuda_ipc_where_an_engine_does_not():
     with pytest.raises(ValueError, match=r"rollout\.weight_transport=broadcast: the learner and an engine"):
         resolve_transport("broadcast", gpu("a"), [gpu("b"), gpu("a")])
+    with pytest.raises(ValueError, match=r"rollout\.weight_transport=cuda_ipc: every engine must be on the learner's GPU"):
+        resolve_transport("cuda_ipc", gpu("a"), [gpu("a"), gpu("b")])
+    with pytest.raises(ValueError, match=r"rollout\.weight_transport=cuda_ipc"):
+        resolve_transport("cuda_ipc", CPU, [CPU])
 
 
 @pytest.mark.slow  # one Ray start plus four actor processes importing torch
@@ -82,7 +88,7 @@ def test_a_gloo_broadcast_serves_what_the_object_store_serves_and_survives_a_dea
     from asyncrl.policy.checkpoint import build_policy
     from asyncrl.rollout.worker import WorkerLauncher, create_workers
     from asyncrl.sched.clients import RayWorkers
-    from asyncrl.sched.weight_push import Broadcast, broadcast_backend
+    from asyncrl.sched.weight_push import DirectPush, direct_transport
 
     config = RunConfig(
         policy=PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(enabled=False)),
@@ -115,17 +121,17 @@ def test_a_gloo_broadcast_serves_what_the_object_store_serves_and_survives_a_dea
         learner = create_learner(config)
         workers = RayWorkers(WorkerLauncher(model, config.rollout), "b", 2)
         await workers.ready()
-        assert await broadcast_backend("auto", learner, workers.actors) is None  # all on CPU
-        backend = await broadcast_backend("broadcast", learner, workers.actors)
-        assert backend == "gloo"
+        assert await direct_transport("auto", learner, workers.actors) is None  # all on CPU
+        transport, backend = await direct_transport("broadcast", learner, workers.actors)
+        assert (transport, backend) == ("broadcast", "gloo")
 
         version = await step(learner)
-        assert await workers.update_weights(Broadcast(learner, backend), version) == [version, version]
+        assert await workers.update_weights(DirectPush(learner, transport, backend), version) == [version, version]
         push_weights(witnesses, learner.state.remote(), version)  # the object-store path, for comparison
         served = [ray.get(w.generate.remote(prompt, params)) for w in [*workers.actors, *witnesses]]
         assert all(r.versions == [version] * len(r.token_ids) for r in served)
         assert all(r.token_ids == served[-1].token_ids and r.logprobs == served[-1].logprobs for r in served)
-        first_group = workers.broadcaster.generation
+        first_group = workers.pusher.generation
 
         routing = Routing()
         workers.attach(routing)
@@ -136,8 +142,8 @@ def test_a_gloo_broadcast_serves_what_the_object_store_serves_and_survives_a_dea
         assert await workers.versions() == [version, version]
 
         version = await step(learner)
-        assert await workers.update_weights(Broadcast(learner, backend), version) == [version, version]
-        assert workers.broadcaster.generation == first_group + 1  # a new group, with the replacement in it
+        assert await workers.update_weights(DirectPush(learner, transport, backend), version) == [version, version]
+        assert workers.pusher.generation == first_group + 1  # a new group, with the replacement in it
         push_weights(witnesses, learner.state.remote(), version)
         served = [ray.get(w.generate.remote(prompt, params)) for w in [*workers.actors, *witnesses]]
         assert all(r.token_ids == served[-1].token_ids and r.logprobs == served[-1].logprobs for r in served)
