@@ -159,6 +159,10 @@ class RayWorkers:
         """Each live member's version after the push (a member that died is left to its watcher, whose
         replacement loads these weights); raises what any other failure raised."""
         if isinstance(weights, DirectPush):
+            if weights.transport == "broadcast":
+                # A rank that is already dead would hold an NCCL broadcast until its timeout: leave it out.
+                pings = await asyncio.gather(*(_remote(actor.version) for actor in members.values()), return_exceptions=True)
+                members = {k: actor for (k, actor), ping in zip(members.items(), pings, strict=True) if not _died(ping, actor)}
             failure, results = await self.pusher.push(weights, members, version)
         else:
             loads = [_remote(actor.update_weights, weights, version) for actor in members.values()]
