@@ -1,5 +1,5 @@
 """`asyncrl bench scale`: every session count runs with none lost, and the push timings cover every engine
-count in both modes, from pushes that really reached the engines."""
+count in every mode (the object store, and from a learner through it or by broadcast), from pushes that really reached the engines."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def test_bench_scale_reports_sessions_and_pushes(tmp_path):
     assert push["weights_mb"] > 0 and set(push["parallel_s"]) == set(push["serial_s"]) == {"1", "2"}
     assert all(seconds > 0 for seconds in [*push["parallel_s"].values(), *push["serial_s"].values()])
     assert push["parallel_over_one"]["2"] == pytest.approx(push["parallel_s"]["2"] / push["parallel_s"]["1"], abs=1e-3)
+    assert set(push["learner_object_store_s"]) == set(push["learner_broadcast_s"]) == {"1", "2"}
+    assert all(seconds > 0 for seconds in [*push["learner_object_store_s"].values(), *push["learner_broadcast_s"].values()])
 
 
 def test_bad_settings_are_refused_naming_the_key(capsys):

@@ -11,7 +11,11 @@ Two parts, each side by side in one run:
 - push: real RolloutWorker Ray actors (the embedded engine on a tiny qwen3 policy whose size
   `bench.push_hidden_size` and `bench.push_layers` set) take one pushed state dict, put in the object
   store first. `parallel_s[n]`: `RayWorkers.update_weights`, the push `asyncrl run` makes, to n engines
-  at once; `serial_s[n]`: the same pushes one engine after another. Median of `bench.push_repeats`.
+  at once; `serial_s[n]`: the same pushes one engine after another. Then from a LearnerActor holding a
+  policy of the same shape, each timed from the learner's weights to every engine serving them:
+  `learner_object_store_s[n]` (`LearnerActor.state`'s host copy into the object store, then loaded) and
+  `learner_broadcast_s[n]` (`rollout.weight_transport=broadcast`: a gloo group, `sched/weight_push.py`).
+  Median of `bench.push_repeats`.
   `parallel_over_serial` at the most engines is the saving; `parallel_over_one` what n engines cost
   against one (1.0 would be free; n would be no better than serial).
 
@@ -64,7 +68,7 @@ def run(config: RunConfig, json_path: str | None = None, options: ScaleBenchOpti
     results["setup"] = {
         "sessions": "bench agentic's episodes (StubEngines, SQLite store, in-process gateway), all started at once",
         "engine_latency_s": options.engine_latency_s, "tool_latency": options.latency.model_dump(),
-        "push": "RolloutWorker Ray actors (embedded engine, 0.5 CPU each, 1 torch thread) loading one ObjectRef",
+        "push": "RolloutWorker Ray actors (embedded engine, 0.5 CPU each, 1 torch thread) loading one ObjectRef; or from a LearnerActor",
         "machine": platform.machine(), "python": platform.python_version(),
     }  # fmt: skip
     if json_path:
@@ -94,8 +98,9 @@ def _sessions(config: RunConfig, options: ScaleBenchOptions, count: int) -> dict
 def _pushes(options: ScaleBenchOptions) -> dict:
     import ray
 
-    from asyncrl.configs.schema import EmbeddedRolloutConfig, TinyModelConfig
+    from asyncrl.configs.schema import EmbeddedRolloutConfig, LearnerConfig, MTPConfig, PolicyConfig, TinyModelConfig
     from asyncrl.gateway.app import run_loop
+    from asyncrl.learner.actor import create_learner
     from asyncrl.policy.tiny import build_tiny_model
     from asyncrl.rollout.worker import RAY_SYSTEM_CONFIG, WorkerLauncher
 
@@ -110,53 +115,64 @@ def _pushes(options: ScaleBenchOptions) -> dict:
     rollout = EmbeddedRolloutConfig(num_workers=most, cpus_per_worker=0.5, torch_threads=1, max_num_seqs=4)
     print(f"[bench scale] pushes of {megabytes:.0f} MB to {options.push_engines} engines", flush=True)
     started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=max(2, most), include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
+    if started:  # a CPU for the learner beside the engines
+        ray.init(address="local", num_cpus=max(2, most) + 1, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
         launcher = WorkerLauncher(model, rollout)
-        parallel, serial = run_loop(_timed_pushes(launcher, weights, options))
+        policy = PolicyConfig(tiny=shape, mtp=MTPConfig(enabled=False))
+        learner = create_learner(RunConfig(policy=policy, learner=LearnerConfig(num_cpus=0.5)))
+        timings = run_loop(_timed_pushes(launcher, learner, weights, options))
     finally:
         if started:
             ray.shutdown()
     counts = options.push_engines
+    parallel, serial, store, broadcast = (timings[mode] for mode in ("parallel", "serial", "learner_object_store", "learner_broadcast"))
     one = parallel.get(1)
     return {
         "weights_mb": round(megabytes, 1), "parallel_s": parallel, "serial_s": serial,
         "parallel_over_serial": {n: round(parallel[n] / serial[n], 3) for n in counts if serial[n]},
         "parallel_over_one": {n: round(parallel[n] / one, 3) for n in counts} if one else None,
+        "learner_object_store_s": store, "learner_broadcast_s": broadcast,
+        "broadcast_over_object_store": {n: round(broadcast[n] / store[n], 3) for n in counts if store[n]},
     }  # fmt: skip
 
 
-async def _timed_pushes(launcher, weights: dict, options: ScaleBenchOptions) -> tuple[dict[int, float], dict[int, float]]:
+async def _timed_pushes(launcher, learner, weights: dict, options: ScaleBenchOptions) -> dict[str, dict[int, float]]:
+    """Median seconds of a push to n engines, by mode and n (every mode pushes to the same engines in turn)."""
     import ray
 
     from asyncrl.sched.clients import RayWorkers
+    from asyncrl.sched.weight_push import DirectPush
 
     version = 0
-    parallel: dict[int, float] = {}
-    serial: dict[int, float] = {}
+    modes = ("parallel", "serial", "learner_object_store", "learner_broadcast")
+    medians: dict[str, dict[int, float]] = {mode: {} for mode in modes}
     for count in options.push_engines:
         workers = RayWorkers(launcher, f"bench-scale-{count}", count)
         try:
             await workers.ready()
-            timings: dict[str, list[float]] = {"parallel": [], "serial": []}
+            timings: dict[str, list[float]] = {mode: [] for mode in modes}
             for repeat in range(options.push_repeats + 1):
-                for mode in ("parallel", "serial"):
+                for mode in modes:
                     version += 1
                     ref = ray.put(weights)  # the learner's ObjectRef in a run: in the store before the push starts
                     began = time.perf_counter()
                     if mode == "parallel":
                         await workers.update_weights(ref, version)
-                    else:
+                    elif mode == "serial":
                         for actor in workers.actors:
                             loaded = await asyncio.wrap_future(actor.update_weights.remote(ref, version).future())
                             if loaded != version:
                                 raise RuntimeError(f"pushed version {version}, an engine serves {loaded}")
-                    if repeat:  # the first of each is untimed: the actors' first load allocates
+                    elif mode == "learner_object_store":
+                        await workers.update_weights(learner.state.remote(), version)
+                    else:
+                        await workers.update_weights(DirectPush(learner, "broadcast", "gloo"), version)
+                    if repeat:  # the first of each is untimed: the actors' first load allocates, the group forms
                         timings[mode].append(time.perf_counter() - began)
-            parallel[count] = round(statistics.median(timings["parallel"]), 4)
-            serial[count] = round(statistics.median(timings["serial"]), 4)
+            for mode in modes:
+                medians[mode][count] = round(statistics.median(timings[mode]), 4)
         finally:
             for actor in workers.actors:
                 ray.kill(actor)
-    return parallel, serial
+    return medians
