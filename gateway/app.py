@@ -187,6 +187,7 @@ def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+            await service.background.drain(GRACEFUL_SHUTDOWN_S)  # turns still being recorded, before the store closes
 
     app = FastAPI(title="asyncrl TITO gateway", version="1", lifespan=lifespan, responses={
         400: {"model": api.ErrorResponse}, 401: {"model": api.ErrorResponse}, 409: {"model": api.ErrorResponse},

@@ -344,3 +344,24 @@ def test_the_marker_search_and_the_partial_tag_cut_agree_with_the_plain_scans() 
                 assert search.find(text, needles, start) == min(found, default=-1), (text, start, needles)
                 end = rng.randint(start, len(text))
                 assert _partial_cut(text, start, end, needles) == plain_cut(text, start, end, needles), (text, start, end, needles)
+
+
+def test_stopping_the_gateway_waits_for_the_recordings_still_running(tmp_path) -> None:
+    """A turn still being recorded when the gateway stops (a stream whose client left just before) is
+    recorded before the server's loop ends; without the wait, the loop's end would cancel it."""
+    import asyncio
+
+    engine = make_engine("drain")
+    recorded: list[str] = []
+    gateway = LiveGateway(make_service(open_store(tmp_path / "store"), [engine]))
+    with gateway:
+
+        async def recording() -> None:
+            while not gateway.server.should_exit:  # still recording when the shutdown begins
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)
+            recorded.append("turn")
+
+        gateway.on_loop(gateway.service.background.start, recording())
+    engine.shutdown()
+    assert recorded == ["turn"]
