@@ -23,7 +23,6 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from .front import EngineFront
 from .kv_cache import ForwardBatch, KVCache, SlotManager
 from .models import build_model
 from .models.mtp import NativeMTP
+from .request import Request
 from .sampler import sample
 from .scoring import NativeScorer
 from .speculative import SpeculativeDecoder
@@ -44,38 +44,6 @@ log = logging.getLogger(__name__)
 
 MAX_PREFILL_TOKENS = 8192
 """Padded prompt tokens (rows x longest piece) admitted into one prefill step; bounds its memory."""
-
-
-@dataclass(eq=False)
-class _Request:
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    session_id: str | None
-    stop_ids: frozenset[int]
-    rng: random.Random
-    submitted: float = field(default_factory=time.perf_counter)
-    scheduled: float = 0.0
-    first_token: float = 0.0
-    slot: int = -1
-    computed: int = 0  # leading tokens of prompt + output whose KV is in the slot
-    cached_prompt_tokens: int = 0
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    # Speculative decoding (see SpeculativeDecoder): the MTP layer's frontier and its pending inputs.
-    mtp_computed: int = 0
-    mtp_hidden: torch.Tensor | None = None
-    verify_steps: int = 0  # decode steps that verified at least one draft
-    verify_tokens: int = 0  # tokens those steps emitted
-    routes: list[list[list[int]]] | None = None  # rollout.record_routes: per output token, per MoE layer, its experts
-
-    def pending_tokens(self, piece: int) -> list[int]:
-        """Tokens the next forward must feed: the uncached prompt suffix (at most `piece` of it: a long
-        prompt is prefilled over several steps), or the last sampled token."""
-        if self.output:
-            return self.output[self.computed - len(self.prompt) :]
-        return self.prompt[self.computed : self.computed + piece]
 
 
 class EmbeddedEngine:
@@ -101,24 +69,12 @@ class EmbeddedEngine:
         """
         self.config = config = config or EmbeddedRolloutConfig()
         torch.set_num_threads(config.torch_threads)
-        if config.mtp_drafting and not 1 <= config.mtp_draft_tokens <= config.mtp_max_draft_tokens:
-            raise ValueError(
-                f"rollout.mtp_draft_tokens must be in [1, mtp_max_draft_tokens={config.mtp_max_draft_tokens}], "
-                f"got {config.mtp_draft_tokens}"
-            )
-        if config.mtp_drafting and mtp is None:
-            raise ValueError("rollout.mtp_drafting needs the policy's MTP layer: pass mtp=, or a checkpoint directory that has one")
+        _check_drafting(config, mtp)
         hf_config = model.config
         self.engine_id = engine_id
         self.dtype = dtype = dtype or next(model.parameters()).dtype
         self.device = torch.device("cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu")
-        positions = getattr(hf_config, "max_position_embeddings", None)
-        max_model_len = config.max_model_len or positions
-        if max_model_len is None:
-            raise ValueError(f"{hf_config.model_type}: the config has no max_position_embeddings; set rollout.max_model_len")
-        if positions is not None and max_model_len > positions:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {positions}")
-        self.max_model_len: int = max_model_len
+        self.max_model_len: int = _max_model_len(hf_config, config)
         self.model = build_model(hf_config, model.state_dict(), max_len=self.max_model_len, dtype=dtype, device=self.device, fp8=config.fp8)
         # Only MoE families have routes; for the others record_routes records nothing (routes None).
         self.record_routes = config.record_routes and hasattr(self.model, "record_routes")
@@ -152,8 +108,8 @@ class EmbeddedEngine:
         self.last_error: str | None = None
         self._ids = itertools.count()
         # The core's state: only the stepping thread (or a caller holding the front's step lock) touches it.
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
         self._scorer: NativeScorer | None = None  # built by the first scoring call
         self.front = EngineFront(self, name=f"engine-{engine_id}")
 
@@ -206,10 +162,10 @@ class EmbeddedEngine:
         raises RequestError here, before anything is iterated; closing the iterator early aborts the request."""
         return self.front.stream(self._request(prompt_token_ids, sampling, session_id))
 
-    def _request(self, prompt_token_ids, sampling, session_id: str | None) -> _Request:
+    def _request(self, prompt_token_ids, sampling, session_id: str | None) -> Request:
         params = resolve_sampling(sampling, self.config.sampling.model_dump())
         prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        return _Request(
+        return Request(
             id=f"{self.engine_id}-{next(self._ids)}",
             prompt=prompt,
             params=params,
@@ -278,7 +234,7 @@ class EmbeddedEngine:
 
     # --- the engine core (`EngineCore`: the front calls these on its stepping thread) -------------
 
-    def admit(self, requests: list[_Request]) -> None:
+    def admit(self, requests: list[Request]) -> None:
         self._waiting.extend(requests)
 
     def cancel(self, request_ids: set[str], error: str | None = None) -> list[GenerationResult]:
@@ -287,7 +243,7 @@ class EmbeddedEngine:
     def busy(self) -> bool:
         return bool(self._running or self._waiting)
 
-    def sampled(self, request: _Request) -> tuple[list[int], list[float], list[int]]:
+    def sampled(self, request: Request) -> tuple[list[int], list[float], list[int]]:
         return request.output, request.logprobs, request.versions
 
     def load_weights(self, state_dict: dict, version: int) -> None:
@@ -306,13 +262,13 @@ class EmbeddedEngine:
         batch = self._schedule()
         return self._execute_and_update(batch) if batch else []
 
-    def _schedule(self) -> list[_Request]:
+    def _schedule(self) -> list[Request]:
         """Requests whose prompt is partly prefilled (its next piece), else newly admitted requests (their
         prefill), else every running request (one decode token)."""
         prefilling = [r for r in self._running if not r.output]  # a prompt longer than prefill_chunk_tokens
         if prefilling:
             return prefilling
-        admitted: list[_Request] = []
+        admitted: list[Request] = []
         longest = 0
         while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
             request = self._waiting[0]
@@ -329,7 +285,7 @@ class EmbeddedEngine:
             return sorted(admitted, key=lambda r: r.slot)
         return list(self._running)  # a copy: finishing requests leave _running while the batch is updated
 
-    def _execute_and_update(self, batch: list[_Request]) -> list[GenerationResult]:
+    def _execute_and_update(self, batch: list[Request]) -> list[GenerationResult]:
         prefill = not batch[0].output  # _schedule never mixes prefill and decode
         rows = [r.pending_tokens(self.config.prefill_chunk_tokens) for r in batch]
         hidden, drafted = None, [0] * len(batch)
@@ -366,21 +322,7 @@ class EmbeddedEngine:
         now = time.perf_counter()
         finished = []
         for b, request in enumerate(batch):
-            reason: FinishReason | None = None
-            kept = 0
-            for j, (token, logprob) in enumerate(zip(tokens[b], logprobs[b], strict=True)):
-                request.output.append(token)
-                request.logprobs.append(logprob)
-                request.versions.append(self.version)
-                if request.routes is not None:
-                    request.routes.append(routes[b][j])
-                kept += 1
-                if token in request.stop_ids:
-                    reason = "stop"
-                elif len(request.output) >= request.params.max_tokens:
-                    reason = "length"
-                if reason:
-                    break  # drafts past a stop are discarded, as if never sampled
+            kept, reason = request.take(tokens[b], logprobs[b], routes[b], self.version)
             if prefill:
                 if tokens[b]:
                     request.first_token = now
@@ -408,7 +350,7 @@ class EmbeddedEngine:
                 finished.append(self._finish(request, reason))
         return finished
 
-    def _finish(self, request: _Request, reason: FinishReason, error: str | None = None) -> GenerationResult:
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> GenerationResult:
         if request in self._running:
             self._running.remove(request)
             cached = (request.prompt + request.output)[: request.computed]
@@ -418,23 +360,24 @@ class EmbeddedEngine:
             self.slots.release(request.slot, request.session_id if reason != "error" and not mixed else None, cached)
         elif request in self._waiting:
             self._waiting.remove(request)
-        now = time.perf_counter()
-        return GenerationResult(
-            request_id=request.id,
-            prompt_token_ids=request.prompt,
-            token_ids=request.output,
-            logprobs=request.logprobs,
-            versions=request.versions,
-            finish_reason=reason,
-            engine_id=self.engine_id,
-            cached_prompt_tokens=request.cached_prompt_tokens,
-            mtp_verify_steps=request.verify_steps,
-            mtp_accept_len=request.verify_tokens / request.verify_steps if request.verify_steps else None,
-            timings={
-                "queued": (request.scheduled or now) - request.submitted,
-                "prefill": (request.first_token - request.scheduled) if request.first_token else 0.0,
-                "total": now - request.submitted,
-            },
-            error=error,
-            routes=request.routes,
+        return request.result(reason, self.engine_id, error)
+
+
+def _check_drafting(config: EmbeddedRolloutConfig, mtp) -> None:
+    if config.mtp_drafting and not 1 <= config.mtp_draft_tokens <= config.mtp_max_draft_tokens:
+        raise ValueError(
+            f"rollout.mtp_draft_tokens must be in [1, mtp_max_draft_tokens={config.mtp_max_draft_tokens}], got {config.mtp_draft_tokens}"
         )
+    if config.mtp_drafting and mtp is None:
+        raise ValueError("rollout.mtp_drafting needs the policy's MTP layer: pass mtp=, or a checkpoint directory that has one")
+
+
+def _max_model_len(hf_config, config: EmbeddedRolloutConfig) -> int:
+    """`rollout.max_model_len`, else the model's max_position_embeddings; refusing one longer than the model's."""
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    max_model_len = config.max_model_len or positions
+    if max_model_len is None:
+        raise ValueError(f"{hf_config.model_type}: the config has no max_position_embeddings; set rollout.max_model_len")
+    if positions is not None and max_model_len > positions:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {positions}")
+    return max_model_len

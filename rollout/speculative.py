@@ -68,7 +68,7 @@ def verify(
 class SpeculativeDecoder:
     """One decode step for a batch of running requests: draft with the MTP layer, verify, accept.
 
-    Request state it reads and keeps (fields of the engine's `_Request`): `slot`, `computed`,
+    Request state it reads and keeps (fields of the engine's `Request`, rollout/request.py): `slot`, `computed`,
     `prompt` + `output`, `params`, `rng`, and `mtp_computed` / `mtp_hidden`: the MTP layer's K/V
     covers positions before `mtp_computed`, and `mtp_hidden` holds the target's hidden states of
     positions mtp_computed..computed-1, fed to the MTP layer at the next step.

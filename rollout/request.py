@@ -1,0 +1,90 @@
+"""One request inside the embedded engine: what it asked for, where its KV lies, and what it sampled so far.
+
+The engine core (`rollout/engine.py`) schedules requests and runs the forwards; a request keeps its own
+books: the tokens the next forward must feed (`pending_tokens`), each step's tokens appended up to a
+stop (`take`), and its result (`result`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.records import FinishReason, GenerationResult, SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    session_id: str | None
+    stop_ids: frozenset[int]
+    rng: random.Random
+    submitted: float = field(default_factory=time.perf_counter)
+    scheduled: float = 0.0
+    first_token: float = 0.0
+    slot: int = -1
+    computed: int = 0  # leading tokens of prompt + output whose KV is in the slot
+    cached_prompt_tokens: int = 0
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    # Speculative decoding (see SpeculativeDecoder): the MTP layer's frontier and its pending inputs.
+    mtp_computed: int = 0
+    mtp_hidden: torch.Tensor | None = None
+    verify_steps: int = 0  # decode steps that verified at least one draft
+    verify_tokens: int = 0  # tokens those steps emitted
+    routes: list[list[list[int]]] | None = None  # rollout.record_routes: per output token, per MoE layer, its experts
+
+    def pending_tokens(self, piece: int) -> list[int]:
+        """Tokens the next forward must feed: the uncached prompt suffix (at most `piece` of it: a long
+        prompt is prefilled over several steps), or the last sampled token."""
+        if self.output:
+            return self.output[self.computed - len(self.prompt) :]
+        return self.prompt[self.computed : self.computed + piece]
+
+    def take(self, tokens: list[int], logprobs: list[float], routes: list, version: int) -> tuple[int, FinishReason | None]:
+        """Append a step's tokens (one, or a verified draft's several) sampled by weights `version`, up to the
+        first stop token or max_tokens; how many it kept and why it finished, if it did."""
+        reason: FinishReason | None = None
+        kept = 0
+        for j, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+            self.output.append(token)
+            self.logprobs.append(logprob)
+            self.versions.append(version)
+            if self.routes is not None:
+                self.routes.append(routes[j])
+            kept += 1
+            if token in self.stop_ids:
+                reason = "stop"
+            elif len(self.output) >= self.params.max_tokens:
+                reason = "length"
+            if reason:
+                break  # drafts past a stop are discarded, as if never sampled
+        return kept, reason
+
+    def result(self, reason: FinishReason, engine_id: str, error: str | None = None) -> GenerationResult:
+        now = time.perf_counter()
+        return GenerationResult(
+            request_id=self.id,
+            prompt_token_ids=self.prompt,
+            token_ids=self.output,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            finish_reason=reason,
+            engine_id=engine_id,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            mtp_verify_steps=self.verify_steps,
+            mtp_accept_len=self.verify_tokens / self.verify_steps if self.verify_steps else None,
+            timings={
+                "queued": (self.scheduled or now) - self.submitted,
+                "prefill": (self.first_token - self.scheduled) if self.first_token else 0.0,
+                "total": now - self.submitted,
+            },
+            error=error,
+            routes=self.routes,
+        )
