@@ -143,6 +143,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         await workers.ready()
         wanted = getattr(config.rollout, "weight_transport", "object_store")  # vLLM's loads through its own API
         learner.direct = await direct_transport(wanted, learner.actor, workers.actors)
+        transport = "object_store"
         if learner.direct is not None:
             transport, backend = learner.direct
             display.say(f"weight pushes: {transport} from the learner to the engines" + (f" over {backend}" if backend else ""))
@@ -186,7 +187,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         "mode": config.loop.mode, "version": state.version, "stop_reason": stop_reason,
         "eval_before": state.eval_before, "eval_after": eval_after,
         **eval_by_task(records, [task.name for task, _ in tasks.evaluated(config.eval.num_problems)]),
-        "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions,
+        "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions, "weight_transport": transport,
         "ledger": ledger, "balanced": sum(state.ledger.values()) == started,
         "recoveries": loop.recoveries, "resumed": resumption, "usage": spent, "run_dir": str(rundir.path),
     }  # fmt: skip

@@ -88,6 +88,21 @@ def test_a_run_spreads_its_engines_over_nodes_and_puts_the_learner_on_its_own(tm
     assert (tmp_path / "spread" / "checkpoints" / "step-000002").is_dir()  # written on node c, read here
 
 
+def test_a_run_across_nodes_broadcasts_its_pushes_from_the_learners_node(tmp_path, cluster):
+    """rollout.weight_transport=broadcast: the learner on node c serves the group's rendezvous at its node's
+    address and the engines on nodes a and b join it; every push reaches both."""
+    from asyncrl.sched.run import run
+
+    ray_cluster, nodes = cluster
+    config = cluster_config(tmp_path, ray_cluster, "broadcast", "loop.steps=2", "rollout.weight_transport=broadcast")
+    summary = run(config, env=CoinEnv())
+    check_books(summary, config)
+    assert summary["version"] == 2 and summary["engine_versions"] == [2, 2] and summary["weight_transport"] == "broadcast"
+    placed = summary["usage"]["nodes"]
+    assert {placed["engine:broadcast-rollout-0"], placed["engine:broadcast-rollout-1"]} == {nodes["a"].node_id, nodes["b"].node_id}
+    assert placed["learner"] == [nodes["c"].node_id]
+
+
 class NodeLossEnv(CoinEnv):
     """CoinEnv that calls `lose()` (which kills a node) in the first episode after `when()` holds, on the
     driver's main thread as Ray's node start-up needs (the event loop waits the few seconds it takes);

@@ -68,7 +68,10 @@ def test_asyncrl_run_with_learner_and_engine_on_the_device(tmp_path, device):
     assert main(["run", "quickstart", *overrides]) == 0
     summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
     assert summary["balanced"] and summary["version"] == 3
-    assert summary["engine_versions"] == [3]  # on one GPU, pushed through CUDA IPC (weight_transport auto)
+    assert summary["engine_versions"] == [3]
+    # weight_transport auto: CUDA IPC where the learner and the engine share the one GPU
+    expected = "object_store" if device == "cpu" else "cuda_ipc" if torch.cuda.device_count() < 2 else "broadcast"
+    assert summary["weight_transport"] == expected
 
 
 @pytest.mark.gpu
