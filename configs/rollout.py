@@ -51,6 +51,13 @@ class RolloutBase(Section):
     """Draft tokens per verify step when mtp_drafting is on; at most mtp_max_draft_tokens."""
     mtp_max_draft_tokens: int = Field(8, ge=1, le=64)
     """Largest mtp_draft_tokens accepted (each draft token is one MTP-layer forward per step, wasted if rejected)."""
+    weight_transport: Literal["auto", "object_store", "broadcast", "cuda_ipc"] = "auto"
+    """How pushes reach Ray engines (embedded or vLLM, which loads them in its worker's process):
+    "object_store" (host copies through Ray's object store), "broadcast" (a torch.distributed group of the
+    learner and the engines, NCCL on GPUs, gloo on CPU, bucketed, no host copy on GPUs), "cuda_ipc" (every
+    engine on the learner's GPU copies the learner's buckets through CUDA IPC handles), or "auto": cuda_ipc
+    when every engine shares the learner's GPU, broadcast when each has a GPU of its own, else the object
+    store. The learner waits while it sends directly."""
 
     @model_validator(mode="after")
     def _check_draft_tokens(self) -> RolloutBase:
@@ -77,12 +84,6 @@ class EmbeddedRolloutConfig(RolloutBase):
     record_routes: bool = False
     """Record the experts the MoE router chose for every sampled token (MoE policies), so the learner can
     route its forward the same way (learner.routing_replay)."""
-    weight_transport: Literal["auto", "object_store", "broadcast", "cuda_ipc"] = "auto"
-    """How pushes reach Ray engines: "object_store" (host copies through Ray's object store), "broadcast" (a
-    torch.distributed group of the learner and the engines, NCCL on GPUs, gloo on CPU, bucketed, no host
-    copy on GPUs), "cuda_ipc" (every engine on the learner's GPU copies the learner's buckets through CUDA
-    IPC handles), or "auto": cuda_ipc when every engine shares the learner's GPU, broadcast when each has
-    a GPU of its own, else the object store. The learner waits while it sends directly."""
     prefill_chunk_tokens: int = Field(4096, ge=16, le=1_048_576)
     """Most prompt tokens of one request prefilled in one step; a longer prompt is prefilled piece by piece
     over several steps (each piece attends to the cache), so a step's attention scores take pieces x context

@@ -141,8 +141,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
             actors += [handle.actor for handle in handles.values()]
             teachers = Teachers.from_config(config, handles)
         await workers.ready()
-        wanted = getattr(config.rollout, "weight_transport", "object_store")  # vLLM's loads through its own API
-        learner.direct = await direct_transport(wanted, learner.actor, workers.actors)
+        learner.direct = await direct_transport(config.rollout.weight_transport, learner.actor, workers.actors)
         transport = "object_store"
         if learner.direct is not None:
             transport, backend = learner.direct

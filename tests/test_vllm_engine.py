@@ -479,3 +479,49 @@ def test_shutdown_ends_unfinished_requests_and_refuses_later_ones(engine):
     assert not engine.health()["alive"]
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4))
+
+
+def test_a_vllm_engine_takes_a_broadcast_push_from_the_learner(ray_cluster):
+    """rollout.weight_transport=broadcast with vLLM: the RolloutWorker receives the learner's buckets over gloo
+    (NCCL on GPUs) and vLLM reloads from those tensors in its own process; it then samples with the learner's
+    new weights, by transformers' log-probs."""
+    from test_learner_actor import PROMPT, to_sample
+
+    from asyncrl.configs.schema import LearnerConfig, MTPConfig, PolicyConfig, RunConfig, TinyModelConfig
+    from asyncrl.learner.actor import create_learner
+    from asyncrl.policy.checkpoint import build_policy
+    from asyncrl.rollout.worker import WorkerLauncher
+    from asyncrl.sched.clients import RayWorkers
+    from asyncrl.sched.weight_push import DirectPush, direct_transport
+
+    ray = ray_cluster
+    shape = dict(QWEN3_SHAPE, num_layers=2)
+    config = RunConfig(
+        policy=PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **shape), mtp=MTPConfig(enabled=False)),
+        rollout=_config(weight_transport="broadcast", cpus_per_worker=1.0), learner=LearnerConfig(group_size=2, lr=5e-2, num_cpus=0.5),
+    )  # fmt: skip
+    model, _, _ = build_policy(config.policy, config.seed)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+
+    async def scenario() -> None:
+        workers = RayWorkers(WorkerLauncher(model, config.rollout), "vllm-broadcast", 1)
+        learner = create_learner(config)
+        try:
+            await workers.ready()
+            transport, backend = await direct_transport("broadcast", learner, workers.actors)
+            assert (transport, backend) == ("broadcast", "gloo")
+            (worker,) = workers.actors
+            sampled = [ray.get(worker.generate.remote(PROMPT, SamplingParams(temperature=1.0, max_tokens=8, seed=s))) for s in (1, 2)]
+            samples = [to_sample(result, rollout, reward) for result, rollout, reward in zip(sampled, "ab", (1.0, 0.0), strict=True)]
+            version = ray.get(learner.train_step.remote(samples))["version"]
+            assert await workers.update_weights(DirectPush(learner, transport, backend), version) == [version]
+            trained = build_policy(config.policy, config.seed)[0]
+            trained.load_state_dict(ray.get(learner.state.remote()))
+            result = ray.get(worker.generate.remote(PROMPTS[0], greedy))
+            assert result.versions == [version] * len(result.token_ids)
+            assert _max_gap(trained, result, greedy) < LOGPROB_TOL and _max_gap(model, result, greedy) > LOGPROB_TOL
+        finally:
+            for actor in [*workers.actors, learner]:
+                ray.kill(actor)
+
+    asyncio.run(scenario())
