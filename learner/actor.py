@@ -137,17 +137,16 @@ class LearnerActor:
         self._weight_group = None  # the old group's engines are gone or joining the new one
         return address
 
-    def send_weights(self, generation: int, backend: str) -> int:
-        """Broadcast the weights to the engines of group `generation` (they call `receive_weights` meanwhile);
-        the version sent."""
+    def send_weights(self, generation: int, backend: str, layout: Layout) -> int:
+        """Broadcast the weights in `layout` (the one the engines receive into) to the engines of group
+        `generation` (they call `receive_weights` meanwhile); the version sent."""
         if self._weight_group is None or self._weight_group.generation != generation:
             store, address, world, opened = self._next_group
             if opened != generation:
                 raise RuntimeError(f"weight group {generation} was never opened (the last opened is {opened})")
             self._weight_group = WeightGroup(address, 0, world, backend, generation, store=store)
-        tensors = self.learner.push_tensors()
         try:
-            self._weight_group.send(Layout.plan(tensors.items()), tensors)
+            self._weight_group.send(layout, self.learner.push_tensors())
         except BaseException:
             # A rank died mid-broadcast: closing the group fails the others' receives now, not at its timeout.
             self._weight_group.close()

@@ -323,22 +323,9 @@ class EmbeddedEngine:
         finished = []
         for b, request in enumerate(batch):
             kept, reason = request.take(tokens[b], logprobs[b], routes[b], self.version)
-            if prefill:
-                if tokens[b]:
-                    request.first_token = now
-                if hidden is not None:  # the drafter's pending states: every prompt position, piece after piece
-                    piece = hidden[b, : len(rows[b])]
-                    if request.mtp_hidden is None:
-                        request.mtp_computed, request.mtp_hidden = request.computed, piece
-                    else:
-                        request.mtp_hidden = torch.cat([request.mtp_hidden, piece])
-                request.computed += len(rows[b])
-            else:
-                if hidden is not None:
-                    pending = hidden[b, :kept]
-                    # The drafter consumed its pending states this step (None) unless it had nothing to draft.
-                    request.mtp_hidden = pending if request.mtp_hidden is None else torch.cat([request.mtp_hidden, pending])
-                request.computed += kept
+            if prefill and tokens[b]:
+                request.first_token = now
+            request.advance(len(rows[b]), kept, prefill, None if hidden is None else hidden[b])
             if drafted[b]:
                 request.verify_steps += 1
                 request.verify_tokens += kept

@@ -2,7 +2,7 @@
 
 The engine core (`rollout/engine.py`) schedules requests and runs the forwards; a request keeps its own
 books: the tokens the next forward must feed (`pending_tokens`), each step's tokens appended up to a
-stop (`take`), and its result (`result`).
+stop (`take`), its cache frontier moved past them (`advance`), and its result (`result`).
 """
 
 from __future__ import annotations
@@ -66,6 +66,24 @@ class Request:
             if reason:
                 break  # drafts past a stop are discarded, as if never sampled
         return kept, reason
+
+    def advance(self, fed: int, kept: int, prefill: bool, hidden: torch.Tensor | None) -> None:
+        """Move the KV frontier past this step: the prompt piece it fed (prefill) or the tokens it kept
+        (decode). `hidden`: with drafting, this row's target hidden states, queued for the MTP layer."""
+        if prefill:
+            if hidden is not None:  # every prompt position, piece after piece
+                piece = hidden[:fed]
+                if self.mtp_hidden is None:
+                    self.mtp_computed, self.mtp_hidden = self.computed, piece
+                else:
+                    self.mtp_hidden = torch.cat([self.mtp_hidden, piece])
+            self.computed += fed
+        else:
+            if hidden is not None:
+                pending = hidden[:kept]
+                # The drafter consumed its pending states this step (None) unless it had nothing to draft.
+                self.mtp_hidden = pending if self.mtp_hidden is None else torch.cat([self.mtp_hidden, pending])
+            self.computed += kept
 
     def result(self, reason: FinishReason, engine_id: str, error: str | None = None) -> GenerationResult:
         now = time.perf_counter()

@@ -76,7 +76,7 @@ class DirectPusher:
             _call(actor.receive_weights, self._address, self.generation, rank, world, weights.backend, layout, version)
             for rank, actor in enumerate(members.values(), start=1)
         ]
-        send = _call(weights.learner.send_weights, self.generation, weights.backend)
+        send = _call(weights.learner.send_weights, self.generation, weights.backend, layout)
         sent, *received = await asyncio.gather(send, *calls, return_exceptions=True)
         failure = sent if isinstance(sent, BaseException) else None
         if failure is not None or any(isinstance(result, BaseException) for result in received):
