@@ -39,6 +39,8 @@ class ClusterConfig(Section):
     """Node labels each learner rank needs (as engine_labels)."""
     teacher_labels: dict[str, str] = {}
     """Node labels each distillation teacher's scoring actor needs (as engine_labels)."""
+    gateway_labels: dict[str, str] = {}
+    """Node labels each gateway replica actor needs (gateway.replicas > 1; as engine_labels); none: spread over the nodes."""
     placement_timeout_s: float = Field(300.0, gt=0)
     """How long the engines' placement group may wait for nodes with room before the run is refused, naming
     what it asked for and what the cluster has."""

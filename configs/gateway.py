@@ -77,6 +77,19 @@ class GatewayConfig(Section):
     truncation); "allow" samples as asked (`asyncrl serve` allows unless this is set: agents and judges under
     development). Either way each turn records its options and the learner scores each token at its turn's temperature."""
 
+    replicas: int = Field(1, ge=1, le=64)
+    """How many gateways `asyncrl run` serves over its store and engines: its own and replicas - 1 more, each a
+    Ray actor; each rollout is served by the replica that opened it (gateway/replicas.py, docs/CLUSTER.md)."""
+    replica_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,32}$")
+    """This gateway's name among replicas sharing one store (`asyncrl serve`: give each process its own); None:
+    a lone gateway. Rollouts it opens name it as their home, and calls on them reaching another replica are forwarded here."""
+    advertise_url: str | None = None
+    """The URL other replicas and agents reach this gateway at (e.g. http://10.0.0.5:8000); None:
+    http://HOST:PORT, with this machine's address where host is 0.0.0.0."""
+    replica_ttl_s: float = Field(10.0, gt=0, le=3600)
+    """A replica that has not announced itself for this long is taken as dead; calls on its rollouts are then
+    served by whichever replica they reach (their next turn starts a fresh branch)."""
+
     @model_validator(mode="after")
     def _check_heartbeats(self) -> GatewayConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -154,6 +154,8 @@ class OpenRolloutResponse(_Closed):
     rollout_id: str
     api_key: str
     """Send as `Authorization: Bearer <api_key>` with OpenAI calls; it identifies the rollout."""
+    base_url: str | None = None
+    """The OpenAI base URL of the gateway replica that serves this rollout (`gateway.replica_id`); None: this gateway's."""
 
 
 class FinishRolloutRequest(_Closed):

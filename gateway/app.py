@@ -37,6 +37,7 @@ from .errors import GatewayError
 from .lean_route import LeanJSONRoute, anthropic_key, rollout_key
 from .pool import Abandoned, EngineUnavailable, GenerationTimeout
 from .registry import EngineIdTaken, RegistryFull
+from .replicas import Forwarding
 from .service import GatewayService
 from .store import RolloutClosed, StoreError, UnknownRollout
 from .toolcalls import MessageError
@@ -192,6 +193,8 @@ def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
     app = FastAPI(title="asyncrl TITO gateway", version="1", lifespan=lifespan, responses={
         400: {"model": api.ErrorResponse}, 401: {"model": api.ErrorResponse}, 409: {"model": api.ErrorResponse},
     })  # fmt: skip
+    if service.replicas is not None:
+        app.add_middleware(Forwarding, replicas=service.replicas)  # inside the body limit (the last added is outermost)
     app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
     _install_errors(app)
     run_token, engine_token = _token_checks(service)

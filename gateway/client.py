@@ -56,7 +56,7 @@ class GatewayClient:
 
     def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
         data = _body(self._http.post("/rollouts", json=_open_body(task, group_id, metadata, evaluation)))
-        return Rollout(data["rollout_id"], data["api_key"], self.url + "/v1")
+        return Rollout(data["rollout_id"], data["api_key"], data.get("base_url") or self.url + "/v1")
 
     def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> dict:
         return _body(self._http.post(f"/rollouts/{rollout_id}/finish", json=_finish_body(reward, status, metrics, reason)))
@@ -85,7 +85,7 @@ class AsyncGatewayClient:
 
     async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
         data = _body(await self._http.post("/rollouts", json=_open_body(task, group_id, metadata, evaluation)))
-        return Rollout(data["rollout_id"], data["api_key"], self.url + "/v1")
+        return Rollout(data["rollout_id"], data["api_key"], data.get("base_url") or self.url + "/v1")
 
     async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> dict:
         return _body(await self._http.post(f"/rollouts/{rollout_id}/finish", json=_finish_body(reward, status, metrics, reason)))

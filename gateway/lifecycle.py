@@ -28,7 +28,7 @@ class InProcessLifecycle:
     async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
         request = api.OpenRolloutRequest(task=task, group_id=group_id, metadata=metadata or {}, evaluation=evaluation)
         opened = await _refusing(self.service.rollouts.open(request))
-        return Rollout(opened.rollout_id, opened.api_key, self.url + "/v1")
+        return Rollout(opened.rollout_id, opened.api_key, opened.base_url or self.url + "/v1")
 
     async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = ""):
         request = api.FinishRolloutRequest(reward=reward, status=status, metrics=metrics or {}, reason=reason)

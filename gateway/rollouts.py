@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import hmac
 import secrets
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from . import api
 from .budget import Reservation, RolloutBudget, RolloutLimit
 from .conversation import Conversation
 from .errors import GatewayError
+from .replicas import ReplicaSet
 from .store import TrajectoryRecorder, UnknownRollout
 from .template import TokenizerTemplate
 
@@ -79,21 +81,28 @@ class RolloutTable:
         template: TokenizerTemplate,
         config: GatewayConfig,
         secret: bytes,
+        replicas: ReplicaSet | None = None,
     ) -> None:
         self.store, self._io, self.tokenizer, self.template, self.config = store, io, tokenizer, template, config
         self._secret = secret
+        self.replicas = replicas
+        """Where this gateway has replicas: its rollouts' ids name it as their home."""
         self.live: dict[str, Rollout] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()
 
     async def open(self, request: api.OpenRolloutRequest) -> api.OpenRolloutResponse:
+        replicas = self.replicas
         if request.evaluation:
             rollout_id = f"eval-{secrets.token_hex(12)}"
+            rollout_id = replicas.rollout_id(rollout_id) if replicas else rollout_id
             self.live[rollout_id] = self._new(rollout_id)
             self.live[rollout_id].evaluation = request
         else:
-            rollout_id = await self._io(self.store.open, request.task, request.group_id, request.metadata)
+            chosen = replicas.rollout_id(uuid.uuid4().hex) if replicas else None
+            rollout_id = await self._io(self.store.open, request.task, request.group_id, request.metadata, rollout_id=chosen)
             self.live[rollout_id] = self._new(rollout_id)
-        return api.OpenRolloutResponse(rollout_id=rollout_id, api_key=self.key(rollout_id))
+        base_url = replicas.base_url if replicas else None
+        return api.OpenRolloutResponse(rollout_id=rollout_id, api_key=self.key(rollout_id), base_url=base_url)
 
     async def finish(self, rollout_id: str, request: api.FinishRolloutRequest) -> api.RolloutInfo:
         evaluation = self._evaluation(rollout_id)

@@ -46,6 +46,7 @@ from .offload import CpuWorkers
 from .parsers import ParserNotFound, parse_reply, reasoning_parser, tool_call_parser
 from .parsers.auto import resolve as resolve_parser
 from .pool import EnginePool
+from .replicas import ReplicaSet
 from .rollouts import Rollout, RolloutTable
 from .sampling_policy import SamplingPolicy
 from .store import RolloutClosed, StoreError, TrajectoryRecorder
@@ -69,6 +70,7 @@ class GatewayService:
         secret: bytes | None = None,
         model_name: str = "asyncrl-policy",
         io_threads: int | None = None,
+        replicas: ReplicaSet | None = None,
     ) -> None:
         self.store, self.tokenizer, self.pool = store, tokenizer, pool
         self.config, self.sampling, self.model_name = config, sampling, model_name
@@ -83,7 +85,9 @@ class GatewayService:
         self._secret = secret or secrets.token_bytes(32)
         self.credentials = Credentials.from_secret(self._secret)
         """The run token (lifecycle, scoring) and the engine token (registration) of this gateway."""
-        self.rollouts = RolloutTable(store, self._io, tokenizer, template, config, self._secret)
+        self.replicas = replicas
+        """This gateway's replicas (None: a lone gateway); `app.py` forwards calls on their rollouts to them."""
+        self.rollouts = RolloutTable(store, self.io, tokenizer, template, config, self._secret, replicas)
         """The running rollouts, their keys, and the lifecycle calls (open, finish, abort, info)."""
         self.sampling_policy = SamplingPolicy(config, sampling, template, pool.context_tokens)
         self._template = template
@@ -114,7 +118,7 @@ class GatewayService:
         self._cpu.close()
         self._store_calls.close()
 
-    async def _io(self, fn, *args, **kwargs):
+    async def io(self, fn, *args, **kwargs):
         try:
             return await self._store_calls(fn, *args, **kwargs)
         except StoreError:
@@ -333,7 +337,7 @@ class GatewayService:
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, routes=result.routes,
         )  # fmt: skip
         try:
-            return await self._io(self.store.append, turn)
+            return await self.io(self.store.append, turn)
         except RolloutClosed:
             self.rollouts.end(rollout.id, None)  # by another gateway, or by a call that raced this one
             raise
@@ -354,4 +358,10 @@ class GatewayService:
             "engines": engines,
             "rollouts_running": len(self.rollouts.live),
             "requests_in_flight": self.calls.in_flight,
+            **(self._replica_health() if self.replicas else {}),
         }
+
+    def _replica_health(self) -> dict:
+        replicas = self.replicas
+        assert replicas is not None
+        return {"replica": replicas.id, "replicas": sorted(replicas.peers), "forwarded": replicas.forwarded}

@@ -16,22 +16,33 @@ from collections.abc import AsyncIterator
 from asyncrl.configs.schema import RunConfig
 
 from .lifecycle import InProcessLifecycle
+from .replicas import advertised_url, announced
 
 
 class InProcessGateway:
     """`async with InProcessGateway(...) as lifecycle`: uvicorn on this event loop, over `engines`
     (engine handles, `gateway/engines.py`); yields the lifecycle client that skips HTTP."""
 
-    def __init__(self, config: RunConfig, store, engines: list, tokenizer, *, model_name: str | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, store, engines: list, tokenizer, *, model_name: str | None = None,
+        replica_id: str | None = None, secret: bytes | None = None,
+    ) -> None:  # fmt: skip
+        """`replica_id`: this gateway is one of several over `store` (gateway/replicas.py), all sharing `secret`."""
         from asyncrl.gateway.pool import EnginePool
         from asyncrl.gateway.service import GatewayService
+
+        from .replicas import ReplicaSet
 
         pool = EnginePool(config.gateway)
         for engine in engines:
             pool.add_local(engine)
         name = model_name or config.name
-        self.service = GatewayService(store, tokenizer, pool, config.gateway, config.rollout.sampling, model_name=name)
+        replicas = ReplicaSet(store, replica_id, config.gateway.replica_ttl_s) if replica_id else None
+        self.service = GatewayService(
+            store, tokenizer, pool, config.gateway, config.rollout.sampling, model_name=name, secret=secret, replicas=replicas
+        )
         self.config = config
+        self._announced = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> InProcessLifecycle:
         from asyncrl.gateway.app import create_app, gateway_server
@@ -44,9 +55,12 @@ class InProcessGateway:
                 raise RuntimeError("the gateway stopped during start-up")
             await asyncio.sleep(0.02)
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return InProcessLifecycle(self.service, f"http://{host}:{port}", app=self.server.config.app)
+        url = advertised_url(self.config.gateway.advertise_url, host, port)
+        await self._announced.enter_async_context(announced(self.service.replicas, url, self.service.io))
+        return InProcessLifecycle(self.service, url, app=self.server.config.app)
 
     async def __aexit__(self, *exc) -> None:
+        await self._announced.aclose()  # the other replicas serve this one's rollouts from now on
         self.server.should_exit = True
         await asyncio.gather(self.task, return_exceptions=True)
         self.service.close()
@@ -73,7 +87,9 @@ def episode_http_client(config: RunConfig, gateway: InProcessLifecycle | None = 
 
     `loop.episode_transport: inprocess` (with the gateway at hand): requests go to the app through
     `InProcessTransport` (gateway/inprocess_transport.py), the same routes and recording code
-    without sockets. `http`, or no gateway given: aiohttp's connection pool to the gateway's port.
+    without sockets; with gateway replicas, only the calls to this process's replica, and the other
+    replicas' rollouts (whose base_url is theirs) over aiohttp. `http`, or no gateway given: aiohttp's
+    connection pool to the gateway's port.
     httpx's own pool checks every pooled socket (a select() call each) on every request, which capped
     it at ~16 connections and so throttled the engine's batches to 16; aiohttp keeps a free list (~1/3
     less driver CPU per episode, measured). One connection per episode in flight, so none queue here.
@@ -83,10 +99,13 @@ def episode_http_client(config: RunConfig, gateway: InProcessLifecycle | None = 
     import httpx2
     import openai
 
+    connections = config.loop.max_inflight
+    limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
     if gateway is not None and gateway.app is not None and config.loop.episode_transport == "inprocess":
         from .inprocess_transport import InProcessTransport
 
-        return openai.DefaultAsyncHttpxClient(transport=InProcessTransport(gateway.app), timeout=None)
-    connections = config.loop.max_inflight
-    limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
+        if config.gateway.replicas == 1:
+            return openai.DefaultAsyncHttpxClient(transport=InProcessTransport(gateway.app), timeout=None)
+        # Rollouts opened on this process's replica without a socket, the other replicas' over HTTP.
+        return openai.DefaultAioHttpClient(timeout=None, limits=limits, mounts={gateway.url: InProcessTransport(gateway.app)})
     return openai.DefaultAioHttpClient(timeout=None, limits=limits)

@@ -118,6 +118,7 @@ def unlabelled(config: RunConfig, nodes: list[dict[str, str]], *, learner: bool 
     problems = []
     teachers = any(spec.checkpoint for spec in config.distill.teachers.values())
     keys = ["engine_labels"] + (["learner_labels"] if learner else []) + (["teacher_labels"] if learner and teachers else [])
+    keys += ["gateway_labels"] if learner and config.gateway.replicas > 1 else []
     for key in keys:
         wanted = getattr(config.cluster, key)
         plain = wanted and not any(any(c in value for c in "!()") for value in wanted.values())

@@ -41,15 +41,16 @@ from asyncrl.configs.schema import RunConfig
 from asyncrl.distill.teachers import Teachers, check_checkpoints
 from asyncrl.envs.base import Environment
 from asyncrl.gateway.app import run_loop, settle_heap
-from asyncrl.gateway.serving import InProcessGateway, episode_http_client
+from asyncrl.gateway.serving import episode_http_client
 from asyncrl.gateway.store import open_store
 from asyncrl.policy.validate import resolve_policy
 from asyncrl.records import TERMINAL_STATUSES
 
 from . import usage
-from .clients import PoolRouting, RayLearner, RayWorkers
+from .clients import RayLearner, RayWorkers
 from .cluster import check_shared_run_dir, start_ray, write_shared_check
 from .display import Display
+from .gateway_replicas import start_gateways
 from .loop import Loop
 from .parts import Parts
 from .rundir import LoopState, RunDir
@@ -146,20 +147,21 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         if learner.direct is not None:
             transport, backend = learner.direct
             display.say(f"weight pushes: {transport} from the learner to the engines" + (f" over {backend}" if backend else ""))
-        served = InProcessGateway(config, store, workers.engines, tokenizer)
-        gateway = await stack.enter_async_context(served)
+        gateways = await start_gateways(stack, config, store, workers.engines, tokenizer)
+        if gateways.replicas is not None:
+            display.say(f"gateway replicas: {gateways.own.url} (this process), {', '.join(gateways.replicas.urls.values())}")
         metrics = rundir.metrics(config, resume=resumed)
         stack.callback(metrics.close)
-        http = await stack.enter_async_context(episode_http_client(config, gateway))
+        http = await stack.enter_async_context(episode_http_client(config, gateways.own))
         parts = Parts(
-            store=store, gateway=gateway, http=http, tasks=tasks, learner=learner, workers=workers,
+            store=store, gateway=gateways.episodes, http=http, tasks=tasks, learner=learner, workers=workers,
             tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
             reclaim_store=lambda: _open_store(config, rundir, visibility_timeout_s=1e-6),
         )  # fmt: skip
         loop = Loop(config, parts, state)
         stack.push_async_callback(loop.episodes.stop)  # on a crash, before the gateway goes
         await loop.push()  # the engines serve exactly the learner's weights, at its version
-        workers.attach(PoolRouting(served.service.pool))
+        workers.attach(gateways.routing)
         if resumed:
             reclaim = _open_store(config, rundir, visibility_timeout_s=1e-6)
             recovered = await loop.recover(reclaim)
@@ -187,6 +189,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         "eval_before": state.eval_before, "eval_after": eval_after,
         **eval_by_task(records, [task.name for task, _ in tasks.evaluated(config.eval.num_problems)]),
         "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions, "weight_transport": transport,
+        "gateway_replicas": gateways.summary(),
         "ledger": ledger, "balanced": sum(state.ledger.values()) == started,
         "recoveries": loop.recoveries, "resumed": resumption, "usage": spent, "run_dir": str(rundir.path),
     }  # fmt: skip

@@ -115,6 +115,7 @@ def _policy(config: RunConfig):
 def build_service(config: RunConfig):
     """(service, engine handles) for `config`; the policy is policy.path or the tiny policy."""
     from asyncrl.gateway.pool import EnginePool
+    from asyncrl.gateway.replicas import ReplicaSet
     from asyncrl.gateway.service import GatewayService
 
     model, tokenizer, mtp = _policy(config)
@@ -127,15 +128,18 @@ def build_service(config: RunConfig):
     for handle in handles:
         pool.add_local(handle)
     name = Path(config.policy.path).name if config.policy.path else f"asyncrl-tiny-{config.policy.tiny.arch}"
+    store = open_run_store(config)
+    replicas = ReplicaSet(store, gateway.replica_id, gateway.replica_ttl_s) if gateway.replica_id else None
     service = GatewayService(
-        open_run_store(config), tokenizer, pool, gateway, config.rollout.sampling,
-        secret=_secret(run_directory(config)), model_name=name,
+        store, tokenizer, pool, gateway, config.rollout.sampling,
+        secret=_secret(run_directory(config)), model_name=name, replicas=replicas,
     )  # fmt: skip
     return service, handles
 
 
 def serve(config: RunConfig) -> int:
     from asyncrl.gateway.app import create_app, gateway_server, run_loop, settle_heap
+    from asyncrl.gateway.replicas import advertised_url, announced
 
     service, handles = build_service(config)
     server = gateway_server(create_app(service), config.gateway)
@@ -144,10 +148,18 @@ def serve(config: RunConfig) -> int:
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
-        if server.started:
-            host, port = server.servers[0].sockets[0].getsockname()[:2]
-            print(_banner(config, f"http://{host}:{port}", len(handles), service.store), flush=True)
-        await task
+        if not server.started:
+            return await task
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        url = advertised_url(config.gateway.advertise_url, host, port)
+        try:
+            async with announced(service.replicas, url, service.io):
+                print(_banner(config, url, len(handles), service), flush=True)
+                await task
+        except ValueError as error:  # a replica id another live gateway announced
+            server.should_exit = True
+            await task
+            raise ConfigError(str(error)) from None
 
     settle_heap()
     # uvicorn stops on SIGTERM, then raises the signal again under the handler found at start: this one
@@ -188,8 +200,10 @@ def _terminated(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _banner(config: RunConfig, url: str, engines: int, store) -> str:
+def _banner(config: RunConfig, url: str, engines: int, service) -> str:
     where = "in-process" if config.gateway.engines == "in_process" else "Ray"
+    replicas = service.replicas
+    peers = f"replica {replicas.id} of {', '.join(sorted(replicas.peers))}; " if replicas else ""
     token = f"asyncrl token {shlex.quote(str(run_directory(config)))}"
     if config.gateway.auth:
         how = [f"lifecycle calls take the run token, which `{token}` prints (engines elsewhere: `{token} --engine`)."]
@@ -197,7 +211,7 @@ def _banner(config: RunConfig, url: str, engines: int, store) -> str:
     else:
         how, auth = ["gateway.auth is false: lifecycle calls need no token (loopback only)."], ""
     return "\n".join([
-        f"asyncrl gateway listening on {url}  ({engines} {where} engine(s), store {store!r})",
+        f"asyncrl gateway listening on {url}  ({peers}{engines} {where} engine(s), store {service.store!r})",
         "",
         *how,
         "open a rollout:",

@@ -144,9 +144,13 @@ class LiveGateway:
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.http = httpx.Client(base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {self.run_token}"})
+        if self.service.replicas is not None:  # one of several replicas (gateway/replicas.py): announce it
+            self.await_on_loop(self.service.replicas.start(self.url, self.service.io))
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.service.replicas is not None:
+            self.await_on_loop(self.service.replicas.withdraw(self.service.io))
         self.http.close()
         self.server.should_exit = True
         self.thread.join(timeout=20)
@@ -167,6 +171,10 @@ class LiveGateway:
             return fn(*args)
 
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout=10)
+
+    def await_on_loop(self, coroutine):
+        """Await `coroutine` on the server's event loop."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

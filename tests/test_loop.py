@@ -54,6 +54,24 @@ def test_async_run_pushes_weights_and_survives_a_crashing_environment(ray_sessio
     assert 0 < usage["engine_busy_frac"]["a-rollout-0"] <= 1
 
 
+def test_a_run_with_gateway_replicas_opens_rollouts_on_each_and_records_them_all(ray_session, tmp_path):
+    """gateway.replicas=2: the driver's gateway and a replica actor each open every other rollout and serve
+    its calls (episodes call the replica over HTTP), over the one store and the same engine."""
+    from asyncrl.gateway.replicas import home_of
+    from asyncrl.sched.run import run
+
+    summary = run(config(tmp_path, "name=r", "gateway.replicas=2", "loop.steps=2"), env=CoinEnv())
+    check_ledger(summary)
+    assert summary["version"] == 2 and summary["engine_versions"] == [2]
+    opened = summary["gateway_replicas"]
+    assert set(opened) == {"g0", "g1"} and abs(opened["g0"] - opened["g1"]) <= 1  # in turn
+    trajectories = open_store(tmp_path / "r").list()
+    homes = {home_of(t.rollout_id) for t in trajectories}
+    assert homes == {"g0", "g1"} and all(t.turns for t in trajectories if t.status == "ok")
+    assert {turn.engine_id for t in trajectories for turn in t.turns} == {"r-rollout-0"}
+    assert not open_store(tmp_path / "r").replicas()  # both withdrew at the end
+
+
 def test_sync_run_trains_on_policy(ray_session, tmp_path):
     from asyncrl.sched.run import run
 

@@ -340,3 +340,16 @@ def test_sqlite_finish_reads_the_hand_off_order_from_an_index_not_a_scan(tmp_pat
     db = sqlite3.connect(tmp_path / "t.db")
     plan = " ".join(row[-1] for row in db.execute("EXPLAIN QUERY PLAN SELECT COALESCE(MAX(done_seq), 0) + 1 FROM trajectories"))
     assert "INDEX" in plan and "SCAN" not in plan, plan
+
+
+def test_gateway_replicas_find_each_other_in_the_store_until_they_withdraw_or_lapse(make_store):
+    first, second = make_store(), make_store()  # two gateways' own connections to one store
+    first.announce_replica("g0", "http://10.0.0.1:8000", ttl_s=60)
+    second.announce_replica("g1", "http://10.0.0.2:8000", ttl_s=60)
+    assert first.replicas() == second.replicas() == {"g0": "http://10.0.0.1:8000", "g1": "http://10.0.0.2:8000"}
+    second.announce_replica("g1", "http://10.0.0.2:9000", ttl_s=60)  # announced again: the latest URL stands
+    assert first.replicas()["g1"] == "http://10.0.0.2:9000"
+    second.announce_replica("g2", "http://10.0.0.3:8000", ttl_s=0)  # its time to live is already over
+    assert "g2" not in first.replicas()
+    first.withdraw_replica("g0")
+    assert second.replicas() == {"g1": "http://10.0.0.2:9000"}

@@ -13,6 +13,7 @@ from asyncrl.records import Trajectory
 from .base import (
     COUNT_KEYS,
     DEFAULT_VISIBILITY_TIMEOUT_S,
+    ReplicaDirectory,
     RolloutClosed,
     StoreError,
     TrajectoryHandOff,
@@ -93,6 +94,7 @@ __all__ = [
     "COUNT_KEYS",
     "DEFAULT_VISIBILITY_TIMEOUT_S",
     "ReadOnlyStore",
+    "ReplicaDirectory",
     "RolloutClosed",
     "SQLiteStore",
     "StoreError",

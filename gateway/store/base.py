@@ -129,8 +129,26 @@ class TrajectoryPruner(Protocol):
 
 
 @runtime_checkable
-class TrajectoryStore(TrajectoryRecorder, TrajectoryHandOff, TrajectoryReader, Protocol):
-    """What every backend implements: all three callers' sides, and `close`."""
+class ReplicaDirectory(Protocol):
+    """Where gateway replicas over one store find each other (gateway/replicas.py): each announces its
+    URL again and again, and an announcement lapses after its time to live (the replica died)."""
+
+    def announce_replica(self, replica_id: str, url: str, ttl_s: float) -> None:
+        """`replica_id` answers at `url` for the next `ttl_s` seconds."""
+        ...
+
+    def replicas(self) -> dict[str, str]:
+        """Replica id -> URL of every replica whose last announcement has not lapsed."""
+        ...
+
+    def withdraw_replica(self, replica_id: str) -> None:
+        """`replica_id` stops answering (a clean shutdown): its rollouts' calls are served by whoever gets them."""
+        ...
+
+
+@runtime_checkable
+class TrajectoryStore(TrajectoryRecorder, TrajectoryHandOff, TrajectoryReader, ReplicaDirectory, Protocol):
+    """What every backend implements: all three callers' sides, the replicas' directory, and `close`."""
 
     def close(self) -> None: ...
 

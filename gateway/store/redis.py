@@ -183,7 +183,7 @@ class RedisStore:
             self._r.ping()
         except redis.RedisError as error:
             raise StoreError(f"cannot reach Redis at {url}: {error}") from error
-        self._stream, self._order, self._counts = (self.prefix + k for k in ("done", "rollouts", "counts"))
+        self._stream, self._order, self._counts, self._replicas = (self.prefix + k for k in ("done", "rollouts", "counts", "replicas"))
         if read_only:
             if not self._r.exists(self._order, self._stream):
                 raise FileNotFoundError(f"nothing recorded under {self.prefix}* at {url} (is the namespace the run's name?)")
@@ -267,6 +267,31 @@ class RedisStore:
             raise unknown_error(rollout_id)
         if reply[0] == 2:
             raise closed_error(rollout_id, reply[1], verb)
+
+    # -- the replicas' directory ------------------------------------------------------------------
+    # One hash, replica id -> {url, until}, against Redis's own clock, so nodes' clocks need not agree.
+
+    def announce_replica(self, replica_id: str, url: str, ttl_s: float) -> None:
+        def write(retry: bool) -> None:
+            seconds, micros = self._r.time()
+            self._r.hset(self._replicas, replica_id, json.dumps({"url": url, "until": seconds + micros / 1e6 + ttl_s}))
+
+        self._call(write)
+
+    def replicas(self) -> dict[str, str]:
+        def read(retry: bool) -> list:
+            pipe = self._r.pipeline(transaction=True)
+            pipe.time()
+            pipe.hgetall(self._replicas)
+            return pipe.execute()
+
+        (seconds, micros), announced = self._call(read)
+        now = seconds + micros / 1e6
+        entries = {replica_id: json.loads(text) for replica_id, text in announced.items()}
+        return {replica_id: entry["url"] for replica_id, entry in entries.items() if entry["until"] > now}
+
+    def withdraw_replica(self, replica_id: str) -> None:
+        self._call(lambda retry: self._r.hdel(self._replicas, replica_id))
 
     # -- the hand-off to the learner --------------------------------------------------------------
 

@@ -70,6 +70,12 @@ CREATE TABLE IF NOT EXISTS turns (
     data TEXT NOT NULL,
     PRIMARY KEY (rollout_id, idx)
 ) WITHOUT ROWID;
+-- Gateway replicas sharing this file (replicas on one machine): who answers where, until when.
+CREATE TABLE IF NOT EXISTS replicas (
+    replica_id TEXT PRIMARY KEY,
+    url TEXT NOT NULL,
+    until REAL NOT NULL
+) WITHOUT ROWID;
 """
 
 _HEADER = "rollout_id, task, group_id, metadata, status, reward, metrics, reason, created_at, finished_at"
@@ -215,6 +221,20 @@ class SQLiteStore:
             raise unknown_error(rollout_id)
         if row[0] != "running":
             raise closed_error(rollout_id, row[0], verb)
+
+    # -- the replicas' directory ------------------------------------------------------------------
+
+    def announce_replica(self, replica_id: str, url: str, ttl_s: float) -> None:
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO replicas VALUES (?, ?, ?)", (replica_id, url, time.time() + ttl_s))
+
+    def replicas(self) -> dict[str, str]:
+        rows = self._db().execute("SELECT replica_id, url FROM replicas WHERE until > ?", (time.time(),))
+        return dict(rows.fetchall())
+
+    def withdraw_replica(self, replica_id: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM replicas WHERE replica_id = ?", (replica_id,))
 
     # -- the hand-off to the learner --------------------------------------------------------------
 

@@ -1,0 +1,256 @@
+"""Gateway replicas in `asyncrl run` (`gateway.replicas` > 1): the driver's gateway is replica g0, and
+g1 ... are Ray actors, each serving the same store and the same engines on a port of its own.
+
+The driver spreads the rollouts it opens over the replicas (`SpreadLifecycle`): each opens every N-th,
+so that replica renders, routes and records all of that rollout's calls (gateway/replicas.py). An
+episode's OpenAI client calls its rollout's base_url: the driver's replica without a socket, the others
+over HTTP. A replacement engine joining, or a dead one leaving, reaches every replica (`FanOutRouting`).
+A replica actor that dies takes its rollouts in flight with it (they end as the episodes' timeouts or
+errors, each in one account); the others serve on, and the driver opens no more rollouts there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from asyncrl.configs.schema import RunConfig
+from asyncrl.gateway.client import AsyncGatewayClient
+from asyncrl.gateway.lifecycle import InProcessLifecycle
+from asyncrl.gateway.replicas import home_of
+from asyncrl.lifecycle import LifecycleRefused, Rollout, RolloutLifecycle
+
+from .parts import Routing
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0
+"""Longest a replica actor may take to start serving (it loads the tokenizer and the app)."""
+
+
+def replica_name(index: int) -> str:
+    return f"g{index}"
+
+
+@dataclass
+class Gateways:
+    """A run's gateways as the loop sees them."""
+
+    own: InProcessLifecycle
+    """The driver's gateway (its service, URL and app: the episodes' in-process transport)."""
+    episodes: RolloutLifecycle
+    """What episodes open and end rollouts with: the driver's gateway, or every replica in turn."""
+    routing: Routing
+    """Where engines join and leave: the driver's pool, and every replica's."""
+    replicas: GatewayReplicas | None = None
+
+    def summary(self) -> dict | None:
+        """Rollouts opened per replica (None: one gateway)."""
+        return dict(self.episodes.opened) if isinstance(self.episodes, SpreadLifecycle) else None
+
+
+async def start_gateways(stack: contextlib.AsyncExitStack, config: RunConfig, store: Any, engines: list, tokenizer: Any) -> Gateways:
+    """The driver's gateway over `engines`, and with `gateway.replicas` > 1 the replica actors beside it;
+    `stack` stops them all."""
+    from asyncrl.gateway.serving import InProcessGateway
+
+    from .clients import PoolRouting
+
+    if config.gateway.replicas == 1:
+        served = InProcessGateway(config, store, engines, tokenizer)
+        own = await stack.enter_async_context(served)
+        return Gateways(own, own, PoolRouting(served.service.pool))
+    secret = secrets.token_bytes(32)
+    served = InProcessGateway(config, store, engines, tokenizer, replica_id=replica_name(0), secret=secret)
+    own = await stack.enter_async_context(served)
+    replicas = GatewayReplicas(config, tokenizer, engines, secret)
+    stack.push_async_callback(replicas.stop)
+    urls = await replicas.start()
+    spread = SpreadLifecycle(own, replica_name(0), urls, served.service.credentials.run_token)
+    stack.push_async_callback(spread.aclose)
+    return Gateways(own, spread, FanOutRouting(PoolRouting(served.service.pool), replicas.actors), replicas)
+
+
+class GatewayReplica:
+    """A Ray actor serving one more gateway over the run's store and engines (`start` returns its URL)."""
+
+    def __init__(self, config: RunConfig, tokenizer: Any, engines: list[tuple[Any, str]], secret: bytes, replica_id: str) -> None:
+        from asyncrl.gateway.engines import RayEngine
+        from asyncrl.gateway.pool import EnginePool
+        from asyncrl.gateway.replicas import ReplicaSet
+        from asyncrl.gateway.service import GatewayService
+
+        from .serve import open_run_store
+
+        self.config = config
+        self.store = store = open_run_store(config)
+        pool = EnginePool(config.gateway)
+        for actor, engine_id in engines:
+            pool.add_local(RayEngine(actor, engine_id))
+        replicas = ReplicaSet(store, replica_id, config.gateway.replica_ttl_s)
+        self.service = GatewayService(
+            store, tokenizer, pool, config.gateway, config.rollout.sampling, model_name=config.name, secret=secret, replicas=replicas
+        )
+        self._stack = contextlib.AsyncExitStack()
+        self._serving: asyncio.Task | None = None
+
+    async def start(self) -> str:
+        import ray
+
+        from asyncrl.gateway.app import create_app, gateway_server
+        from asyncrl.gateway.replicas import advertised_url, announced
+
+        host = self.config.gateway.host
+        if not self.config.cluster.is_local and _is_loopback(host):
+            host = ray.util.get_node_ip_address()  # the driver and the agents are on other nodes
+        server = gateway_server(create_app(self.service), self.config.gateway, host=host, port=0)
+        self._serving = asyncio.create_task(server.serve())
+        self._server = server
+        while not server.started:
+            if self._serving.done():
+                self._serving.result()
+                raise RuntimeError("the gateway replica stopped during start-up")
+            await asyncio.sleep(0.02)
+        bound, port = server.servers[0].sockets[0].getsockname()[:2]
+        url = advertised_url(None, bound, port)
+        await self._stack.enter_async_context(announced(self.service.replicas, url, self.service.io))
+        return url
+
+    def join(self, actor: Any, engine_id: str) -> None:
+        from asyncrl.gateway.engines import RayEngine
+
+        self.service.pool.add_local(RayEngine(actor, engine_id))
+
+    def leave(self, engine_id: str, reason: str) -> None:
+        self.service.pool.remove_local(engine_id, reason)
+
+    def health(self) -> dict:
+        return self.service.health()
+
+    async def stop(self) -> None:
+        await self._stack.aclose()
+        if self._serving is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._serving, return_exceptions=True)
+        self.service.close()
+        self.store.close()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class GatewayReplicas:
+    """The replica actors beside the driver's gateway: started, told of engine changes, stopped."""
+
+    def __init__(self, config: RunConfig, tokenizer: Any, engines: list, secret: bytes) -> None:
+        import ray
+
+        actor_class = ray.remote(GatewayReplica)
+        handles = [(engine.actor, engine.engine_id) for engine in engines]
+        # num_cpus=0: a replica is I/O and the tokenizer, and must not take a CPU an engine or the learner
+        # was sized for; SPREAD puts replicas on different nodes where there are several.
+        options: dict[str, Any] = dict(num_cpus=0, scheduling_strategy="SPREAD", max_concurrency=1000)
+        if config.cluster.gateway_labels:
+            options["label_selector"] = dict(config.cluster.gateway_labels)
+        self.ids = [replica_name(i) for i in range(1, config.gateway.replicas)]
+        self.actors: list[Any] = [actor_class.options(**options).remote(config, tokenizer, handles, secret, rid) for rid in self.ids]
+        self.urls: dict[str, str] = {}
+
+    async def start(self) -> dict[str, str]:
+        """Replica id -> URL, once every replica serves."""
+        urls = await asyncio.wait_for(asyncio.gather(*(actor.start.remote() for actor in self.actors)), START_TIMEOUT_S)
+        self.urls = dict(zip(self.ids, urls, strict=True))
+        return self.urls
+
+    async def stop(self) -> None:
+        import ray
+
+        stops = [actor.stop.remote() for actor in self.actors]
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), 30)
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+
+class FanOutRouting:
+    """`Routing` for the driver's gateway and every replica actor: an engine joins or leaves all of them."""
+
+    def __init__(self, own: Routing, actors: list) -> None:
+        self.own, self.actors = own, actors
+
+    def join(self, handle: Any) -> None:
+        self.own.join(handle)
+        for actor in self.actors:
+            actor.join.remote(handle.actor, handle.engine_id)  # in order per actor; a dead replica just misses it
+
+    def leave(self, engine_id: str, reason: str) -> None:
+        self.own.leave(engine_id, reason)
+        for actor in self.actors:
+            actor.leave.remote(engine_id, reason)
+
+
+class SpreadLifecycle:
+    """A `RolloutLifecycle` that opens rollouts on the replicas in turn and ends each at its home.
+
+    A replica that cannot be reached (its actor died) is skipped for openings from then on, and its
+    rollouts are finished or aborted through the driver's own replica, which acts on the store alone."""
+
+    def __init__(self, own: RolloutLifecycle, own_id: str, others: dict[str, str], token: str | None) -> None:
+        self.lifecycles: dict[str, Any] = {own_id: own}
+        self.lifecycles.update({rid: AsyncGatewayClient(url, token=token, timeout=60.0) for rid, url in others.items()})
+        self._turn = itertools.cycle(list(self.lifecycles))
+        self.lost: set[str] = set()
+        self.opened = dict.fromkeys(self.lifecycles, 0)
+        """Rollouts opened on each replica."""
+
+    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
+        for _ in range(len(self.lifecycles)):
+            replica = next(self._turn)
+            if replica in self.lost:
+                continue
+            try:
+                rollout = await self.lifecycles[replica].open_rollout(task, group_id, metadata, evaluation=evaluation)
+            except (httpx.TransportError, LifecycleRefused) as error:
+                if isinstance(error, LifecycleRefused) and error.status < 500:
+                    raise
+                log.warning("gateway replica %s did not open a rollout (%s); opening on the others from now on", replica, error)
+                self.lost.add(replica)
+                continue
+            self.opened[replica] += 1
+            return rollout
+        raise LifecycleRefused(503, "no gateway replica could open a rollout")
+
+    async def _at_home(self, rollout_id: str, verb: str, *args: Any) -> Any:
+        home = home_of(rollout_id) or ""
+        own = next(iter(self.lifecycles.values()))
+        lifecycle = self.lifecycles.get(home, own) if home not in self.lost else own
+        try:
+            return await getattr(lifecycle, verb)(rollout_id, *args)
+        except httpx.TransportError as error:
+            log.warning("gateway replica %s did not answer (%s); ending rollout %s in the store", home, error, rollout_id)
+            self.lost.add(home)
+            return await getattr(own, verb)(rollout_id, *args)
+
+    async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> Any:
+        return await self._at_home(rollout_id, "finish", reward, status, metrics, reason)
+
+    async def abort(self, rollout_id: str, reason: str = "") -> Any:
+        return await self._at_home(rollout_id, "abort", reason)
+
+    async def aclose(self) -> None:
+        for lifecycle in self.lifecycles.values():
+            if isinstance(lifecycle, AsyncGatewayClient):
+                await lifecycle.aclose()
