@@ -271,6 +271,11 @@ def create_app(service: GatewayService, *, heartbeats: bool = True) -> FastAPI:
         lease = service.pool.register(handle, request.capacity, request.health, holder=request.lease)
         return api.RegisterEngineResponse(registered=True, lease=lease)
 
+    @app.get("/engines/replicas", tags=["engines"], dependencies=[engine_token])
+    async def gateway_replicas() -> dict:
+        """Replica id -> URL of this gateway's live replicas (itself included); engines announce themselves to each."""
+        return {"replicas": dict(service.replicas.peers) if service.replicas else {}}
+
     @app.post("/engines/{engine_id}/heartbeat", tags=["engines"], dependencies=[engine_token])
     async def engine_heartbeat(engine_id: str, request: api.HeartbeatRequest) -> api.HeartbeatResponse:
         return api.HeartbeatResponse(registered=service.pool.heartbeat(engine_id, request.health, holder=request.lease))

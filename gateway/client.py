@@ -78,26 +78,34 @@ class GatewayClient:
 
 
 class AsyncGatewayClient:
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0, **httpx_options: Any) -> None:
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0, client: Any = None, **httpx_options: Any) -> None:
+        """`client`: an AsyncClient with httpx's interface to send through, sharing its pool (e.g. the aiohttp
+        one of `openai.DefaultAioHttpClient`); it stays open after `aclose`. Default: a client of its own."""
         self.url = url.rstrip("/")
-        headers = {**_headers(token), **httpx_options.pop("headers", {})}
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=headers, **httpx_options)
+        self._headers = {**_headers(token), **httpx_options.pop("headers", {})}
+        self._timeout = timeout
+        self._owned = client is None
+        self._http = client if client is not None else httpx.AsyncClient(timeout=timeout, **httpx_options)
+
+    async def _post(self, path: str, body: dict) -> dict:
+        return _body(await self._http.post(self.url + path, json=body, headers=self._headers, timeout=self._timeout))
 
     async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
-        data = _body(await self._http.post("/rollouts", json=_open_body(task, group_id, metadata, evaluation)))
+        data = await self._post("/rollouts", _open_body(task, group_id, metadata, evaluation))
         return Rollout(data["rollout_id"], data["api_key"], data.get("base_url") or self.url + "/v1")
 
     async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> dict:
-        return _body(await self._http.post(f"/rollouts/{rollout_id}/finish", json=_finish_body(reward, status, metrics, reason)))
+        return await self._post(f"/rollouts/{rollout_id}/finish", _finish_body(reward, status, metrics, reason))
 
     async def abort(self, rollout_id: str, reason: str = "") -> dict:
-        return _body(await self._http.post(f"/rollouts/{rollout_id}/abort", json={"reason": reason}))
+        return await self._post(f"/rollouts/{rollout_id}/abort", {"reason": reason})
 
     async def get(self, rollout_id: str) -> dict:
-        return _body(await self._http.get(f"/rollouts/{rollout_id}"))
+        return _body(await self._http.get(f"{self.url}/rollouts/{rollout_id}", headers=self._headers, timeout=self._timeout))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._owned:
+            await self._http.aclose()
 
     async def __aenter__(self) -> AsyncGatewayClient:
         return self

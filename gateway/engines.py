@@ -335,16 +335,25 @@ class Announcement:
 
     `token` is the gateway's engine token. The lease the first registration returns proves this engine
     holds `engine_id`: it goes with every later call, and after the gateway dropped the engine (missed
-    heartbeats) the next heartbeat registers again for a fresh one."""
+    heartbeats) the next heartbeat registers again for a fresh one.
+
+    Where the gateway has replicas (gateway/replicas.py), `run` also asks it for the others every
+    REPLICAS_EVERY beats and announces the engine to each of them the same way (each gateway keeps its
+    own registry and lease), so every replica can route its rollouts to this engine."""
+
+    REPLICAS_EVERY = 10
 
     def __init__(
         self, gateway_url: str, engine_id: str, address: str, *, token: str | None,
         capacity: float = 1.0, health: Callable[[], dict] = dict, interval_s: float = 1.0,
     ) -> None:  # fmt: skip
         self.engine_id, self.address, self.capacity, self.health, self.interval_s = engine_id, address, capacity, health, interval_s
+        self.url, self._token = gateway_url.rstrip("/"), token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(base_url=gateway_url.rstrip("/"), headers=headers, timeout=10.0)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10.0)
         self.lease: str | None = None
+        self.replicas: dict[str, Announcement] = {}
+        """URL -> this engine's announcement to each other replica of the gateway."""
 
     async def register(self) -> None:
         body = {"engine_id": self.engine_id, "address": self.address, "capacity": self.capacity, "health": self.health()}
@@ -359,18 +368,42 @@ class Announcement:
         await self.register()
 
     async def deregister(self) -> None:
+        for replica in self.replicas.values():
+            with contextlib.suppress(httpx.HTTPError, AnnouncementRefused):  # gone already: it drops the engine itself
+                await replica.deregister()
         if self.lease is not None:
             await self._post(f"/engines/{self.engine_id}/deregister", {"lease": self.lease})
             self.lease = None
 
+    async def follow_replicas(self) -> None:
+        """Ask the gateway for its replicas now: announce this engine to new ones, stop announcing to gone ones."""
+        response = await self._http.get("/engines/replicas")
+        if response.status_code != 200:
+            return  # a gateway without that route: an older one
+        urls = {url.rstrip("/") for url in response.json()["replicas"].values()} - {self.url}
+        for url in set(self.replicas) - urls:
+            await self.replicas.pop(url).aclose()
+        for url in urls - set(self.replicas):
+            self.replicas[url] = Announcement(
+                url, self.engine_id, self.address, token=self._token, capacity=self.capacity, health=self.health, interval_s=self.interval_s
+            )
+
     async def run(self) -> None:
-        """Register and heartbeat until cancelled; a gateway that cannot be reached is tried again."""
-        while True:
-            with contextlib.suppress(httpx.HTTPError):  # the gateway restarted or is busy; the next beat tries again
+        """Register and heartbeat until cancelled, at the gateway and at its replicas; a gateway that cannot
+        be reached is tried again at the next beat."""
+        for beat in itertools.count():
+            with contextlib.suppress(httpx.HTTPError):  # the gateway restarted or is busy
                 await self.heartbeat()
+                if beat % self.REPLICAS_EVERY == 0:
+                    await self.follow_replicas()
+            for replica in list(self.replicas.values()):
+                with contextlib.suppress(httpx.HTTPError):
+                    await replica.heartbeat()
             await asyncio.sleep(self.interval_s)
 
     async def aclose(self) -> None:
+        for replica in self.replicas.values():
+            await replica.aclose()
         await self._http.aclose()
 
     async def _post(self, path: str, body: dict) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import itertools
 import logging
@@ -20,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import httpx2
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.gateway.client import AsyncGatewayClient
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
 """Longest a replica actor may take to start serving (it loads the tokenizer and the app)."""
+LIFECYCLE_TIMEOUT_S = 60.0
+"""Longest a lifecycle call to another replica may take before it is tried elsewhere."""
 
 
 def replica_name(index: int) -> str:
@@ -74,7 +77,7 @@ async def start_gateways(stack: contextlib.AsyncExitStack, config: RunConfig, st
     replicas = GatewayReplicas(config, tokenizer, engines, secret)
     stack.push_async_callback(replicas.stop)
     urls = await replicas.start()
-    spread = SpreadLifecycle(own, replica_name(0), urls, served.service.credentials.run_token)
+    spread = SpreadLifecycle(own, replica_name(0), urls, served.service.credentials.run_token, config.loop.max_inflight)
     stack.push_async_callback(spread.aclose)
     return Gateways(own, spread, FanOutRouting(PoolRouting(served.service.pool), replicas.actors), replicas)
 
@@ -165,7 +168,10 @@ class GatewayReplicas:
         if config.cluster.gateway_labels:
             options["label_selector"] = dict(config.cluster.gateway_labels)
         self.ids = [replica_name(i) for i in range(1, config.gateway.replicas)]
-        self.actors: list[Any] = [actor_class.options(**options).remote(config, tokenizer, handles, secret, rid) for rid in self.ids]
+        self.actors: list[Any] = [
+            actor_class.options(name=f"{config.name}-gateway-{rid}", **options).remote(config, tokenizer, handles, secret, rid)
+            for rid in self.ids
+        ]  # named, so `ray list actors` and the dashboard show which run's replica each is
         self.urls: dict[str, str] = {}
 
     async def start(self) -> dict[str, str]:
@@ -205,29 +211,41 @@ class FanOutRouting:
 class SpreadLifecycle:
     """A `RolloutLifecycle` that opens rollouts on the replicas in turn and ends each at its home.
 
-    A replica that cannot be reached (its actor died) is skipped for openings from then on, and its
-    rollouts are finished or aborted through the driver's own replica, which acts on the store alone."""
+    A replica that refuses connections (its actor died) is skipped for openings from then on, and its
+    rollouts are finished or aborted through the driver's own replica, which acts on the store alone. One
+    that is only slow (a timeout) opens this rollout elsewhere and keeps its turn. `connections`: the most
+    lifecycle calls in flight to one replica (an episode holds at most one), so none waits for a connection."""
 
-    def __init__(self, own: RolloutLifecycle, own_id: str, others: dict[str, str], token: str | None) -> None:
+    def __init__(self, own: RolloutLifecycle, own_id: str, others: dict[str, str], token: str | None, connections: int) -> None:
+        import openai
+
         self.lifecycles: dict[str, Any] = {own_id: own}
-        self.lifecycles.update({rid: AsyncGatewayClient(url, token=token, timeout=60.0) for rid, url in others.items()})
-        self._turn = itertools.cycle(list(self.lifecycles))
+        # aiohttp's pool, as the episodes' OpenAI clients use: httpx's own polled every pooled socket per request.
+        limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
+        self._http = openai.DefaultAioHttpClient(timeout=LIFECYCLE_TIMEOUT_S, limits=limits)
+        for replica_id, url in others.items():
+            self.lifecycles[replica_id] = AsyncGatewayClient(url, token=token, timeout=LIFECYCLE_TIMEOUT_S, client=self._http)
+        self._turn = itertools.count()
         self.lost: set[str] = set()
         self.opened = dict.fromkeys(self.lifecycles, 0)
         """Rollouts opened on each replica."""
 
     async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
-        for _ in range(len(self.lifecycles)):
-            replica = next(self._turn)
+        order = list(self.lifecycles)
+        start = next(self._turn) % len(order)
+        for replica in order[start:] + order[:start]:  # each replica once, from this opening's turn on
             if replica in self.lost:
                 continue
             try:
                 rollout = await self.lifecycles[replica].open_rollout(task, group_id, metadata, evaluation=evaluation)
-            except (httpx.TransportError, LifecycleRefused) as error:
+            except (httpx2.TransportError, LifecycleRefused) as error:
                 if isinstance(error, LifecycleRefused) and error.status < 500:
                     raise
-                log.warning("gateway replica %s did not open a rollout (%s); opening on the others from now on", replica, error)
-                self.lost.add(replica)
+                if _refused(error):
+                    log.warning("gateway replica %s refused a connection (%s); opening elsewhere from now on", replica, _described(error))
+                    self._lose(replica)
+                else:
+                    log.info("gateway replica %s did not open a rollout (%s); opening it on the next one", replica, _described(error))
                 continue
             self.opened[replica] += 1
             return rollout
@@ -239,10 +257,19 @@ class SpreadLifecycle:
         lifecycle = self.lifecycles.get(home, own) if home not in self.lost else own
         try:
             return await getattr(lifecycle, verb)(rollout_id, *args)
-        except httpx.TransportError as error:
-            log.warning("gateway replica %s did not answer (%s); ending rollout %s in the store", home, error, rollout_id)
-            self.lost.add(home)
+        except httpx2.TransportError as error:
+            if _refused(error):
+                self._lose(home)
+            log.warning("gateway replica %s did not answer (%s); ending rollout %s here", home, _described(error), rollout_id)
             return await getattr(own, verb)(rollout_id, *args)
+
+    def _lose(self, replica: str) -> None:
+        """`replica` refused a connection: open nothing more there, and let the driver's gateway serve its rollouts."""
+        self.lost.add(replica)
+        own = next(iter(self.lifecycles.values()))
+        replicas = getattr(getattr(own, "service", None), "replicas", None)
+        if replicas is not None:
+            replicas.lost(replica)  # else it would forward this rollout's calls to the dead one until its announcement lapses
 
     async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> Any:
         return await self._at_home(rollout_id, "finish", reward, status, metrics, reason)
@@ -251,6 +278,20 @@ class SpreadLifecycle:
         return await self._at_home(rollout_id, "abort", reason)
 
     async def aclose(self) -> None:
-        for lifecycle in self.lifecycles.values():
-            if isinstance(lifecycle, AsyncGatewayClient):
-                await lifecycle.aclose()
+        await self._http.aclose()
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether a call failed because nothing listens at the replica's address (it died): the aiohttp
+    transport reports a refused connection as a ConnectTimeout, so the cause chain is read, not the class."""
+    cause: BaseException | None = error
+    while cause is not None:
+        os_error = getattr(cause, "os_error", cause)  # aiohttp's ClientConnectorError wraps the OSError
+        if isinstance(cause, httpx2.ConnectError) or (isinstance(os_error, OSError) and os_error.errno == errno.ECONNREFUSED):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def _described(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

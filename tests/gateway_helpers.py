@@ -20,10 +20,11 @@ import time
 import httpx
 import openai
 import torch
+import uvicorn
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, GatewayConfig, SamplingConfig, TinyModelConfig
 from asyncrl.gateway.app import create_app, gateway_server
-from asyncrl.gateway.engines import EngineFailure, LocalEngine, ScoringUnsupported
+from asyncrl.gateway.engines import EngineFailure, LocalEngine, ScoringUnsupported, engine_app
 from asyncrl.gateway.pool import EnginePool
 from asyncrl.gateway.service import GatewayService
 from asyncrl.policy.tiny import build_tiny_model
@@ -179,6 +180,33 @@ class LiveGateway:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self.server.servers[0].get_loop()
+
+
+class EngineServer:
+    """A real engine served over HTTP by `engine_app`, as on another machine: `with EngineServer(engine) as
+    address`, or `start()` (returns the address) and `stop()`."""
+
+    def __init__(self, engine) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(engine_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), "the engine server did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+        return self.url
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 class Pausable(LocalEngine):

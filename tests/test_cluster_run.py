@@ -134,14 +134,17 @@ async def replacement_serves(gateway) -> bool:
 
 @pytest.mark.chaos
 def test_a_run_whose_engine_node_dies_replaces_the_engine_elsewhere_and_finishes(tmp_path, cluster):
-    """The episodes after the kill wait until the replacement serves, so the steps after it are sampled by
-    it as well, however long Ray takes to notice the death and start it."""
+    """Two gateway replicas (the driver's, and an actor on the learner's node), each serving the rollouts it
+    opened. The episodes after the kill wait until the replacement serves at their rollout's replica, so
+    the steps after it are sampled by it as well, however long Ray takes to notice the death and start it."""
+    from asyncrl.gateway.replicas import home_of
     from asyncrl.sched.run import run
 
     ray_cluster, nodes = cluster
     config = cluster_config(
-        tmp_path, ray_cluster, "lost", "loop.steps=6", "learner.checkpoint_every=2", f"loop.episode_timeout_s={2 * WAIT_S}"
-    )
+        tmp_path, ray_cluster, "lost", "loop.steps=6", "learner.checkpoint_every=2", f"loop.episode_timeout_s={2 * WAIT_S}",
+        "gateway.replicas=2", "cluster.gateway_labels.role=trainer",
+    )  # fmt: skip
     checkpointed = lambda: (tmp_path / "lost" / "checkpoints" / "step-000002").is_dir()  # noqa: E731
     env = NodeLossEnv(checkpointed, lambda: ray_cluster.remove_node(nodes["a"], allow_graceful=False), until=replacement_serves)
     summary = run(config, env=env)
@@ -153,6 +156,14 @@ def test_a_run_whose_engine_node_dies_replaces_the_engine_elsewhere_and_finishes
     placed = summary["usage"]["nodes"]
     assert placed[f"engine:{replaced['replacement']}"] == nodes["b"].node_id  # the only node with room
     assert f"engine:{replaced['engine_id']}" not in placed
+    assert all(summary["gateway_replicas"][replica] > 0 for replica in ("g0", "g1"))
+    store = open_store(config.store.url, namespace=config.store.namespace)
+    try:  # both replicas routed turns to the replacement once it joined
+        replacement = replaced["replacement"]
+        served_by_replacement = {home_of(t.rollout_id) for t in store.list() for turn in t.turns if turn.engine_id == replacement}
+    finally:
+        store.close()
+    assert served_by_replacement == {"g0", "g1"}
 
 
 @pytest.mark.chaos

@@ -5,19 +5,17 @@ on loopback. Every request here is real HTTP to a real gateway in front of real 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
-from gateway_helpers import LiveGateway, ManualClock, Pausable, make_engine, make_service
+from gateway_helpers import EngineServer, LiveGateway, ManualClock, Pausable, make_engine, make_service
 from pydantic import ValidationError
 
 from asyncrl.configs.schema import GatewayConfig
 from asyncrl.gateway.auth import Credentials
 from asyncrl.gateway.client import GatewayClient, GatewayRefused
-from asyncrl.gateway.engines import Announcement, AnnouncementRefused, engine_app
+from asyncrl.gateway.engines import Announcement, AnnouncementRefused
 from asyncrl.gateway.store import open_store
 
 USER = [{"role": "user", "content": "hi"}]
@@ -170,25 +168,6 @@ def test_with_the_right_tokens_everything_works(gateway) -> None:
     assert scored.status_code == 200 and len(scored.json()["logprobs"][0]) == 3
     schemes = gateway.http.get("/openapi.json").json()["components"]["securitySchemes"]
     assert {"RunToken", "EngineToken"} <= set(schemes)
-
-
-class EngineServer:
-    """A real engine served over HTTP by `engine_app`, as on another machine."""
-
-    def __init__(self, engine) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(engine_app(engine), host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            assert self.thread.is_alive(), "the engine server did not start"
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def test_a_remote_engine_announces_itself_with_the_engine_token(engine, tmp_path) -> None:

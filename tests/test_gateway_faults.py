@@ -11,10 +11,8 @@ import time
 
 import openai
 import pytest
-import uvicorn
-from gateway_helpers import TOOLS, LiveGateway, ManualClock, Pausable, make_engine, make_service
+from gateway_helpers import TOOLS, EngineServer, LiveGateway, ManualClock, Pausable, make_engine, make_service
 
-from asyncrl.gateway.engines import engine_app
 from asyncrl.gateway.store import open_store
 
 USER = [{"role": "user", "content": "hi"}]
@@ -109,24 +107,9 @@ def test_no_engine_is_a_503(tmp_path) -> None:
         assert caught.value.status_code == 503 and "no engine is registered" in caught.value.message
 
 
-class _EngineServer:
-    """A real engine served over HTTP by `engine_app`, as on another machine."""
-
-    def __init__(self, engine) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(engine_app(engine), host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 def test_remote_engines_register_heartbeat_and_expire(engines, tmp_path) -> None:
-    remote = _EngineServer(engines[1])
+    remote = EngineServer(engines[1])
+    remote.start()
     clock = ManualClock()
     try:
         with LiveGateway(make_service(open_store(tmp_path), [], clock=clock, **FAST_HEARTBEATS)) as gw:

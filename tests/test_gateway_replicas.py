@@ -5,19 +5,23 @@ at the home; a home that died leaves its rollouts to whichever replica their cal
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
 import secrets
+import time
 import uuid
 
+import httpx
 import openai
 import pytest
-from gateway_helpers import TOKENIZER, TOOLS, LiveGateway, make_engine
+from gateway_helpers import TOKENIZER, TOOLS, EngineServer, LiveGateway, make_engine
 
 from asyncrl.configs import ConfigError
 from asyncrl.configs.loader import load_config
 from asyncrl.configs.schema import GatewayConfig, SamplingConfig
+from asyncrl.gateway.engines import Announcement
 from asyncrl.gateway.pool import EnginePool
 from asyncrl.gateway.replicas import ReplicaSet, home_of, target_rollout
 from asyncrl.gateway.routing import Router
@@ -52,13 +56,14 @@ def namespace():
 
 
 def replica(replica_id: str, engine, namespace: str, secret: bytes) -> GatewayService:
-    """A gateway replica with its own connection to the shared store and its own engine."""
+    """A gateway replica with its own connection to the shared store and its own engine (None: none yet)."""
     from asyncrl.gateway.engines import LocalEngine
 
     store = open_store(REDIS_URL, namespace=namespace)
     config = GatewayConfig(replica_id=replica_id, replica_ttl_s=600)  # nothing lapses during a test
     pool = EnginePool(config)
-    pool.add_local(LocalEngine(engine))
+    if engine is not None:
+        pool.add_local(LocalEngine(engine))
     replicas = ReplicaSet(store, replica_id, config.replica_ttl_s)
     return GatewayService(store, TOKENIZER, pool, config, SamplingConfig(max_tokens=16), secret=secret, replicas=replicas)
 
@@ -149,6 +154,48 @@ def test_a_dead_homes_rollouts_are_served_by_the_replica_their_calls_reach(engin
         trajectory = g1.service.store.get(opened["rollout_id"])
         assert trajectory.status == "ok"
         assert [t.engine_id for t in trajectory.turns] == ["engine-of-g0", "engine-of-g1"]  # nothing recorded is lost
+
+
+def test_an_engine_that_announces_itself_to_one_replica_serves_them_all(namespace) -> None:
+    """An engine on another machine (`engine_app` over HTTP) runs its `Announcement` against one replica; it
+    learns the others from it and registers and heartbeats with each, so each routes its rollouts there."""
+    secret = secrets.token_bytes(32)
+    remote = make_engine("remote-0")
+    first, second = replica("g0", None, namespace, secret), replica("g1", None, namespace, secret)
+    try:
+        with EngineServer(remote) as address, LiveGateway(first) as g0, LiveGateway(second) as g1:
+            g0.await_on_loop(g0.service.io(g0.service.replicas.announce))
+
+            async def announce_then_leave() -> None:
+                announcement = Announcement(g0.url, "remote-0", address, token=g0.engine_token, health=remote.health, interval_s=0.05)
+                beating = asyncio.create_task(announcement.run())
+                deadline = time.monotonic() + 60  # a safety valve: the wait ends on the registries
+                while not (live_engines(g0) == live_engines(g1) == {"remote-0"}):
+                    assert time.monotonic() < deadline, "the engine never reached both replicas"
+                    await asyncio.sleep(0.05)
+                served = await asyncio.to_thread(served_at, g1)
+                beating.cancel()
+                await asyncio.gather(beating, return_exceptions=True)
+                await announcement.deregister()
+                await announcement.aclose()
+                return served
+
+            assert asyncio.run(announce_then_leave()) == "remote-0"
+            assert live_engines(g0) == live_engines(g1) == set()  # it left both
+    finally:
+        remote.shutdown()
+
+
+def live_engines(gateway: LiveGateway) -> set[str]:
+    return {engine["engine_id"] for engine in httpx.get(gateway.url + "/health").json()["engines"]}
+
+
+def served_at(gateway: LiveGateway) -> str:
+    opened = gateway.http.post("/rollouts", json={"task": "t"}).json()
+    reply = client(gateway.url + "/v1", opened["api_key"]).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "go"}], max_tokens=4
+    )
+    return reply.model_extra["asyncrl"]["engine_id"]
 
 
 def test_a_replica_id_a_live_gateway_holds_is_refused(engines, namespace) -> None:

@@ -72,6 +72,34 @@ def test_a_run_with_gateway_replicas_opens_rollouts_on_each_and_records_them_all
     assert not open_store(tmp_path / "r").replicas()  # both withdrew at the end
 
 
+class ReplicaLossEnv(CoinEnv):
+    """CoinEnv that kills the run's replica actor `replica` (as a crash would: no clean-up) in its `at`-th episode."""
+
+    def __init__(self, replica: str, at: int) -> None:
+        super().__init__()
+        self.replica, self.at = replica, at
+
+    async def run_episode(self, task, client):
+        if self.episodes + 1 == self.at:
+            ray.kill(ray.get_actor(self.replica))
+        return await super().run_episode(task, client)
+
+
+@pytest.mark.chaos
+def test_a_run_whose_gateway_replica_dies_goes_on_through_the_others(ray_session, tmp_path):
+    """The replica's rollouts in flight end in one account each (finished or aborted through the driver's
+    gateway, which acts on the store alone), and rollouts are opened on the driver's gateway from then on."""
+    from asyncrl.sched.run import run
+
+    summary = run(config(tmp_path, "name=k", "gateway.replicas=2", "loop.steps=4"), env=ReplicaLossEnv("k-gateway-g1", at=40))
+    check_ledger(summary)
+    assert summary["version"] == 4
+    opened = summary["gateway_replicas"]
+    assert 0 < opened["g1"] < opened["g0"] - 10  # none opened there after the kill
+    store = open_store(tmp_path / "k")
+    assert store.counts()["running"] == 0 and store.counts()["acked"] == summary["ledger"]["started"]
+
+
 def test_sync_run_trains_on_policy(ray_session, tmp_path):
     from asyncrl.sched.run import run
 

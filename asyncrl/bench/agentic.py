@@ -33,9 +33,11 @@ Measured:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import platform
 import random
+import secrets
 import statistics
 import tempfile
 import time
@@ -48,11 +50,16 @@ from pydantic import Field
 from asyncrl.configs.schema import RunConfig, Section
 from asyncrl.envs.latency import LatencyConfig, LatencyDistribution
 from asyncrl.envs.sandbox import ToolResult
+from asyncrl.sched.gateway_replicas import SpreadLifecycle, replica_name
+
+from .stub_replica import stub_replica
 
 PRESET = "agentic"
 TOOL_CALL = "<tool_call>python<arg_key>code</arg_key><arg_value>print(2+2)</arg_value></tool_call><|endoftext|>"
 ANSWER = "4<|endoftext|>"
 ENGINES = 2
+"""Stub engines per gateway."""
+STORE_NAMESPACE = "bench-agentic"
 
 
 class AgenticBenchOptions(Section):
@@ -172,7 +179,9 @@ def run(config: RunConfig, json_path: str | None = None, options: AgenticBenchOp
     return results
 
 
-async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, store_path: str) -> dict:
+async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, store_path: str, *, replicas: int = 1) -> dict:
+    """`replicas` > 1: gateway replicas g1... in processes of their own (`stub_replica`) beside this one's g0,
+    the rollouts opened on each in turn (`asyncrl run`'s `SpreadLifecycle`), each episode calling its rollout's."""
     from asyncrl.configs.context import EnvContext
     from asyncrl.envs.agentic import AgenticEnv
     from asyncrl.envs.runner import run_recorded_episode
@@ -185,13 +194,27 @@ async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, stor
     sandboxes = SleepingSandboxes(options.latency)
     rng = random.Random(config.seed)
     tasks = [env.sample_task(rng) for _ in range(options.episodes)]
-    store = open_store(store_path, namespace="bench-agentic")
+    store = open_store(store_path, namespace=STORE_NAMESPACE)
     # One pooled connection per episode, as `asyncrl run` sizes it to loop.max_inflight.
-    http_config = config.model_copy(update={"loop": config.loop.model_copy(update={"max_inflight": options.episodes})})
+    http_config = config.model_copy(update={
+        "loop": config.loop.model_copy(update={"max_inflight": options.episodes}),
+        "gateway": config.gateway.model_copy(update={"replicas": replicas}),
+    })  # fmt: skip
     walls: list[float] = []
+    secret = secrets.token_bytes(32)
+    processes = contextlib.ExitStack()
     try:
-        async with _stub_gateway(config, store, options.engine_latency_s) as lifecycle, episode_http_client(http_config, lifecycle) as http:
+        others = [
+            processes.enter_context(stub_replica(config, store_path, secret, replica_name(i), options.engine_latency_s))
+            for i in range(1, replicas)
+        ]
+        own_gateway = _stub_gateway(config, store, options.engine_latency_s, replica_name(0) if others else None, secret)
+        async with own_gateway as own, episode_http_client(http_config, own) as http:
+            token = own.service.credentials.run_token
+            urls = {replica.id: replica.url for replica in others}
+            lifecycle = SpreadLifecycle(own, replica_name(0), urls, token, options.episodes) if others else own
             counting = CountingLifecycle(lifecycle)
+            others_cpu = sum(r.cpu_s() for r in others)
 
             async def episode(task) -> str:
                 began = time.perf_counter()
@@ -205,9 +228,14 @@ async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, stor
             began = time.perf_counter()
             outcomes = await asyncio.gather(*(episode(task) for task in tasks), return_exceptions=True)
             wall = time.perf_counter() - began
+            others_cpu = sum(r.cpu_s() for r in others) - others_cpu
+            opened = dict(lifecycle.opened) if isinstance(lifecycle, SpreadLifecycle) else {"g0": options.episodes}
+            if isinstance(lifecycle, SpreadLifecycle):
+                await lifecycle.aclose()
         counts = store.counts()
         recorded_calls = sum((t.metrics or {}).get("tool_calls", 0) for t in store.list())
     finally:
+        processes.close()
         store.close()
     failures = [repr(o) for o in outcomes if isinstance(o, BaseException)]
     recorded = sum(counts[status] for status in TERMINAL_STATUSES)
@@ -225,6 +253,7 @@ async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, stor
         "tool_calls": sandboxes.calls, "tool_calls_recorded": recorded_calls,
         "tools_in_flight_max": sandboxes.running_max,
         "wall_s": round(wall, 3),
+        "opened_per_replica": opened, "other_replicas_cpu_s": round(others_cpu, 3),
     }  # fmt: skip
 
 
@@ -248,11 +277,11 @@ async def _sandbox_starts(config: RunConfig, options: AgenticBenchOptions) -> di
     return results
 
 
-def _stub_gateway(config: RunConfig, store, engine_latency_s: float):
+def _stub_gateway(config: RunConfig, store, engine_latency_s: float, replica_id: str | None = None, secret: bytes | None = None):
     """`asyncrl run`'s in-process gateway (uvicorn on this event loop), over stub engines instead of Ray workers."""
     from asyncrl.gateway.serving import InProcessGateway
     from asyncrl.policy.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     engines = [ToolUsingEngine(f"stub-{i}", tokenizer, engine_latency_s) for i in range(ENGINES)]
-    return InProcessGateway(config, store, engines, tokenizer, model_name="bench-agentic")
+    return InProcessGateway(config, store, engines, tokenizer, model_name="bench-agentic", replica_id=replica_id, secret=secret)

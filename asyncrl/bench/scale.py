@@ -4,10 +4,12 @@ Two parts, each side by side in one run:
 
 - sessions: `asyncrl bench agentic`'s episodes (the built-in agentic environment through the in-process
   TITO gateway over StubEngines, a SQLite store; its module docstring says what is stubbed and why) at
-  each count of `bench.sessions`, all started at once. Per count: the most rollouts open at once, the
-  episodes that failed or were lost (0 is the target), episodes per second, and the driver's CPU per
-  episode (`time.process_time` over the episodes / episodes): the gateway, store and episode runner's
-  cost per rollout, which should stay flat as the count grows.
+  each count of `bench.sessions`, all started at once, through each count of `bench.replicas` gateway
+  replicas (the driver's own, and the others in processes of their own, each over stub engines of its
+  own; the rollouts opened on each in turn, as `asyncrl run` spreads them). Per count: the most rollouts
+  open at once, the episodes that failed or were lost (0 is the target), episodes per second, the
+  driver's CPU per episode (`time.process_time` over the episodes / episodes: the gateway, store and
+  episode runner's cost per rollout, which should stay flat as the count grows) and the other replicas'.
 - push: real RolloutWorker Ray actors (the embedded engine on a tiny qwen3 policy whose size
   `bench.push_hidden_size` and `bench.push_layers` set) take one pushed state dict, put in the object
   store first. `parallel_s[n]`: `RayWorkers.update_weights`, the push `asyncrl run` makes, to n engines
@@ -18,8 +20,6 @@ Two parts, each side by side in one run:
   Median of `bench.push_repeats`.
   `parallel_over_serial` at the most engines is the saving; `parallel_over_one` what n engines cost
   against one (1.0 would be free; n would be no better than serial).
-
-Not measured: sessions through several gateway replicas (not built; docs/CLUSTER.md).
 
     asyncrl bench scale --json bench-scale.json
     asyncrl bench scale bench.sessions=[1000] bench.push_engines=[1,2] --json out.json
@@ -46,8 +46,11 @@ PRESET = "agentic"
 class ScaleBenchOptions(Section):
     """Settings of `asyncrl bench scale` itself (`bench.KEY=VALUE` on the command line)."""
 
-    sessions: list[int] = Field([1000, 5000], min_length=1)
+    sessions: list[int] = Field([1000, 2000, 5000], min_length=1)
     """Episode counts, each started at once (a rollout open at the gateway per episode)."""
+    replicas: list[int] = Field([1, 2], min_length=1)
+    """Gateway replica counts each session count runs through (the driver's gateway, and the others in
+    processes of their own: asyncrl/bench/stub_replica.py)."""
     engine_latency_s: float = Field(0.1, ge=0.0, le=60.0)
     """Time each model call takes at the stub engines."""
     latency: LatencyConfig = LatencyConfig()
@@ -64,9 +67,11 @@ class ScaleBenchOptions(Section):
 
 def run(config: RunConfig, json_path: str | None = None, options: ScaleBenchOptions | None = None) -> dict:
     options = options or ScaleBenchOptions()
-    results = {"sessions": {str(n): _sessions(config, options, n) for n in options.sessions}, "push": _pushes(options)}
+    sessions = {str(r): {str(n): _sessions(config, options, n, r) for n in options.sessions} for r in options.replicas}
+    results = {"sessions": sessions, "push": _pushes(options)}
     results["setup"] = {
-        "sessions": "bench agentic's episodes (StubEngines, SQLite store, in-process gateway), all started at once",
+        "sessions": "bench agentic's episodes (StubEngines, SQLite store, in-process gateway and replica processes), all started "
+        "at once; keyed by gateway replicas, then sessions",
         "engine_latency_s": options.engine_latency_s, "tool_latency": options.latency.model_dump(),
         "push": "RolloutWorker Ray actors (embedded engine, 0.5 CPU each, 1 torch thread) loading one ObjectRef; or from a LearnerActor",
         "machine": platform.machine(), "python": platform.python_version(),
@@ -76,21 +81,23 @@ def run(config: RunConfig, json_path: str | None = None, options: ScaleBenchOpti
     return results
 
 
-def _sessions(config: RunConfig, options: ScaleBenchOptions, count: int) -> dict:
+def _sessions(config: RunConfig, options: ScaleBenchOptions, count: int, replicas: int) -> dict:
     from asyncrl.gateway.app import run_loop
 
     from .agentic import AgenticBenchOptions, episodes_at_once
 
     agentic = AgenticBenchOptions(episodes=count, engine_latency_s=options.engine_latency_s, latency=options.latency)
-    print(f"[bench scale] {count} sessions at once", flush=True)
+    print(f"[bench scale] {count} sessions at once through {replicas} gateway replica(s)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         cpu = time.process_time()
-        measured = run_loop(episodes_at_once(config, agentic, str(Path(tmp) / "trajectories.db")))
+        measured = run_loop(episodes_at_once(config, agentic, str(Path(tmp) / "trajectories.db"), replicas=replicas))
         cpu = time.process_time() - cpu
     return {
         "in_flight_max": measured["episodes_in_flight_max"], "failed": measured["runner_failures"],
         "lost": measured["lost_episodes"], "statuses": measured["episode_statuses"],
         "episodes_per_s": measured["episodes_per_s"], "driver_cpu_ms_per_episode": round(1000 * cpu / count, 3),
+        "other_replicas_cpu_ms_per_episode": round(1000 * measured["other_replicas_cpu_s"] / count, 3),
+        "opened_per_replica": measured["opened_per_replica"],
         "episode_p50_s": measured["episode_p50_s"], "episode_p99_s": measured["episode_p99_s"], "wall_s": measured["wall_s"],
     }  # fmt: skip
 
