@@ -42,13 +42,21 @@ def open_run_store(config: RunConfig):
 
 
 def _secret(run_dir: Path) -> bytes:
-    """Kept in the run directory, so rollout keys stay valid across a restart of the gateway."""
+    """Kept in the run directory, so rollout keys stay valid across a restart of the gateway, and shared by
+    gateway replicas started with the same config (several may start at once: the file appears whole, once)."""
     path = run_dir / SECRET_FILE
     if not path.exists():
         run_dir.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        draft = run_dir / f".{SECRET_FILE}.{os.getpid()}"
+        descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w") as file:
             file.write(secrets.token_hex(32))
+        try:
+            os.link(draft, path)  # atomic, and refused where another process got there first
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
     return bytes.fromhex(path.read_text().strip())
 
 

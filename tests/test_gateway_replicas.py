@@ -16,7 +16,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from gateway_helpers import TOKENIZER, TOOLS, EngineServer, LiveGateway, make_engine
+from gateway_helpers import TOKENIZER, TOOLS, EngineServer, LiveGateway, Replier, make_engine
 
 from asyncrl.configs import ConfigError
 from asyncrl.configs.loader import load_config
@@ -29,6 +29,8 @@ from asyncrl.gateway.service import GatewayService
 from asyncrl.gateway.store import open_store
 
 REDIS_URL = os.environ.get("ASYNCRL_REDIS_URL", "redis://127.0.0.1:6379/0")
+WAIT_S = 60.0
+"""Longest wait for what a test waits on (a safety valve on a loaded machine, never the verdict)."""
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def replica(replica_id: str, engine, namespace: str, secret: bytes) -> GatewaySe
     config = GatewayConfig(replica_id=replica_id, replica_ttl_s=600)  # nothing lapses during a test
     pool = EnginePool(config)
     if engine is not None:
-        pool.add_local(LocalEngine(engine))
+        pool.add_local(LocalEngine(engine) if hasattr(engine, "step") else engine)  # an engine, or a handle already
     replicas = ReplicaSet(store, replica_id, config.replica_ttl_s)
     return GatewayService(store, TOKENIZER, pool, config, SamplingConfig(max_tokens=16), secret=secret, replicas=replicas)
 
@@ -121,6 +123,33 @@ def test_a_stream_through_another_replica_is_relayed_as_its_home_samples_it(pair
     assert g0.service.replicas.forwarded == 1
     (turn,) = g1.service.store.get(opened["rollout_id"]).turns
     assert turn.engine_id == "engine-of-g1" and turn.finish_reason == "stop"
+
+
+def test_a_caller_leaving_a_relayed_stream_ends_the_turn_at_its_home(engines, namespace) -> None:
+    """The relay closes its connection to the home, which aborts the engine request and records the turn
+    truncated, as for a caller of its own."""
+    secret = secrets.token_bytes(32)
+    reply = [*TOKENIZER.encode("Hi, bot!", add_special_tokens=False), TOKENIZER.eos_token_id]
+    held = Replier(reply, engine_id="held", hold=3)  # streams three tokens, then waits to be aborted
+    first, second = replica("g0", held, namespace, secret), replica("g1", engines["g1"], namespace, secret)
+    with LiveGateway(first) as g0, LiveGateway(second) as g1:
+        opened = g0.http.post("/rollouts", json={"task": "t"}).json()
+        body = {"model": "policy", "messages": [{"role": "user", "content": "go"}], "stream": True}
+        as_agent = {"authorization": f"Bearer {opened['api_key']}"}
+        with httpx.stream("POST", g1.url + "/v1/chat/completions", json=body, headers=as_agent) as answer:
+            assert answer.status_code == 200
+            seen = ""
+            for text in answer.iter_text():
+                seen += text
+                if seen.count('"content":') >= 3:  # the three tokens the engine let out
+                    break
+        assert held.closed.wait(WAIT_S), "the home's engine request was not aborted"
+        deadline = time.monotonic() + WAIT_S  # a safety valve: the wait ends on the record
+        while not g0.service.store.get(opened["rollout_id"]).turns:
+            assert time.monotonic() < deadline, "the truncated turn was never recorded"
+            time.sleep(0.02)
+        (turn,) = g0.service.store.get(opened["rollout_id"]).turns
+        assert turn.finish_reason == "abort" and turn.completion_token_ids == reply[:3] and turn.engine_id == "held"
 
 
 def test_lifecycle_calls_on_any_replica_act_at_the_rollouts_home(pair) -> None:

@@ -78,3 +78,42 @@ def test_show_marks_sampled_tokens(tmp_path) -> None:
     sampled = [(r[0], r[3], r[4], r[5]) for r in rows if r[-1] == "1"]
     assert sampled == [("2", "-0.2500", "3", "1"), ("3", "-0.5000", "3", "1"), ("6", "-1.0000", "4", "1")]
     assert [r[0] for r in rows if r[-1] == "0"] == ["0", "1", "4", "5"]
+
+
+@pytest.mark.slow
+def test_two_serve_replicas_over_one_store_serve_each_others_rollouts(tmp_path, capsys) -> None:
+    """`asyncrl serve` twice with one config but its own gateway.replica_id (and port): a rollout opened at
+    one is served there when its agent calls the other; a third process taking a live replica's id is refused."""
+    import os
+    import uuid
+
+    redis_url = os.environ.get("ASYNCRL_REDIS_URL", "redis://127.0.0.1:6379/0")
+    common = [
+        sys.executable, "-m", "asyncrl.cli", "serve", "quickstart", f"runs_dir={tmp_path}", "name=pair", *TINY,
+        "rollout.num_workers=1", "store.type=redis", f"store.url={redis_url}", f"store.namespace=serve-{uuid.uuid4().hex}",
+    ]  # fmt: skip
+    first = subprocess.Popen([*common, "gateway.replica_id=a"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    second = None
+    try:
+        url_a, banner_a = serve_banner(first)
+        assert "replica a of a;" in banner_a
+        second = subprocess.Popen([*common, "gateway.replica_id=b"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        url_b, banner_b = serve_banner(second)
+        assert "replica b of a, b;" in banner_b
+        assert main(["token", str(tmp_path / "pair")]) == 0
+        as_run = {"authorization": f"Bearer {capsys.readouterr().out.strip()}"}  # one secret: valid at both
+        opened = httpx.post(url_a + "/rollouts", json={"task": "demo"}, headers=as_run).json()
+        assert opened["rollout_id"].endswith("~a") and opened["base_url"] == url_a + "/v1"
+        agent = openai.OpenAI(base_url=url_b + "/v1", api_key=opened["api_key"], max_retries=0)
+        agent.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+        assert httpx.get(url_b + "/health").json()["forwarded"] == 1
+        assert httpx.get(url_a + "/health").json()["rollouts_running"] == 1  # its home holds it
+        finished = httpx.post(f"{url_b}/rollouts/{opened['rollout_id']}/finish", json={"reward": 1.0}, headers=as_run)
+        assert finished.status_code == 200 and finished.json()["turns"] == 1
+        twin = subprocess.run([*common, "gateway.replica_id=a"], capture_output=True, text=True, timeout=300)
+        assert twin.returncode != 0 and "'a' is already announced" in twin.stdout + twin.stderr
+    finally:
+        for process in (first, second):
+            if process is not None:
+                process.send_signal(signal.SIGINT)
+                process.wait(30)
