@@ -18,6 +18,8 @@ import ipaddress
 import itertools
 import logging
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +58,15 @@ class Gateways:
     replicas: GatewayReplicas | None = None
 
     def summary(self) -> dict | None:
-        """Rollouts opened per replica (None: one gateway)."""
-        return dict(self.episodes.opened) if isinstance(self.episodes, SpreadLifecycle) else None
+        """Rollouts opened per replica, and the replicas lost (None: one gateway)."""
+        if not isinstance(self.episodes, SpreadLifecycle):
+            return None
+        return {"opened": dict(self.episodes.opened), "lost": sorted(self.episodes.lost)}
+
+    def watch(self, on_lost: Callable[[str, str], None]) -> None:
+        """Call `on_lost(replica id, why)` once for each replica taken out of the rotation."""
+        if isinstance(self.episodes, SpreadLifecycle):
+            self.episodes.on_lost = on_lost
 
 
 async def start_gateways(stack: contextlib.AsyncExitStack, config: RunConfig, store: Any, engines: list, tokenizer: Any) -> Gateways:
@@ -138,6 +147,12 @@ class GatewayReplica:
     def health(self) -> dict:
         return self.service.health()
 
+    def usage(self) -> dict:
+        """This replica's process CPU time so far and its Ray node (`sched/usage.py`)."""
+        import ray
+
+        return {"process_cpu_s": time.process_time(), "node_id": ray.get_runtime_context().get_node_id()}
+
     async def stop(self) -> None:
         await self._stack.aclose()
         if self._serving is not None:
@@ -179,6 +194,11 @@ class GatewayReplicas:
         urls = await asyncio.wait_for(asyncio.gather(*(actor.start.remote() for actor in self.actors)), START_TIMEOUT_S)
         self.urls = dict(zip(self.ids, urls, strict=True))
         return self.urls
+
+    async def usage(self) -> dict[str, dict]:
+        """Replica id -> `GatewayReplica.usage` of each replica that answers."""
+        answers = await asyncio.gather(*(actor.usage.remote() for actor in self.actors), return_exceptions=True)
+        return {rid: answer for rid, answer in zip(self.ids, answers, strict=True) if isinstance(answer, dict)}
 
     async def stop(self) -> None:
         import ray
@@ -229,6 +249,8 @@ class SpreadLifecycle:
         self.lost: set[str] = set()
         self.opened = dict.fromkeys(self.lifecycles, 0)
         """Rollouts opened on each replica."""
+        self.on_lost: Callable[[str, str], None] | None = None
+        """Told of each replica taken out of the rotation (`Gateways.watch`)."""
 
     async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
         order = list(self.lifecycles)
@@ -243,7 +265,7 @@ class SpreadLifecycle:
                     raise
                 if _refused(error):
                     log.warning("gateway replica %s refused a connection (%s); opening elsewhere from now on", replica, _described(error))
-                    self._lose(replica)
+                    self._lose(replica, error)
                 else:
                     log.info("gateway replica %s did not open a rollout (%s); opening it on the next one", replica, _described(error))
                 continue
@@ -259,13 +281,17 @@ class SpreadLifecycle:
             return await getattr(lifecycle, verb)(rollout_id, *args)
         except httpx2.TransportError as error:
             if _refused(error):
-                self._lose(home)
+                self._lose(home, error)
             log.warning("gateway replica %s did not answer (%s); ending rollout %s here", home, _described(error), rollout_id)
             return await getattr(own, verb)(rollout_id, *args)
 
-    def _lose(self, replica: str) -> None:
+    def _lose(self, replica: str, error: BaseException) -> None:
         """`replica` refused a connection: open nothing more there, and let the driver's gateway serve its rollouts."""
+        if replica in self.lost:
+            return
         self.lost.add(replica)
+        if self.on_lost is not None:
+            self.on_lost(replica, _described(error))
         own = next(iter(self.lifecycles.values()))
         replicas = getattr(getattr(own, "service", None), "replicas", None)
         if replicas is not None:

@@ -152,6 +152,12 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
             display.say(f"gateway replicas: {gateways.own.url} (this process), {', '.join(gateways.replicas.urls.values())}")
         metrics = rundir.metrics(config, resume=resumed)
         stack.callback(metrics.close)
+
+        def replica_lost(replica: str, why: str) -> None:
+            display.say(f"gateway replica {replica} is gone ({why}); its rollouts end through this process's gateway")
+            metrics.record({"event": "gateway_replica_lost", "step": state.version, "replica": replica, "reason": why})
+
+        gateways.watch(replica_lost)
         http = await stack.enter_async_context(episode_http_client(config, gateways.own))
         parts = Parts(
             store=store, gateway=gateways.episodes, http=http, tasks=tasks, learner=learner, workers=workers,
@@ -173,10 +179,10 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         if state.eval_before is None:
             state.eval_before = await loop.evaluate(force=True)
         settle_heap()  # the gateway's event loop stalls less on garbage collection (gateway/app.py)
-        began_rl = await usage.snapshot(workers, learner)
+        began_rl = await usage.snapshot(workers, learner, gateways.replicas)
         await loop.run()
         stop_reason = loop.stop_reason()
-        spent = usage.between(began_rl, await usage.snapshot(workers, learner))
+        spent = usage.between(began_rl, await usage.snapshot(workers, learner, gateways.replicas))
         eval_after = await loop.close()
         engine_versions = await workers.versions()
         counts = store.counts()

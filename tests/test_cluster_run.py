@@ -156,7 +156,8 @@ def test_a_run_whose_engine_node_dies_replaces_the_engine_elsewhere_and_finishes
     placed = summary["usage"]["nodes"]
     assert placed[f"engine:{replaced['replacement']}"] == nodes["b"].node_id  # the only node with room
     assert f"engine:{replaced['engine_id']}" not in placed
-    assert all(summary["gateway_replicas"][replica] > 0 for replica in ("g0", "g1"))
+    assert all(summary["gateway_replicas"]["opened"][replica] > 0 for replica in ("g0", "g1"))
+    assert placed["gateway:g1"] == nodes["c"].node_id  # cluster.gateway_labels: the learner's node, which lives
     store = open_store(config.store.url, namespace=config.store.namespace)
     try:  # both replicas routed turns to the replacement once it joined
         replacement = replaced["replacement"]

@@ -63,8 +63,9 @@ def test_a_run_with_gateway_replicas_opens_rollouts_on_each_and_records_them_all
     summary = run(config(tmp_path, "name=r", "gateway.replicas=2", "loop.steps=2"), env=CoinEnv())
     check_ledger(summary)
     assert summary["version"] == 2 and summary["engine_versions"] == [2]
-    opened = summary["gateway_replicas"]
+    opened = summary["gateway_replicas"]["opened"]
     assert set(opened) == {"g0", "g1"} and abs(opened["g0"] - opened["g1"]) <= 1  # in turn
+    assert summary["gateway_replicas"]["lost"] == [] and summary["usage"]["cpu_s"]["gateway:g1"] > 0
     trajectories = open_store(tmp_path / "r").list()
     homes = {home_of(t.rollout_id) for t in trajectories}
     assert homes == {"g0", "g1"} and all(t.turns for t in trajectories if t.status == "ok")
@@ -94,8 +95,11 @@ def test_a_run_whose_gateway_replica_dies_goes_on_through_the_others(ray_session
     summary = run(config(tmp_path, "name=k", "gateway.replicas=2", "loop.steps=4"), env=ReplicaLossEnv("k-gateway-g1", at=40))
     check_ledger(summary)
     assert summary["version"] == 4
-    opened = summary["gateway_replicas"]
+    opened = summary["gateway_replicas"]["opened"]
     assert 0 < opened["g1"] < opened["g0"] - 10  # none opened there after the kill
+    assert summary["gateway_replicas"]["lost"] == ["g1"]
+    (lost,) = [r for r in read_metrics(tmp_path / "k") if r.get("event") == "gateway_replica_lost"]
+    assert lost["replica"] == "g1" and lost["reason"]
     store = open_store(tmp_path / "k")
     assert store.counts()["running"] == 0 and store.counts()["acked"] == summary["ledger"]["started"]
 
