@@ -88,6 +88,7 @@ async def start_gateways(stack: contextlib.AsyncExitStack, config: RunConfig, st
     urls = await replicas.start()
     spread = SpreadLifecycle(own, replica_name(0), urls, served.service.credentials.run_token, config.loop.max_inflight)
     stack.push_async_callback(spread.aclose)
+    replicas.watch(spread.lose)
     return Gateways(own, spread, FanOutRouting(PoolRouting(served.service.pool), replicas.actors), replicas)
 
 
@@ -147,6 +148,11 @@ class GatewayReplica:
     def health(self) -> dict:
         return self.service.health()
 
+    async def watch(self) -> None:
+        """Never returns: a caller awaiting it hears that this actor died as soon as Ray knows (its node was
+        lost, say, where connections to it would only time out)."""
+        await asyncio.Event().wait()
+
     def usage(self) -> dict:
         """This replica's process CPU time so far and its Ray node (`sched/usage.py`)."""
         import ray
@@ -188,12 +194,24 @@ class GatewayReplicas:
             for rid in self.ids
         ]  # named, so `ray list actors` and the dashboard show which run's replica each is
         self.urls: dict[str, str] = {}
+        self._watching: list[asyncio.Future] = []
 
     async def start(self) -> dict[str, str]:
         """Replica id -> URL, once every replica serves."""
         urls = await asyncio.wait_for(asyncio.gather(*(actor.start.remote() for actor in self.actors)), START_TIMEOUT_S)
         self.urls = dict(zip(self.ids, urls, strict=True))
         return self.urls
+
+    def watch(self, on_death: Callable[[str, BaseException], None]) -> None:
+        """Call `on_death(replica id, error)` when Ray finds a replica's actor dead (until `stop`)."""
+
+        async def supervise(replica_id: str, actor: Any) -> None:
+            try:
+                await actor.watch.remote()
+            except Exception as error:  # RayActorError: the actor, or its node, is gone
+                on_death(replica_id, error)
+
+        self._watching = [asyncio.ensure_future(supervise(rid, actor)) for rid, actor in zip(self.ids, self.actors, strict=True)]
 
     async def usage(self) -> dict[str, dict]:
         """Replica id -> `GatewayReplica.usage` of each replica that answers."""
@@ -203,6 +221,8 @@ class GatewayReplicas:
     async def stop(self) -> None:
         import ray
 
+        for watching in self._watching:
+            watching.cancel()
         stops = [actor.stop.remote() for actor in self.actors]
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), 30)
@@ -265,7 +285,7 @@ class SpreadLifecycle:
                     raise
                 if _refused(error):
                     log.warning("gateway replica %s refused a connection (%s); opening elsewhere from now on", replica, _described(error))
-                    self._lose(replica, error)
+                    self.lose(replica, error)
                 else:
                     log.info("gateway replica %s did not open a rollout (%s); opening it on the next one", replica, _described(error))
                 continue
@@ -281,12 +301,13 @@ class SpreadLifecycle:
             return await getattr(lifecycle, verb)(rollout_id, *args)
         except httpx2.TransportError as error:
             if _refused(error):
-                self._lose(home, error)
+                self.lose(home, error)
             log.warning("gateway replica %s did not answer (%s); ending rollout %s here", home, _described(error), rollout_id)
             return await getattr(own, verb)(rollout_id, *args)
 
-    def _lose(self, replica: str, error: BaseException) -> None:
-        """`replica` refused a connection: open nothing more there, and let the driver's gateway serve its rollouts."""
+    def lose(self, replica: str, error: BaseException) -> None:
+        """`replica` is gone (it refused a connection, or Ray found its actor dead): open nothing more there,
+        and let the driver's gateway serve its rollouts."""
         if replica in self.lost:
             return
         self.lost.add(replica)

@@ -152,6 +152,42 @@ def test_a_caller_leaving_a_relayed_stream_ends_the_turn_at_its_home(engines, na
         assert turn.finish_reason == "abort" and turn.completion_token_ids == reply[:3] and turn.engine_id == "held"
 
 
+def test_every_keyed_route_reaches_the_home_through_another_replica(pair) -> None:
+    """The Anthropic SDK (its key in x-api-key), text completions, token generation and an evaluation rollout,
+    each called at the replica that is not the rollout's home."""
+    import anthropic
+
+    g0, g1 = pair
+    opened = g0.http.post("/rollouts", json={"task": "t"}).json()
+    claude = anthropic.Anthropic(base_url=g1.url, api_key=opened["api_key"], max_retries=0, timeout=60)
+    claude.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert claude.messages.count_tokens(model="m", messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
+    agent = client(g1.url + "/v1", opened["api_key"])
+    agent.completions.create(model="policy", prompt="1+1=", max_tokens=4)
+    as_agent = {"authorization": f"Bearer {opened['api_key']}"}
+    generated = httpx.post(g1.url + "/v1/tokens/generate", json={"prompt_token_ids": [5, 6, 7], "max_tokens": 3}, headers=as_agent)
+    assert generated.status_code == 200 and generated.json()["engine_id"] == "engine-of-g0"
+    assert [t.engine_id for t in g0.service.store.get(opened["rollout_id"]).turns] == ["engine-of-g0"] * 3
+    assert g1.service.replicas.forwarded == 4
+
+    evaluation = g0.http.post("/rollouts", json={"task": "t", "evaluation": True}).json()  # in g0's memory only
+    reply = client(g1.url + "/v1", evaluation["api_key"]).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "go"}], max_tokens=4
+    )
+    assert reply.model_extra["asyncrl"]["evaluation"] is True and reply.model_extra["asyncrl"]["engine_id"] == "engine-of-g0"
+
+
+def test_keys_that_are_not_a_rollouts_are_refused_wherever_they_land(pair) -> None:
+    _, g1 = pair  # forged keys naming g0 are forwarded there and refused by it
+    for key in ("rk-0123~g0.forged", "rk-0123~nobody.forged", "rk-.~g0", "sk-something-else"):
+        answer = httpx.post(
+            g1.url + "/v1/chat/completions", json={"model": "p", "messages": [{"role": "user", "content": "go"}]},
+            headers={"authorization": f"Bearer {key}"},
+        )  # fmt: skip
+        assert answer.status_code == 401, (key, answer.text)
+    assert httpx.post(g1.url + "/rollouts/0123~g0/finish", json={"reward": 1.0}).status_code == 401  # no run token
+
+
 def test_lifecycle_calls_on_any_replica_act_at_the_rollouts_home(pair) -> None:
     g0, g1 = pair
     rollout_id = g0.http.post("/rollouts", json={"task": "t"}).json()["rollout_id"]
