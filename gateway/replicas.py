@@ -62,8 +62,14 @@ def check_replica_id(replica_id: str) -> str:
 class ReplicaSet:
     """This gateway's place among its replicas: its id and URL, and where the others answer."""
 
-    def __init__(self, directory: ReplicaDirectory, replica_id: str, ttl_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, directory: ReplicaDirectory, replica_id: str, ttl_s: float, *,
+        exclusive: bool = True, clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        """`exclusive`: refuse to start while another live gateway announces `replica_id` (replicas a user starts);
+        False: take the id over (a run's own replicas, whose earlier process may have died without withdrawing)."""
         self.directory, self.id, self.ttl_s, self._clock = directory, check_replica_id(replica_id), ttl_s, clock
+        self.exclusive = exclusive
         self.url: str | None = None
         """Where this replica answers (set by `start`, once its server listens)."""
         self.peers: dict[str, str] = {}
@@ -112,9 +118,10 @@ class ReplicaSet:
     async def start(self, url: str, io: Callable[..., Awaitable[Any]]) -> None:
         """Announce `url` before the first rollout is opened here, so every replica can forward to it."""
         taken = await io(self.directory.replicas)
-        if taken.get(self.id, url) != url:
+        if self.exclusive and taken.get(self.id, url) != url:
             raise ValueError(
-                f"gateway.replica_id {self.id!r} is already announced by the live gateway at {taken[self.id]}; give each replica its own"
+                f"gateway.replica_id {self.id!r} is already announced by the live gateway at {taken[self.id]}; give each replica its "
+                "own (a gateway that died without stopping holds its id until gateway.replica_ttl_s has passed)"
             )
         self.url = url.rstrip("/")
         await io(self.announce)

@@ -37,7 +37,8 @@ class InProcessGateway:
         for engine in engines:
             pool.add_local(engine)
         name = model_name or config.name
-        replicas = ReplicaSet(store, replica_id, config.gateway.replica_ttl_s) if replica_id else None
+        # The caller owns these replica ids (a run's): a process of its that died may not have withdrawn them.
+        replicas = ReplicaSet(store, replica_id, config.gateway.replica_ttl_s, exclusive=False) if replica_id else None
         self.service = GatewayService(
             store, tokenizer, pool, config.gateway, config.rollout.sampling, model_name=name, secret=secret, replicas=replicas
         )

@@ -108,7 +108,7 @@ class GatewayReplica:
         pool = EnginePool(config.gateway)
         for actor, engine_id in engines:
             pool.add_local(RayEngine(actor, engine_id))
-        replicas = ReplicaSet(store, replica_id, config.gateway.replica_ttl_s)
+        replicas = ReplicaSet(store, replica_id, config.gateway.replica_ttl_s, exclusive=False)  # the run's own id
         self.service = GatewayService(
             store, tokenizer, pool, config.gateway, config.rollout.sampling, model_name=config.name, secret=secret, replicas=replicas
         )

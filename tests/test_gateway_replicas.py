@@ -271,6 +271,24 @@ def test_a_replica_id_a_live_gateway_holds_is_refused(engines, namespace) -> Non
         pass
 
 
+def test_a_runs_own_replica_takes_over_the_id_a_dead_process_left_announced(namespace) -> None:
+    """A run resumed right after a crash starts its replicas under the same ids while the dead ones' announcements
+    are still live: the run's own replica sets take the ids over; a user's (exclusive) are refused."""
+    store = open_store(REDIS_URL, namespace=namespace)
+    try:
+        store.announce_replica("g1", "http://127.0.0.1:1", ttl_s=600)  # the crashed process's, never withdrawn
+
+        async def start(exclusive: bool) -> None:
+            await ReplicaSet(store, "g1", 600, exclusive=exclusive).start("http://127.0.0.1:2", io=asyncio.to_thread)
+
+        with pytest.raises(ValueError, match="replica_ttl_s"):
+            asyncio.run(start(exclusive=True))
+        asyncio.run(start(exclusive=False))
+        assert store.replicas() == {"g1": "http://127.0.0.1:2"}
+    finally:
+        store.close()
+
+
 def test_every_replica_routes_a_rollout_to_the_same_engine() -> None:
     # Engines joined in different orders (as replicas hear of them) still make one ring.
     first, second = Router(), Router()
