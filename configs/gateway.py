@@ -94,7 +94,7 @@ class GatewayConfig(Section):
     def _check_heartbeats(self) -> GatewayConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s (else live engines expire)")
-        if not self.auth and not _is_loopback(self.host):
+        if not self.auth and not is_loopback(self.host):
             raise ValueError(
                 f"auth: false on host {self.host!r} would let anyone who reaches it register engines and finish rollouts; "
                 "bind 127.0.0.1 or keep auth"
@@ -102,7 +102,8 @@ class GatewayConfig(Section):
         return self
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine only (localhost, 127.0.0.0/8, ::1)."""
     if host == "localhost":
         return True
     try:

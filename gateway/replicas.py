@@ -105,6 +105,10 @@ class ReplicaSet:
             return None
         return self.peers.get(home)
 
+    def health(self) -> dict:
+        """This replica's part of the gateway's /health."""
+        return {"replica": self.id, "replicas": sorted(self.peers), "forwarded": self.forwarded}
+
     def lost(self, replica_id: str) -> None:
         """`replica_id` refused a connection: serve its rollouts here for the next ttl."""
         self._lost[replica_id] = self._clock() + self.ttl_s

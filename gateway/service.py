@@ -43,8 +43,8 @@ from .background import BackgroundTasks
 from .engine_calls import EngineCalls
 from .errors import GatewayError, bad_request
 from .offload import CpuWorkers
-from .parsers import ParserNotFound, parse_reply, reasoning_parser, tool_call_parser
-from .parsers.auto import resolve as resolve_parser
+from .parsers import ParserNotFound, parse_reply
+from .parsers.auto import parsers_for
 from .pool import EnginePool
 from .replicas import ReplicaSet
 from .rollouts import Rollout, RolloutTable
@@ -76,10 +76,7 @@ class GatewayService:
         self.config, self.sampling, self.model_name = config, sampling, model_name
         template = chat_template(tokenizer)
         try:
-            tool_name = resolve_parser(config.tool_parser, tokenizer, "tool") or config.tool_parser
-            reasoning_name = resolve_parser(config.reasoning_parser, tokenizer, "reasoning")
-            self.tool_parser = tool_call_parser(tool_name)
-            self.reasoning_parser = reasoning_parser(reasoning_name) if reasoning_name else None
+            self.tool_parser, self.reasoning_parser = parsers_for(config.tool_parser, config.reasoning_parser, tokenizer)
         except ParserNotFound as error:
             raise ValueError(f"gateway: {error}") from None
         self._secret = secret or secrets.token_bytes(32)
@@ -358,10 +355,5 @@ class GatewayService:
             "engines": engines,
             "rollouts_running": len(self.rollouts.live),
             "requests_in_flight": self.calls.in_flight,
-            **(self._replica_health() if self.replicas else {}),
+            **(self.replicas.health() if self.replicas else {}),
         }
-
-    def _replica_health(self) -> dict:
-        replicas = self.replicas
-        assert replicas is not None
-        return {"replica": replicas.id, "replicas": sorted(replicas.peers), "forwarded": replicas.forwarded}

@@ -88,13 +88,8 @@ class EmbeddedEngine:
         self.vocab_size = hf_config.vocab_size
         eos = hf_config.eos_token_id
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        self.cache = KVCache(
-            self.model.cache_layout(extra_layers=1 if self.drafter else 0),
-            config.max_num_seqs + config.retained_prefixes,
-            self.max_model_len,
-            dtype=dtype,
-            device=self.device,
-        )
+        layout = self.model.cache_layout(extra_layers=1 if self.drafter else 0)  # the drafter's layer caches too
+        self.cache = KVCache(layout, config.max_num_seqs + config.retained_prefixes, self.max_model_len, dtype=dtype, device=self.device)
         self.slots = SlotManager(self.cache, config.max_num_seqs, config.retained_prefixes)
         self.speculative = (
             SpeculativeDecoder(self.model, self.drafter, self.cache, config.mtp_draft_tokens, self.device) if self.drafter else None

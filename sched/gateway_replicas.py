@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import ipaddress
 import itertools
 import logging
 import secrets
@@ -25,10 +24,11 @@ from typing import Any
 
 import httpx2
 
+from asyncrl.configs.gateway import is_loopback
 from asyncrl.configs.schema import RunConfig
 from asyncrl.gateway.client import AsyncGatewayClient
 from asyncrl.gateway.lifecycle import InProcessLifecycle
-from asyncrl.gateway.replicas import home_of
+from asyncrl.gateway.replicas import ReplicaSet, home_of
 from asyncrl.lifecycle import LifecycleRefused, Rollout, RolloutLifecycle
 
 from .parts import Routing
@@ -86,7 +86,8 @@ async def start_gateways(stack: contextlib.AsyncExitStack, config: RunConfig, st
     replicas = GatewayReplicas(config, tokenizer, engines, secret)
     stack.push_async_callback(replicas.stop)
     urls = await replicas.start()
-    spread = SpreadLifecycle(own, replica_name(0), urls, served.service.credentials.run_token, config.loop.max_inflight)
+    assert served.service.replicas is not None
+    spread = SpreadLifecycle(own, served.service.replicas, urls, served.service.credentials.run_token, config.loop.max_inflight)
     stack.push_async_callback(spread.aclose)
     replicas.watch(spread.lose)
     return Gateways(own, spread, FanOutRouting(PoolRouting(served.service.pool), replicas.actors), replicas)
@@ -122,7 +123,7 @@ class GatewayReplica:
         from asyncrl.gateway.replicas import advertised_url, announced
 
         host = self.config.gateway.host
-        if not self.config.cluster.is_local and _is_loopback(host):
+        if not self.config.cluster.is_local and is_loopback(host):
             host = ray.util.get_node_ip_address()  # the driver and the agents are on other nodes
         server = gateway_server(create_app(self.service), self.config.gateway, host=host, port=0)
         self._serving = asyncio.create_task(server.serve())
@@ -166,13 +167,6 @@ class GatewayReplica:
             await asyncio.gather(self._serving, return_exceptions=True)
         self.service.close()
         self.store.close()
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class GatewayReplicas:
@@ -256,10 +250,14 @@ class SpreadLifecycle:
     that is only slow (a timeout) opens this rollout elsewhere and keeps its turn. `connections`: the most
     lifecycle calls in flight to one replica (an episode holds at most one), so none waits for a connection."""
 
-    def __init__(self, own: RolloutLifecycle, own_id: str, others: dict[str, str], token: str | None, connections: int) -> None:
+    def __init__(
+        self, own: RolloutLifecycle, own_replicas: ReplicaSet, others: dict[str, str], token: str | None, connections: int
+    ) -> None:
+        """`own`, `own_replicas`: the driver's gateway's lifecycle and replica set; `others`: replica id -> URL."""
         import openai
 
-        self.lifecycles: dict[str, Any] = {own_id: own}
+        self.own, self.own_replicas = own, own_replicas
+        self.lifecycles: dict[str, Any] = {own_replicas.id: own}
         # aiohttp's pool, as the episodes' OpenAI clients use: httpx's own polled every pooled socket per request.
         limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
         self._http = openai.DefaultAioHttpClient(timeout=LIFECYCLE_TIMEOUT_S, limits=limits)
@@ -295,7 +293,7 @@ class SpreadLifecycle:
 
     async def _at_home(self, rollout_id: str, verb: str, *args: Any) -> Any:
         home = home_of(rollout_id) or ""
-        own = next(iter(self.lifecycles.values()))
+        own = self.own
         lifecycle = self.lifecycles.get(home, own) if home not in self.lost else own
         try:
             return await getattr(lifecycle, verb)(rollout_id, *args)
@@ -313,10 +311,7 @@ class SpreadLifecycle:
         self.lost.add(replica)
         if self.on_lost is not None:
             self.on_lost(replica, _described(error))
-        own = next(iter(self.lifecycles.values()))
-        replicas = getattr(getattr(own, "service", None), "replicas", None)
-        if replicas is not None:
-            replicas.lost(replica)  # else it would forward this rollout's calls to the dead one until its announcement lapses
+        self.own_replicas.lost(replica)  # else the driver's gateway would forward to the dead one until its announcement lapses
 
     async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> Any:
         return await self._at_home(rollout_id, "finish", reward, status, metrics, reason)

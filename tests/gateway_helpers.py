@@ -209,6 +209,11 @@ class EngineServer:
         self.stop()
 
 
+def live_engines(gateway: LiveGateway) -> set[str]:
+    """The ids of the engines a gateway routes to now, from its /health."""
+    return {engine["engine_id"] for engine in httpx.get(gateway.url + "/health").json()["engines"]}
+
+
 class Pausable(LocalEngine):
     """A real in-process engine that a test can hold mid-request, or kill: a killed engine never
     answers the requests it holds and fails its health checks, as a crashed process would."""

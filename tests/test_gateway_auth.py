@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from gateway_helpers import EngineServer, LiveGateway, ManualClock, Pausable, make_engine, make_service
+from gateway_helpers import EngineServer, LiveGateway, ManualClock, Pausable, live_engines, make_engine, make_service
 from pydantic import ValidationError
 
 from asyncrl.configs.schema import GatewayConfig
@@ -43,10 +43,6 @@ def bearer(token: str | None) -> dict[str, str]:
 
 def as_engine(gw: LiveGateway) -> dict[str, str]:
     return bearer(gw.engine_token)
-
-
-def live_engines(gw: LiveGateway) -> set[str]:
-    return {e["engine_id"] for e in httpx.get(gw.url + "/health").json()["engines"]}
 
 
 def wait_until_gone(gw: LiveGateway, engine_id: str) -> None:

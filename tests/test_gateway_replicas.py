@@ -16,7 +16,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from gateway_helpers import TOKENIZER, TOOLS, EngineServer, LiveGateway, Replier, make_engine
+from gateway_helpers import TOKENIZER, TOOLS, EngineServer, LiveGateway, Replier, live_engines, make_engine
 
 from asyncrl.configs import ConfigError
 from asyncrl.configs.loader import load_config
@@ -249,10 +249,6 @@ def test_an_engine_that_announces_itself_to_one_replica_serves_them_all(namespac
             assert live_engines(g0) == live_engines(g1) == set()  # it left both
     finally:
         remote.shutdown()
-
-
-def live_engines(gateway: LiveGateway) -> set[str]:
-    return {engine["engine_id"] for engine in httpx.get(gateway.url + "/health").json()["engines"]}
 
 
 def served_at(gateway: LiveGateway) -> str:

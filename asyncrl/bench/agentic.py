@@ -212,7 +212,8 @@ async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, stor
         async with own_gateway as own, episode_http_client(http_config, own) as http:
             token = own.service.credentials.run_token
             urls = {replica.id: replica.url for replica in others}
-            lifecycle = SpreadLifecycle(own, replica_name(0), urls, token, options.episodes) if others else own
+            own_replicas = own.service.replicas
+            lifecycle = SpreadLifecycle(own, own_replicas, urls, token, options.episodes) if others and own_replicas else own
             counting = CountingLifecycle(lifecycle)
             others_cpu = sum(r.cpu_s() for r in others)
 

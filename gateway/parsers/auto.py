@@ -13,6 +13,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from .base import ReasoningParser, ToolCallParser
+from .registry import reasoning_parser, tool_call_parser
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -61,3 +64,11 @@ def _template_source(tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)
     sources = template.values() if isinstance(template, Mapping) else [template]
     return "".join(s for s in sources if isinstance(s, str))
+
+
+def parsers_for(tool: str, reasoning: str | None, tokenizer: Any) -> tuple[ToolCallParser, ReasoningParser | None]:
+    """The run's tool-call and reasoning parsers (`gateway.tool_parser`, `gateway.reasoning_parser`) resolved
+    against the checkpoint; ParserNotFound names one that does not exist."""
+    tool_name = resolve(tool, tokenizer, "tool") or tool
+    reasoning_name = resolve(reasoning, tokenizer, "reasoning")
+    return tool_call_parser(tool_name), reasoning_parser(reasoning_name) if reasoning_name else None
