@@ -84,6 +84,11 @@ class LearnerConfig(Section):
     num_ranks: int = Field(1, ge=1, le=1024)
     """Data-parallel learner processes (learner/distributed.py): each computes a share of every step's rows
     and the gradients are summed over a torch.distributed group (gloo on CPU); the result is the one-rank step's."""
+    sharding: Literal["auto", "replicate", "fsdp"] = "auto"
+    """How num_ranks > 1 hold the policy (learner/sharding.py): replicate (every rank the whole policy and optimizer,
+    gradients summed: DDP's semantics) or fsdp (torch's FSDP2 `fully_shard`: each rank a 1/num_ranks shard of the
+    weights, gradients and AdamW moments, for a model that does not fit one device; AdamW only, no MTP layer).
+    auto: fsdp when the learner runs on CUDA and the policy allows it, else replicate."""
     micro_batch_tokens: int = Field(8192, ge=1)
     """Most padded tokens (rows x longest) in one forward/backward; bounds activation memory."""
     gradient_checkpointing: bool = False

@@ -14,7 +14,9 @@ With `learner.num_ranks` > 1 the actor the scheduler holds is rank 0 of a data-p
 (learner/distributed.py): it starts the other ranks as actors of its own, so they live and die with
 it, forms the process group with them, and forwards each step's samples to them. The scheduler sees
 one learner either way; a rank that fails takes rank 0 down with it (`_peer_failed`), and the loop
-restarts the whole group from the last checkpoint as it restarts a single learner.
+restarts the whole group from the last checkpoint as it restarts a single learner. A sharded learner
+(`learner.sharding` fsdp, learner/sharding.py) has the whole weights only when every rank joins in
+gathering them, so rank 0 fans out the gather before the first push of a version, and the save.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import os
 import resource
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import ray
 import torch
@@ -40,6 +43,7 @@ from .distributed import free_address, join_group
 from .rl import RLLearner, learner_device
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LearnerActor:
@@ -67,6 +71,9 @@ class LearnerActor:
             assert address is not None
             join_group(address, rank, world, learner_device(config))
         self.learner = RLLearner.from_config(config)
+        if world > 1 and rank == 0:
+            held = "FSDP2 shards of the weights, gradients and AdamW moments" if self.learner.fsdp else "the whole policy each"
+            log.info("data-parallel learner: %d ranks holding %s (learner.sharding %s)", world, held, config.learner.sharding)
         if resume_from is not None:
             self.learner.load(resume_from)
 
@@ -99,19 +106,35 @@ class LearnerActor:
 
     def usage(self) -> dict:
         """CPU time so far of this process and the other ranks' (`asyncrl run`'s summary reports each part's
-        share), and each rank's peak resident memory in bytes and Ray node, rank 0 first."""
+        share), and each rank's peak resident memory in bytes, weights and optimizer state held in bytes
+        (FSDP's shards) and Ray node, rank 0 first."""
         others = ray.get([peer.usage.remote() for peer in self.peers]) if self.peers else []
         # ru_maxrss is in KiB on Linux.
         peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, *(p for u in others for p in u["peak_rss_bytes"])]
+        held = [self.learner.held_bytes(), *(b for u in others for b in u["held_bytes"])]
         nodes = [ray.get_runtime_context().get_node_id(), *(n for u in others for n in u["node_ids"])]
-        return {"process_cpu_s": time.process_time() + sum(u["process_cpu_s"] for u in others), "peak_rss_bytes": peaks, "node_ids": nodes}
+        cpu = time.process_time() + sum(u["process_cpu_s"] for u in others)
+        return {"process_cpu_s": cpu, "peak_rss_bytes": peaks, "held_bytes": held, "node_ids": nodes}
 
     def state(self) -> dict[str, torch.Tensor]:
+        self._gather()
         return self.learner.state_dict_for_push()
 
     def versioned_state(self) -> tuple[dict[str, torch.Tensor], int]:
         """`state` and the version it is (call with `num_returns=2`: the weights stay an ObjectRef)."""
+        self._gather()
         return self.learner.state_dict_for_push(), self.learner.version
+
+    def gather_weights(self) -> None:
+        """A sharded learner's rank's part in gathering the whole weights onto rank 0 (`_gather`)."""
+        self.learner.gather_weights()
+
+    def _gather(self) -> None:
+        """With FSDP (learner/sharding.py) the whole weights exist only once every rank has joined in
+        gathering them: once per version, before the first push of it."""
+        if self.learner.needs_gather():
+            pending = [peer.gather_weights.remote() for peer in self.peers]
+            self._collective(self.learner.gather_weights, pending)
 
     # --- the direct pushes (`asyncrl/weight_transfer.py`, `sched/weight_push.py`) ------------------------
 
@@ -119,11 +142,13 @@ class LearnerActor:
         return device_identity(self.learner.device)
 
     def weight_layout(self) -> Layout:
+        self._gather()
         return Layout.plan(self.learner.push_tensors().items())
 
     def share_bucket(self, layout: Layout, bucket: int) -> tuple:
         """Bucket `bucket` of the weights packed on this GPU, as a CUDA IPC handle for engines on it
         (`sched/weight_push.py`); kept until `release_shared`."""
+        self._gather()
         self._shared = pack(layout, bucket, self.learner.push_tensors(), self.learner.device)
         return share(self._shared)
 
@@ -145,6 +170,7 @@ class LearnerActor:
             if opened != generation:
                 raise RuntimeError(f"weight group {generation} was never opened (the last opened is {opened})")
             self._weight_group = WeightGroup(address, 0, world, backend, generation, store=store)
+        self._gather()
         try:
             self._weight_group.send(layout, self.learner.push_tensors())
         except BaseException:
@@ -155,7 +181,10 @@ class LearnerActor:
         return self.learner.version
 
     def save(self, directory: str) -> str:
-        return str(self.learner.save(directory))  # every rank holds the same state: rank 0 writes it
+        if not self.learner.fsdp:
+            return str(self.learner.save(directory))  # every rank holds the same state: rank 0 writes it
+        pending = [peer.save.remote(directory) for peer in self.peers]  # the state is gathered from every rank's shard
+        return str(self._collective(lambda: self.learner.save(directory), pending))
 
     def reads(self, path: str, token: str) -> list[str]:
         """The ranks, with their nodes, on which the file `path` does not hold `token`: a run directory that is
@@ -169,9 +198,24 @@ class LearnerActor:
 
     def load(self, directory: str) -> int:
         pending = [peer.load.remote(directory) for peer in self.peers]
-        self.learner.load(directory)
-        ray.get(pending)
+        if self.learner.fsdp:  # each rank takes its shards of the whole state
+            self._collective(lambda: self.learner.load(directory), pending)
+        else:
+            self.learner.load(directory)
+            ray.get(pending)
         return self.learner.version
+
+    def _collective(self, call: Callable[[], T], pending: list) -> T:
+        """Rank 0's part of a call every rank makes (`pending`: the others'), failing as `train_step` does."""
+        try:
+            result = call()
+        except RuntimeError as error:  # a collective failed: a rank left mid-call
+            self._peer_failed(error)
+        try:
+            ray.get(pending)
+        except ray.exceptions.RayActorError as error:
+            self._peer_failed(error)
+        return result
 
     def _peer_failed(self, error: BaseException) -> NoReturn:
         log.error(

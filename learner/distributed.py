@@ -9,8 +9,8 @@ the one-rank gradient; every rank then applies the same update to the same weigh
 identical without a broadcast. Rank 0 therefore has the full state for the push and the checkpoint,
 and a checkpoint resumes under any rank count.
 
-The group runs gloo on CPU and NCCL on CUDA. Sharding the parameters themselves (FSDP2) for models
-that do not fit one device is not done here.
+The group runs gloo on CPU and NCCL on CUDA. Sharding the parameters themselves (FSDP2, for models
+that do not fit one device) is learner/sharding.py (`learner.sharding`); the split of the rows is the same.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from transformers import PreTrainedModel
 
 from asyncrl.configs.schema import LearnerConfig, RunConfig
 from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
-from asyncrl.policy.mtp import MTPLayer, check_plain_head, mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.mtp import MTPLayer, check_plain_head, mtp_loss
 from asyncrl.policy.routing import use_shared_selection
 from asyncrl.records import Account, Sample
 
@@ -63,6 +63,19 @@ from .objectives import ObjectiveOutput, distill_advantages, double_sided_is_los
 from .optim import build_optimizer
 from .routing_replay import replay
 from .selection import Selection, select
+from .sharding import (
+    Scorer,
+    empty_pass,
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_optimizer_state,
+    local_bytes,
+    matched_passes,
+    shard,
+    total_norm,
+    uses_fsdp,
+)
 
 STATE_FILE = "learner_state.pt"
 """Optimizer state and policy version, saved beside the HF checkpoint."""
@@ -209,6 +222,7 @@ class RLLearner:
         sampling_temperature: float = 1.0,
         mtp_depth_weights: Sequence[float] = (1.0,),
         version: int = 0,
+        fsdp: bool = False,
     ) -> None:
         self.config = config
         # Eval mode: no dropout, so the learner scores the very function the engines sample from
@@ -233,6 +247,20 @@ class RLLearner:
             enable_gradient_checkpointing(model)
         # DSA and router top-k through the functions the embedded engine uses (ties included).
         use_shared_selection(model, *([mtp] if mtp is not None else []))
+        self.device = next(model.parameters()).device
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        """This process's place in a data-parallel learner (learner/distributed.py); (0, 1) alone."""
+        if self.world > 1:  # before FSDP (if any) cuts the parameters into shards
+            broadcast_parameters([*model.parameters(), *(mtp.parameters() if mtp is not None else ())])
+        self.scorer = Scorer(model)
+        self.fsdp = fsdp and self.world > 1
+        """Sharded over the ranks (learner/sharding.py) rather than replicated on each."""
+        if self.fsdp:
+            if mtp is not None:
+                raise ValueError("learner.sharding fsdp: the policy has an MTP layer (set policy.mtp.enabled false)")
+            shard(self.scorer, self.world, self.device)
+        self._gathered: tuple[int, dict[str, torch.Tensor]] | None = None
+        """(version, whole weights on the CPU) of the last `gather_weights`, on rank 0 of a sharded learner."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         if (trained_mtp := self._trained_mtp) is not None:
             # The MTP layer shares the policy's embedding and head; list those only once.
@@ -242,15 +270,11 @@ class RLLearner:
             config.optimizer, model, self.params, lr=config.lr, weight_decay=config.weight_decay,
             extra=[trained_mtp] if trained_mtp is not None else [],
         )  # fmt: skip
-        self.device = next(model.parameters()).device
-        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        """This process's place in a data-parallel learner (learner/distributed.py); (0, 1) alone."""
-        if self.world > 1:
-            broadcast_parameters([*model.parameters(), *(mtp.parameters() if mtp is not None else ())])
 
     @classmethod
     def from_config(cls, run: RunConfig) -> RLLearner:
-        """The policy of `run.policy` (a checkpoint, or the tiny policy) at the run's sampling temperature."""
+        """The policy of `run.policy` (a checkpoint, or the tiny policy) at the run's sampling temperature,
+        sharded over the ranks where `learner.sharding` says so."""
         sampling = run.rollout.sampling
         if sampling.top_p < 1.0 or sampling.top_k > 0:
             warnings.warn(
@@ -266,6 +290,7 @@ class RLLearner:
         return cls(
             run.learner, model, tokenizer, mtp,
             sampling_temperature=sampling.temperature, mtp_depth_weights=run.policy.mtp.weights_per_depth(),
+            fsdp=uses_fsdp(run, device),
         )  # fmt: skip
 
     # -- one optimizer step -------------------------------------------------------------------
@@ -291,7 +316,7 @@ class RLLearner:
         computed_trainable = sum(sum(row.loss_mask[1:]) for row in computed)
         stats = self._accumulate(shard_rows(computed, self.rank, self.world), trainable, computed_trainable)
         if self.world > 1:
-            if computed:
+            if computed and not self.fsdp:  # FSDP has reduced them already, layer by layer
                 all_reduce_gradients(self.params)
             stats = _StepStats.combined(gather_objects(stats.portable()))  # every rank's, in rank order
         grad_norm = self._step() if computed else None
@@ -320,10 +345,13 @@ class RLLearner:
         those of the computed rows, all ranks' shares)."""
         stats = _StepStats()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        for batch in micro_batches(rows, pad, self.config.micro_batch_tokens):
+        batches = micro_batches(rows, pad, self.config.micro_batch_tokens)
+        # FSDP: agreed before any pass, since every pass's gathers are collectives too.
+        passes = matched_passes(len(batches), self.device) if self.fsdp else len(batches)
+        for batch in batches:
             batch = batch.to(self.device)
             with replay(self.model, batch.routes if self.config.routing_replay else None):
-                hidden, logits = policy_hidden_and_logits(self.model, batch.input_ids, batch.attention_mask)
+                hidden, logits = self.scorer(batch.input_ids, batch.attention_mask)
             logp = sampled_logprobs(logits, batch.input_ids, batch.temperatures[:, 1:])
             mask = batch.loss_mask[:, 1:]
             out = self.objective(logp, batch.rollout_logprobs[:, 1:], _advantages(batch, logp, mask), mask)
@@ -342,6 +370,8 @@ class RLLearner:
                 loss.backward()
             stats.loss += loss.item()
             stats.add(out, logp, batch, mask)
+        for _ in range(passes - len(batches)):
+            empty_pass(self.scorer, pad, self.device)
         return stats
 
     def _step(self) -> float:
@@ -349,7 +379,7 @@ class RLLearner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        return float(grad_norm)
+        return total_norm(grad_norm)
 
     # -- weights, checkpoints, optimizer ------------------------------------------------------
 
@@ -357,25 +387,53 @@ class RLLearner:
         """The policy's weights, plus its MTP layer under "mtp.*" when it trains one (so drafting
         engines keep drafting for the policy they serve), as CPU copies the engines can load while
         training goes on."""
+        if self.fsdp:
+            return self.push_tensors()  # gathered as CPU copies already
         return {name: t.detach().to("cpu", copy=True) for name, t in self.push_tensors().items()}
 
     def push_tensors(self) -> dict[str, torch.Tensor]:
         """What `state_dict_for_push` copies, as the live tensors on the learner's device (no copy): for a
-        push that sends them while the learner waits (`asyncrl/weight_transfer.py`)."""
+        push that sends them while the learner waits (`asyncrl/weight_transfer.py`). A sharded learner's
+        rank 0 returns what `gather_weights` gathered for this version."""
+        if self.fsdp:
+            if self._gathered is None or self._gathered[0] != self.version:
+                raise RuntimeError(f"learner version {self.version}: its weights were not gathered (gather_weights on every rank)")
+            return self._gathered[1]
         weights = dict(self.model.state_dict())
         if (trained_mtp := self._trained_mtp) is not None:
             weights.update({f"mtp.{name}": t for name, t in trained_mtp.state_dict().items()})
         return weights
+
+    def needs_gather(self) -> bool:
+        """Whether a push of this version needs `gather_weights` first (a sharded learner that has not)."""
+        return self.fsdp and (self._gathered is None or self._gathered[0] != self.version)
+
+    def gather_weights(self) -> None:
+        """Gather the whole weights onto rank 0's CPU for the pushes of this version. A collective: every
+        rank calls it (LearnerActor fans the call out)."""
+        self._gathered = None  # the last version's copy is not kept beside the new one
+        self._gathered = (self.version, full_model_state(self.model))
+
+    def held_bytes(self) -> int:
+        """Bytes of weights and optimizer state this rank holds (with FSDP, its shards: about 1/num_ranks)."""
+        tensors = [*self.model.parameters(), *(t for state in self.optimizer.state.values() for t in state.values())]
+        return sum(local_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
 
     def reset_optimizer(self) -> None:
         """Fresh moments (AdamW's, Muon's momentum buffers) for every parameter."""
         self.optimizer.state.clear()
 
     def save(self, directory: str | Path) -> Path:
-        """An HF checkpoint (policy + MTP layer) with the optimizer state and version beside it."""
+        """An HF checkpoint (policy + MTP layer) with the optimizer state and version beside it. Sharded, a
+        collective every rank calls; rank 0 writes."""
         provenance = {"asyncrl": {"stage": "rl", "version": self.version}}
-        directory = save_policy(directory, self.model, self.tokenizer, self.mtp, extra_config=provenance)
-        state = {"version": self.version, "optimizer": self.optimizer.state_dict(), "config": self.config.model_dump()}
+        weights, optimizer = None, self.optimizer.state_dict()
+        if self.fsdp:
+            weights, optimizer = full_model_state(self.model), full_optimizer_state(self.model, self.optimizer)
+            if self.rank > 0:
+                return Path(directory)
+        directory = save_policy(directory, self.model, self.tokenizer, self.mtp, extra_config=provenance, state_dict=weights)
+        state = {"version": self.version, "optimizer": optimizer, "config": self.config.model_dump()}
         torch.save(state, directory / STATE_FILE)
         return directory
 
@@ -383,12 +441,19 @@ class RLLearner:
         """Resume from `save`: weights, MTP layer, optimizer moments and version."""
         directory = Path(directory)
         model, _, mtp = load_policy(directory)
-        self.model.load_state_dict(model.state_dict())
+        if self.fsdp:
+            load_full_model_state(self.model, model.state_dict())
+        else:
+            self.model.load_state_dict(model.state_dict())
         if self.mtp is not None and mtp is not None:
             self.mtp.load_state_dict(mtp.state_dict())
         state = torch.load(directory / STATE_FILE, map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:
+            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+        self._gathered = None
 
 
 def _advantages(batch: MicroBatch, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

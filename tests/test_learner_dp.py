@@ -16,10 +16,11 @@ from asyncrl.records import UNSAMPLED_VERSION, Sample
 pytestmark = pytest.mark.slow  # a Ray start plus five learner processes importing torch
 
 
-def config(ranks: int) -> RunConfig:
+def config(ranks: int, sharding: str = "auto") -> RunConfig:
     return RunConfig(
         policy=PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(enabled=False)),
-        learner=LearnerConfig(group_size=4, num_cpus=0.5, num_ranks=ranks, micro_batch_tokens=64),  # the default lr, 1e-4
+        # The default lr, 1e-4; a quarter CPU each, so that three learners (five processes) fit the 2-CPU Ray.
+        learner=LearnerConfig(group_size=4, num_cpus=0.25, num_ranks=ranks, micro_batch_tokens=64, sharding=sharding),
     )  # fmt: skip
 
 
@@ -47,7 +48,8 @@ def test_rows_are_split_by_tokens_deterministically_in_their_order():
     assert shard_rows(rows, 0, 1) == rows and shard_rows(rows, 0, 2) == shares[0]
 
 
-def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_path):
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_path, sharding):
     import ray
     import torch
 
@@ -57,7 +59,7 @@ def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_
     alone = create_learner(config(1))
     before = ray.get(alone.state.remote())
     one = ray.get(alone.train_step.remote(samples))
-    grouped = create_learner(config(2))
+    grouped = create_learner(config(2, sharding))
     two = ray.get(grouped.train_step.remote(samples))
     assert one["stepped"] and two["stepped"] and one["version"] == two["version"] == 1
     # Each rank computed a share: the micro-batches of both add up; the step's figures are the whole batch's.
@@ -70,6 +72,14 @@ def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_
     gap = max(float((weights_one[name] - weights_two[name]).abs().max()) for name in weights_one)
     moved = max(float((weights_one[name] - before[name]).abs().max()) for name in weights_one)
     assert gap < 1e-5 and moved > 100 * gap
+    # Replicated, each rank holds the whole weights and AdamW moments; sharded, about half of them.
+    whole = ray.get(alone.usage.remote())["held_bytes"][0]
+    held = ray.get(grouped.usage.remote())["held_bytes"]
+    if sharding == "fsdp":
+        assert len(held) == 2 and all(0.45 * whole < h < 0.55 * whole for h in held), (held, whole)
+    else:
+        assert held == [whole, whole]
+    ray.kill(alone)  # its CPUs are the next learners'
 
     # Written by two ranks, resumed by one: the same weights, version and optimizer moments.
     ray.get(grouped.save.remote(str(tmp_path / "ckpt")))
@@ -77,19 +87,64 @@ def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_
     assert ray.get(resumed.version.remote()) == 1
     weights_resumed = ray.get(resumed.state.remote())
     assert all(torch.equal(weights_resumed[name], weights_two[name]) for name in weights_two)
-    # Both take the same next step from there.
-    after_two, after_resumed = ray.get([grouped.train_step.remote(samples), resumed.train_step.remote(samples)])
-    assert after_two["loss"] == pytest.approx(after_resumed["loss"], rel=1e-5) and after_two["version"] == after_resumed["version"] == 2
+    # Written by one, resumed by two: the same again (for FSDP, each rank takes its shards of the whole state).
+    ray.get(resumed.save.remote(str(tmp_path / "ckpt-one")))
+    regrouped = create_learner(config(2, sharding), resume_from=str(tmp_path / "ckpt-one"))
+    assert ray.get(regrouped.version.remote()) == 1
+    assert all(torch.equal(t, weights_two[name]) for name, t in ray.get(regrouped.state.remote()).items())
+    # All three take the same next step from there: the optimizer moments came back too.
+    after = ray.get([learner.train_step.remote(samples) for learner in (grouped, resumed, regrouped)])
+    assert all(a["version"] == 2 for a in after)
+    assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=1e-5) == after[2]["loss"]
+    assert after[0]["grad_norm"] == pytest.approx(after[1]["grad_norm"], rel=1e-5) == after[2]["grad_norm"]
+    stepped = ray.get([learner.state.remote() for learner in (grouped, resumed, regrouped)])
+    assert max(float((stepped[0][n] - stepped[k][n]).abs().max()) for n in stepped[0] for k in (1, 2)) < 1e-5
     # Every rank reads the driver's run-directory check back, or says which rank on which node did not.
     (tmp_path / "check").write_text("token")
     assert ray.get(grouped.reads.remote(str(tmp_path / "check"), "token")) == []
     unseen = ray.get(grouped.reads.remote(str(tmp_path / "check"), "another"))
     assert [entry.split(" (node ")[0] for entry in unseen] == ["learner rank 0", "learner rank 1"]
-    for actor in (alone, grouped, resumed):
+    for actor in (grouped, resumed, regrouped):
         ray.kill(actor)
 
 
-def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path):
+def test_fsdp_ranks_with_unequal_micro_batch_counts_take_the_one_rank_step(ray_session):
+    import ray
+
+    from asyncrl.learner.actor import create_learner
+    from asyncrl.learner.batch import micro_batches
+    from asyncrl.learner.rl import advantages_for, to_rows
+    from asyncrl.learner.selection import select
+
+    # One long rollout and seven short ones: the long one fills rank 0 alone; rank 1's short ones, two to a
+    # micro-batch, make more micro-batches than rank 0 has, so rank 0 runs empty passes to match.
+    samples = []
+    for i in range(8):
+        reply = 56 if i == 0 else 6
+        samples.append(Sample(
+            token_ids=[5 + i] * (4 + reply), loss_mask=[0] * 4 + [1] * reply, logprobs=[0.0] * 4 + [-4.0] * reply,
+            versions=[UNSAMPLED_VERSION] * 4 + [0] * reply, reward=float(i % 2), group_id=f"g{i // 4}", rollout_id=f"r{i}",
+            status="ok", task="t",
+        ))  # fmt: skip
+    run = config(1).model_copy(update={"learner": config(1).learner.model_copy(update={"micro_batch_tokens": 20})})
+    selection = select(samples, current_version=0, max_staleness=4, group_size=4, crash_statuses=["env_crash"])
+    rows = to_rows(selection.batch, advantages_for(selection, True))
+    counts = [len(micro_batches(shard_rows(rows, rank, 2), 0, 20)) for rank in range(2)]
+    assert counts[0] < counts[1], counts
+
+    alone = create_learner(run)
+    sharded = create_learner(run.model_copy(update={"learner": run.learner.model_copy(update={"num_ranks": 2, "sharding": "fsdp"})}))
+    one, two = ray.get([alone.train_step.remote(samples), sharded.train_step.remote(samples)])
+    assert two["micro_batches"] == sum(counts)  # the empty passes are no micro-batches of the step
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
+    assert max(float((weights_one[n] - weights_two[n]).abs().max()) for n in weights_one) < 1e-5
+    for actor in (alone, sharded):
+        ray.kill(actor)
+
+
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
+def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path, sharding):
     import json
 
     from loop_helpers import TINY
@@ -99,7 +154,7 @@ def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path):
 
     common = [*TINY, f"runs_dir={tmp_path}", "name=dp", "loop.mode=sync", "loop.eval_every=1000", "eval.num_problems=4",
               'tasks.mix={echo: {env: "replay_envs:EchoEnv"}}']  # fmt: skip
-    assert main(["run", "quickstart", *common, "learner.num_ranks=2", "loop.steps=2"]) == 0
+    assert main(["run", "quickstart", *common, "learner.num_ranks=2", f"learner.sharding={sharding}", "loop.steps=2"]) == 0
     run_dir = RunDir(tmp_path / "dp")
     assert run_dir.latest_checkpoint() is not None
     assert main(["run", "--resume", str(run_dir.path), "learner.num_ranks=1", "loop.steps=4"]) == 0

@@ -1,6 +1,8 @@
-"""Benchmark: the learner alone, with 1 and 2 data-parallel ranks, and its weight push against its limit.
+"""Benchmark: the learner alone, with 1 and 2 data-parallel ranks (replicated and FSDP), and its weight push
+against its limit.
 
-Each side is the real `LearnerActor` (learner/actor.py) with `learner.num_ranks` set, on the run's
+Each side is the real `LearnerActor` (learner/actor.py) with `learner.num_ranks` set (and, above one rank,
+`learner.sharding` replicate and fsdp: sides "2" and "2-fsdp"), on the run's
 policy (`policy.path`, or the tiny policy), fed the same synthetic GRPO batches: `learner.batch_groups`
 groups of `learner.group_size` rollouts of `bench.prompt_tokens` + `bench.reply_tokens` random tokens,
 rewards spread within every group so every row is computed. After a warm-up step, `bench.steps`
@@ -8,7 +10,8 @@ steps are timed; the sides alternate `bench.repeats` times and the medians are r
 
 - `samples_per_s` per rank count and `dp_speedup` (2 ranks over 1): on CPU each rank has
   `learner.torch_threads` threads, so 2 ranks use twice the cores of 1.
-- `peak_rss_mb` per rank: what each learner process held at most (ru_maxrss).
+- `peak_rss_mb` per rank: what each learner process held at most (ru_maxrss); `held_mb` per rank: its
+  weights and AdamW moments (FSDP's shards: about half of them each with 2 ranks).
 - the push: `LearnerActor.state` (the CPU copy of every weight, put in Ray's object store) timed until
   the driver holds it, against its limit, the state's bytes over this machine's measured memory copy
   bandwidth (a tensor of the same size cloned, best of five): `push_over_copy_limit` is how many
@@ -27,6 +30,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -44,6 +48,8 @@ class LearnerBenchOptions(Section):
 
     ranks: list[int] = Field([1, 2], min_length=1)
     """learner.num_ranks of each side, in this order."""
+    sharding: list[Literal["replicate", "fsdp"]] = Field(["replicate", "fsdp"], min_length=1)
+    """learner.sharding of each side with more than one rank (side "N" replicated, "N-fsdp" sharded)."""
     steps: int = Field(6, ge=1, le=10000)
     """Timed optimizer steps per side and repeat (after one warm-up step)."""
     repeats: int = Field(2, ge=1, le=100)
@@ -86,12 +92,21 @@ def copy_bandwidth(nbytes: int) -> float:
     return data.numel() * 4 / best
 
 
-def _side(config: RunConfig, ranks: int, batches: list[list[Sample]], options: LearnerBenchOptions) -> dict:
+def side_names(options: LearnerBenchOptions) -> dict[str, tuple[int, str]]:
+    """Side name -> (learner.num_ranks, learner.sharding), in the order they run."""
+    sides = {}
+    for ranks in options.ranks:
+        for sharding in options.sharding if ranks > 1 else ["replicate"]:
+            sides[str(ranks) if sharding == "replicate" else f"{ranks}-{sharding}"] = (ranks, sharding)
+    return sides
+
+
+def _side(config: RunConfig, ranks: int, sharding: str, batches: list[list[Sample]], options: LearnerBenchOptions) -> dict:
     import ray
 
     from asyncrl.learner.actor import create_learner
 
-    learner = create_learner(_with(config, f"learner.num_ranks={ranks}"))
+    learner = create_learner(_with(config, f"learner.num_ranks={ranks}", f"learner.sharding={sharding}"))
     try:
         ray.get(learner.train_step.remote(batches[0], 0))  # warm-up: process start, first allocations
         start = time.perf_counter()
@@ -109,6 +124,7 @@ def _side(config: RunConfig, ranks: int, batches: list[list[Sample]], options: L
     return {
         "samples_per_s": samples / wall,
         "peak_rss_mb": [b / 2**20 for b in usage["peak_rss_bytes"]],
+        "held_mb": [b / 2**20 for b in usage["held_bytes"]],
         "push_s": push_s,
         "push_bytes": nbytes,
     }
@@ -128,27 +144,29 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnerBenchOp
     if started:
         cpus = math.ceil(max(options.ranks) * config.learner.num_cpus)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
-    runs: dict[int, list[dict]] = {n: [] for n in options.ranks}
+    names = side_names(options)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     try:
         for _ in range(options.repeats):
-            for ranks in options.ranks:
-                runs[ranks].append(_side(config, ranks, batches, options))
-                print(f"[bench learner] {ranks} rank(s): {runs[ranks][-1]['samples_per_s']:.1f} samples/s", flush=True)
+            for name, (ranks, sharding) in names.items():
+                runs[name].append(_side(config, ranks, sharding, batches, options))
+                print(f"[bench learner] {name}: {runs[name][-1]['samples_per_s']:.1f} samples/s", flush=True)
     finally:
         if started:
             ray.shutdown()
     sides = {
-        str(n): {
+        name: {
             "samples_per_s": statistics.median(r["samples_per_s"] for r in results),
-            "peak_rss_mb": [max(r["peak_rss_mb"][i] for r in results) for i in range(n)],
+            "peak_rss_mb": [max(r["peak_rss_mb"][i] for r in results) for i in range(names[name][0])],
+            "held_mb": results[0]["held_mb"],
             "push_s": statistics.median(r["push_s"] for r in results),
             "repeats": [r["samples_per_s"] for r in results],
         }
-        for n, results in runs.items()
+        for name, results in runs.items()
     }
-    nbytes = runs[options.ranks[0]][0]["push_bytes"]
+    nbytes = next(iter(runs.values()))[0]["push_bytes"]
     bandwidth = copy_bandwidth(nbytes)
-    push_s = statistics.median(r["push_s"] for results in runs.values() for r in results)
+    push_s = statistics.median(r["push_s"] for r in next(iter(runs.values())))  # the first side's: no gather
     results = {
         "benchmark": "learner",
         "samples_per_step": len(batches[0]),
@@ -156,6 +174,7 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnerBenchOp
         "torch_threads_per_rank": config.learner.torch_threads,
         "sides": sides,
         "dp_speedup": sides["2"]["samples_per_s"] / sides["1"]["samples_per_s"] if {"1", "2"} <= sides.keys() else None,
+        "fsdp_speedup": sides["2-fsdp"]["samples_per_s"] / sides["1"]["samples_per_s"] if {"1", "2-fsdp"} <= sides.keys() else None,
         "push": {
             "seconds": push_s,
             "bytes": nbytes,

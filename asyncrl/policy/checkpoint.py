@@ -134,15 +134,17 @@ def save_policy(
     tokenizer,
     mtp: MTPLayer | None = None,
     extra_config: dict | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the policy (and MTP layer, if any) as a Hugging Face directory; returns its path.
 
-    `extra_config` keys are merged into config.json (e.g. asyncrl provenance: stage, step).
+    `extra_config` keys are merged into config.json (e.g. asyncrl provenance: stage, step). `state_dict`: the
+    weights to write instead of the model's own (a sharded learner's, gathered whole).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with _quiet():
-        model.save_pretrained(str(directory))
+        model.save_pretrained(str(directory), state_dict=state_dict)
         tokenizer.save_pretrained(str(directory))
     if mtp is None:
         _update_config(directory, extra_config or {}, drop=("num_nextn_predict_layers",))

@@ -1,0 +1,151 @@
+"""FSDP2 for the data-parallel learner (`learner.sharding`): each of the `learner.num_ranks` ranks holds a
+1/num_ranks shard of the weights, gradients and AdamW moments (torch's `fully_shard`), so a policy that does
+not fit one device trains across several. The replicated alternative is learner/distributed.py.
+
+What sharding changes in a step, and why:
+
+- The learner scores with the decoder and then the head (`policy_hidden_and_logits`), never the HF
+  model's own forward, so the FSDP root is a `Scorer` whose forward is exactly that: its hooks gather the
+  embedding, final norm and head (one group, so a tied head is no problem), and each decoder layer is a
+  group of its own, gathered for its forward and backward only.
+- Every rank runs the same number of forward/backward passes, because every layer's all-gather and
+  reduce-scatter is a collective: a rank with fewer micro-batches than another runs empty ones
+  (`empty_pass`: one token, zero loss).
+- The reduce-scatter sums instead of averaging (divide factor 1): each micro-batch's loss is already
+  scaled by the step's trainable tokens over all ranks, so the sum is the one-rank gradient, as in the
+  replicated learner.
+- The full weights exist only when gathered (`full_model_state`, a collective every rank joins: the
+  actor fans the call out), as CPU tensors on rank 0, for the weight push and the checkpoint.
+- The optimizer state goes to disk in the single-process layout (`optimizer.state_dict()`'s parameter
+  indices), so a checkpoint resumes under any rank count and either sharding.
+
+FSDP runs AdamW only (Muon orthogonalizes whole matrices) and no MTP layer (it shares the embedding and
+head); the config refuses both (`RunConfig._check_sharding`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from asyncrl.configs.schema import RunConfig
+from asyncrl.policy.mtp import policy_hidden_and_logits
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""Whole tensors, on the CPU of rank 0 only (the other ranks get empty dicts)."""
+
+
+class Scorer(nn.Module):
+    """The learner's forward: the policy's last hidden states and logits (`policy_hidden_and_logits`)."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return policy_hidden_and_logits(self.policy, input_ids, attention_mask)
+
+
+def uses_fsdp(run: RunConfig, device: torch.device) -> bool:
+    """Whether this learner shards: `learner.sharding` fsdp, or auto on CUDA where the policy allows it."""
+    learner = run.learner
+    if learner.num_ranks == 1 or learner.sharding == "replicate":
+        return False
+    if learner.sharding == "fsdp":
+        return True
+    return device.type == "cuda" and learner.optimizer.type == "adamw" and not run.policy.mtp.enabled
+
+
+def shard(scorer: Scorer, world: int, device: torch.device) -> None:
+    """`fully_shard` every decoder layer, then the root (embedding, final norm, head), over all `world` ranks."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    mesh = init_device_mesh(device.type, (world,))
+    # transformers' decoder layers of every family derive from GradientCheckpointingLayer.
+    for layer in [m for m in scorer.modules() if isinstance(m, GradientCheckpointingLayer)]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(scorer, mesh=mesh)
+    for module in scorer.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM (gloo has no PREMUL_SUM, which FSDP would use to multiply by 1 / factor).
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def matched_passes(passes: int, device: torch.device) -> int:
+    """The most forward/backward passes any rank has this step: what every rank runs."""
+    most = torch.tensor([passes], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
+def empty_pass(scorer: Scorer, pad_token_id: int, device: torch.device) -> None:
+    """A forward and backward that joins every group's collectives and adds nothing to any gradient."""
+    ids = torch.full((1, 1), pad_token_id, device=device)
+    _, logits = scorer(ids, torch.ones_like(ids))
+    (logits.float().sum() * 0.0).backward()
+
+
+def total_norm(norm: torch.Tensor) -> float:
+    """`clip_grad_norm_`'s result as a number (over sharded gradients it is a DTensor)."""
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores of `tensor` (its shard of a DTensor)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights as CPU tensors on rank 0 ({} on the others). A collective: every rank calls it."""
+    state: Any = get_model_state_dict(model, options=FULL)  # typed for any value; these are tensors
+    return state
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Whole weights (every rank has them) into this rank's shards."""
+    whole: Any = state
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's whole state in `optimizer.state_dict()`'s layout, on rank 0 ({} on the others). A
+    collective: every rank calls it."""
+    state: Any = get_optimizer_state_dict(model, optimizer, options=FULL)
+    if not state:
+        return {}
+    index = {name: i for i, name in enumerate(parameter_names(model, optimizer))}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """`optimizer.state_dict()`-layout state (a checkpoint of any rank count) into this rank's shards."""
+    names = parameter_names(model, optimizer)
+    state: Any = {
+        "state": {names[int(i)]: value for i, value in saved["state"].items()},
+        "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]} for group in saved["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of every parameter the optimizer steps, in the order `optimizer.state_dict()` numbers them."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
