@@ -108,7 +108,7 @@ def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_
         ray.kill(actor)
 
 
-def test_fsdp_ranks_with_unequal_micro_batch_counts_take_the_one_rank_step(ray_session):
+def test_fsdp_ranks_with_unequal_micro_batch_counts_and_checkpointing_take_the_one_rank_step(ray_session):
     import ray
 
     from asyncrl.learner.actor import create_learner
@@ -133,12 +133,34 @@ def test_fsdp_ranks_with_unequal_micro_batch_counts_take_the_one_rank_step(ray_s
     assert counts[0] < counts[1], counts
 
     alone = create_learner(run)
-    sharded = create_learner(run.model_copy(update={"learner": run.learner.model_copy(update={"num_ranks": 2, "sharding": "fsdp"})}))
+    # Sharded with activation checkpointing too: a checkpointed layer gathers its shards again for the recompute.
+    fsdp = {"num_ranks": 2, "sharding": "fsdp", "gradient_checkpointing": True}
+    sharded = create_learner(run.model_copy(update={"learner": run.learner.model_copy(update=fsdp)}))
     one, two = ray.get([alone.train_step.remote(samples), sharded.train_step.remote(samples)])
     assert two["micro_batches"] == sum(counts)  # the empty passes are no micro-batches of the step
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
     assert max(float((weights_one[n] - weights_two[n]).abs().max()) for n in weights_one) < 1e-5
+    for actor in (alone, sharded):
+        ray.kill(actor)
+
+
+def test_fsdp_takes_the_one_rank_step_on_the_moe_policy_with_its_frozen_indexer(ray_session):
+    """The tiny GLM-5 shape: MoE experts (some get no token), the DSA indexer frozen (learner.freeze_indexer)."""
+    import ray
+
+    from asyncrl.learner.actor import create_learner
+
+    def run(ranks: int, sharding: str) -> RunConfig:
+        learner = LearnerConfig(group_size=4, num_cpus=0.5, num_ranks=ranks, micro_batch_tokens=64, sharding=sharding)
+        return RunConfig(policy=PolicyConfig(tiny=TinyModelConfig(arch="glm_moe_dsa"), mtp=MTPConfig(enabled=False)), learner=learner)
+
+    alone, sharded = create_learner(run(1, "replicate")), create_learner(run(2, "fsdp"))
+    one, two = ray.get([alone.train_step.remote(batch()), sharded.train_step.remote(batch())])
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
+    assert weights_one.keys() == weights_two.keys()
+    assert max(float((weights_one[n].float() - weights_two[n].float()).abs().max()) for n in weights_one) < 1e-5
     for actor in (alone, sharded):
         ray.kill(actor)
 
