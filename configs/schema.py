@@ -239,16 +239,9 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check_sharding(self) -> RunConfig:
-        if self.learner.sharding != "fsdp":
-            return self
-        if self.learner.optimizer.type != "adamw":
+        if self.learner.sharding == "fsdp" and self.learner.optimizer.type != "adamw":
             raise ValueError(
                 f"learner.sharding fsdp runs with learner.optimizer.type adamw only ({self.learner.optimizer.type!r} "
                 "orthogonalizes whole matrices, which FSDP cuts into shards): use adamw, or learner.sharding replicate"
-            )
-        if self.policy.mtp.enabled:
-            raise ValueError(
-                "learner.sharding fsdp needs policy.mtp.enabled false (the MTP layer shares the policy's embedding and LM "
-                "head, which FSDP shards): turn MTP off, or use learner.sharding replicate"
             )
         return self

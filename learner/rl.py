@@ -52,7 +52,7 @@ from transformers import PreTrainedModel
 
 from asyncrl.configs.schema import LearnerConfig, RunConfig
 from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
-from asyncrl.policy.mtp import MTPLayer, check_plain_head, mtp_loss
+from asyncrl.policy.mtp import MTPLayer, check_plain_head
 from asyncrl.policy.routing import use_shared_selection
 from asyncrl.records import Account, Sample
 
@@ -61,9 +61,9 @@ from .consistency import ConsistencyStats, warn_gaps
 from .distributed import all_reduce_gradients, broadcast_parameters, gather_objects, shard_rows
 from .objectives import ObjectiveOutput, distill_advantages, double_sided_is_loss, group_advantages, icepop_grpo_loss
 from .optim import build_optimizer
-from .routing_replay import replay
 from .selection import Selection, select
 from .sharding import (
+    MTPTargets,
     Scorer,
     empty_pass,
     full_model_state,
@@ -252,15 +252,14 @@ class RLLearner:
         """This process's place in a data-parallel learner (learner/distributed.py); (0, 1) alone."""
         if self.world > 1:  # before FSDP (if any) cuts the parameters into shards
             broadcast_parameters([*model.parameters(), *(mtp.parameters() if mtp is not None else ())])
-        self.scorer = Scorer(model)
+        self.scorer = Scorer(model, self.mtp)
         self.fsdp = fsdp and self.world > 1
         """Sharded over the ranks (learner/sharding.py) rather than replicated on each."""
         if self.fsdp:
-            if mtp is not None:
-                raise ValueError("learner.sharding fsdp: the policy has an MTP layer (set policy.mtp.enabled false)")
             shard(self.scorer, self.world, self.device)
-        self._gathered: tuple[int, dict[str, torch.Tensor]] | None = None
-        """(version, whole weights on the CPU) of the last `gather_weights`, on rank 0 of a sharded learner."""
+        self._gathered: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        """(version, the policy's whole weights, the MTP layer's) on the CPU, of the last `gather_weights` (rank 0
+        of a sharded learner)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         if (trained_mtp := self._trained_mtp) is not None:
             # The MTP layer shares the policy's embedding and head; list those only once.
@@ -348,22 +347,17 @@ class RLLearner:
         batches = micro_batches(rows, pad, self.config.micro_batch_tokens)
         # FSDP: agreed before any pass, since every pass's gathers are collectives too.
         passes = matched_passes(len(batches), self.device) if self.fsdp else len(batches)
+        mtp = MTPTargets(float(max(computed_trainable, 1)), self.mtp_depth_weights) if self._trained_mtp is not None else None
         for batch in batches:
             batch = batch.to(self.device)
-            with replay(self.model, batch.routes if self.config.routing_replay else None):
-                hidden, logits = self.scorer(batch.input_ids, batch.attention_mask)
+            routes = batch.routes if self.config.routing_replay else None
+            _, logits, aux = self.scorer(batch.input_ids, batch.attention_mask, routes, mtp, batch.loss_mask)
             logp = sampled_logprobs(logits, batch.input_ids, batch.temperatures[:, 1:])
             mask = batch.loss_mask[:, 1:]
             out = self.objective(logp, batch.rollout_logprobs[:, 1:], _advantages(batch, logp, mask), mask)
             # The objective divides by this micro-batch's trainable tokens; rescale to the step's.
             loss = out.loss * (float(mask.sum()) / max(total_trainable, 1))
-            if (trained_mtp := self._trained_mtp) is not None:
-                # Detached hidden states: the drafter follows the policy without pulling the trunk
-                # toward every sampled token (negative-advantage ones included).
-                aux = mtp_loss(
-                    self.model, trained_mtp, hidden.detach(), batch.input_ids, batch.attention_mask,
-                    batch.loss_mask, len(self.mtp_depth_weights), float(max(computed_trainable, 1)), self.mtp_depth_weights,
-                )  # fmt: skip
+            if aux is not None:
                 (loss + self.config.mtp_loss_weight * aux).backward()
                 stats.mtp_loss += aux.item()
             else:
@@ -371,7 +365,7 @@ class RLLearner:
             stats.loss += loss.item()
             stats.add(out, logp, batch, mask)
         for _ in range(passes - len(batches)):
-            empty_pass(self.scorer, pad, self.device)
+            empty_pass(self.scorer, pad, self.device, mtp)
         return stats
 
     def _step(self) -> float:
@@ -398,10 +392,11 @@ class RLLearner:
         if self.fsdp:
             if self._gathered is None or self._gathered[0] != self.version:
                 raise RuntimeError(f"learner version {self.version}: its weights were not gathered (gather_weights on every rank)")
-            return self._gathered[1]
-        weights = dict(self.model.state_dict())
-        if (trained_mtp := self._trained_mtp) is not None:
-            weights.update({f"mtp.{name}": t for name, t in trained_mtp.state_dict().items()})
+            weights, mtp_weights = dict(self._gathered[1]), self._gathered[2]
+        else:
+            weights, mtp_weights = dict(self.model.state_dict()), self.mtp.state_dict() if self.mtp is not None else {}
+        if self._trained_mtp is not None:
+            weights.update({f"mtp.{name}": t for name, t in mtp_weights.items()})
         return weights
 
     def needs_gather(self) -> bool:
@@ -412,7 +407,12 @@ class RLLearner:
         """Gather the whole weights onto rank 0's CPU for the pushes of this version. A collective: every
         rank calls it (LearnerActor fans the call out)."""
         self._gathered = None  # the last version's copy is not kept beside the new one
-        self._gathered = (self.version, full_model_state(self.model))
+        self._gathered = (self.version, *self._whole_state())
+
+    def _whole_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The policy's and the MTP layer's whole weights, gathered from the shards (a collective)."""
+        whole = full_model_state(self.scorer)
+        return _under(whole, "policy."), _under(whole, "mtp.")
 
     def held_bytes(self) -> int:
         """Bytes of weights and optimizer state this rank holds (with FSDP, its shards: about 1/num_ranks)."""
@@ -427,12 +427,14 @@ class RLLearner:
         """An HF checkpoint (policy + MTP layer) with the optimizer state and version beside it. Sharded, a
         collective every rank calls; rank 0 writes."""
         provenance = {"asyncrl": {"stage": "rl", "version": self.version}}
-        weights, optimizer = None, self.optimizer.state_dict()
+        weights, mtp_weights, optimizer = None, None, self.optimizer.state_dict()
         if self.fsdp:
-            weights, optimizer = full_model_state(self.model), full_optimizer_state(self.model, self.optimizer)
+            (weights, mtp_weights), optimizer = self._whole_state(), full_optimizer_state(self.scorer, self.optimizer)
             if self.rank > 0:
                 return Path(directory)
-        directory = save_policy(directory, self.model, self.tokenizer, self.mtp, extra_config=provenance, state_dict=weights)
+        directory = save_policy(
+            directory, self.model, self.tokenizer, self.mtp, extra_config=provenance, state_dict=weights, mtp_state=mtp_weights
+        )
         state = {"version": self.version, "optimizer": optimizer, "config": self.config.model_dump()}
         torch.save(state, directory / STATE_FILE)
         return directory
@@ -442,18 +444,27 @@ class RLLearner:
         directory = Path(directory)
         model, _, mtp = load_policy(directory)
         if self.fsdp:
-            load_full_model_state(self.model, model.state_dict())
+            whole = {f"policy.{name}": t for name, t in model.state_dict().items()}
+            if self.mtp is not None and mtp is not None:
+                whole.update({f"mtp.{name}": t for name, t in mtp.state_dict().items()})
+            # A checkpoint without an MTP layer leaves this learner's fresh one as it is.
+            load_full_model_state(self.scorer, whole, strict=self.mtp is None or mtp is not None)
         else:
             self.model.load_state_dict(model.state_dict())
-        if self.mtp is not None and mtp is not None:
-            self.mtp.load_state_dict(mtp.state_dict())
+            if self.mtp is not None and mtp is not None:
+                self.mtp.load_state_dict(mtp.state_dict())
         state = torch.load(directory / STATE_FILE, map_location=self.device, weights_only=True)
         if self.fsdp:
-            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            load_optimizer_state(self.scorer, self.optimizer, state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self._gathered = None
+
+
+def _under(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of `state` under `prefix`, without it."""
+    return {name.removeprefix(prefix): t for name, t in state.items() if name.startswith(prefix)}
 
 
 def _advantages(batch: MicroBatch, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

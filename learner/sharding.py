@@ -19,12 +19,16 @@ What sharding changes in a step, and why:
 - The optimizer state goes to disk in the single-process layout (`optimizer.state_dict()`'s parameter
   indices), so a checkpoint resumes under any rank count and either sharding.
 
-FSDP runs AdamW only (Muon orthogonalizes whole matrices) and no MTP layer (it shares the embedding and
-head); the config refuses both (`RunConfig._check_sharding`).
+The MTP layer is a child of the `Scorer` (its block a group of its own, its norms and projection in the
+root's), and its loss is computed inside the root's forward: it reads the policy's embedding and head,
+which are whole only there. FSDP runs AdamW only (Muon orthogonalizes whole matrices, which FSDP cuts
+into shards); the config refuses Muon with it (`RunConfig._check_sharding`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,23 +44,60 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.policy.mtp import policy_hidden_and_logits
+from asyncrl.policy.mtp import MTPLayer, mtp_loss, policy_hidden_and_logits
+
+from .routing_replay import replay
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Whole tensors, on the CPU of rank 0 only (the other ranks get empty dicts)."""
 
 
-class Scorer(nn.Module):
-    """The learner's forward: the policy's last hidden states and logits (`policy_hidden_and_logits`)."""
+@dataclass(frozen=True)
+class MTPTargets:
+    """How a step trains the MTP layer (`mtp_loss`'s arguments besides the micro-batch)."""
 
-    def __init__(self, policy: nn.Module) -> None:
+    num_tokens: float
+    """The step's trainable tokens, over all ranks: every depth's summed loss is divided by it."""
+    depth_weights: Sequence[float]
+    """lambda_1..lambda_D."""
+
+    @property
+    def depth(self) -> int:
+        return len(self.depth_weights)
+
+
+class Scorer(nn.Module):
+    """The learner's forward: the policy's last hidden states and logits (`policy_hidden_and_logits`), under
+    routing replay where the micro-batch has routes, and the MTP layer's loss where it is trained."""
+
+    def __init__(self, policy: PreTrainedModel, mtp: MTPLayer | None = None) -> None:
         super().__init__()
         self.policy = policy
+        self.mtp = mtp
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return policy_hidden_and_logits(self.policy, input_ids, attention_mask)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        routes: torch.Tensor | None = None,
+        mtp: MTPTargets | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(hidden states, logits, the MTP loss over the tokens `loss_mask` marks where `mtp` is given)."""
+        with replay(self.policy, routes):
+            hidden, logits = policy_hidden_and_logits(self.policy, input_ids, attention_mask)
+        if mtp is None or self.mtp is None or loss_mask is None:
+            return hidden, logits, None
+        # Detached hidden states: the drafter follows the policy without pulling the trunk toward every
+        # sampled token (negative-advantage ones included). Inside this forward, so that under FSDP the
+        # embedding and head it shares with the policy are whole.
+        aux = mtp_loss(
+            self.policy, self.mtp, hidden.detach(), input_ids, attention_mask, loss_mask, mtp.depth, mtp.num_tokens, mtp.depth_weights
+        )
+        return hidden, logits, aux
 
 
 def uses_fsdp(run: RunConfig, device: torch.device) -> bool:
@@ -66,7 +107,7 @@ def uses_fsdp(run: RunConfig, device: torch.device) -> bool:
         return False
     if learner.sharding == "fsdp":
         return True
-    return device.type == "cuda" and learner.optimizer.type == "adamw" and not run.policy.mtp.enabled
+    return device.type == "cuda" and learner.optimizer.type == "adamw"
 
 
 def shard(scorer: Scorer, world: int, device: torch.device) -> None:
@@ -92,11 +133,12 @@ def matched_passes(passes: int, device: torch.device) -> int:
     return int(most.item())
 
 
-def empty_pass(scorer: Scorer, pad_token_id: int, device: torch.device) -> None:
-    """A forward and backward that joins every group's collectives and adds nothing to any gradient."""
-    ids = torch.full((1, 1), pad_token_id, device=device)
-    _, logits = scorer(ids, torch.ones_like(ids))
-    (logits.float().sum() * 0.0).backward()
+def empty_pass(scorer: Scorer, pad_token_id: int, device: torch.device, mtp: MTPTargets | None) -> None:
+    """A forward and backward that joins every group's collectives (the MTP layer's too, where `mtp` says it is
+    trained) and adds nothing to any gradient."""
+    ids = torch.full((1, 2 + (mtp.depth if mtp is not None else 0)), pad_token_id, device=device)
+    _, logits, aux = scorer(ids, torch.ones_like(ids), None, mtp, torch.zeros_like(ids))
+    ((logits.float().sum() + (aux if aux is not None else 0.0)) * 0.0).backward()
 
 
 def total_norm(norm: torch.Tensor) -> float:
@@ -116,10 +158,10 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Whole weights (every rank has them) into this rank's shards."""
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Whole weights (every rank has them) into this rank's shards (`strict` False: some may be missing)."""
     whole: Any = state
-    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

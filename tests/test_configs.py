@@ -230,22 +230,20 @@ def test_the_env_context_carries_what_plugins_read() -> None:
         context.seed = 1  # type: ignore[misc]  # frozen: every plug-in sees the same settings
 
 
-def test_fsdp_sharding_refuses_muon_and_an_mtp_layer_naming_the_keys() -> None:
+def test_fsdp_sharding_refuses_muon_naming_the_keys() -> None:
     import torch
 
     from asyncrl.learner.sharding import uses_fsdp
 
     fsdp = ["learner.num_ranks=2", "learner.sharding=fsdp"]
-    with pytest.raises(ConfigError, match=r"learner.sharding fsdp needs policy.mtp.enabled false"):
-        load_config("quickstart", fsdp)  # the quickstart policy has an MTP layer
     with pytest.raises(ConfigError, match=r"learner.sharding fsdp runs with learner.optimizer.type adamw only \('muon'"):
-        load_config("quickstart", [*fsdp, "policy.mtp.enabled=false", "learner.optimizer.type=muon"])
+        load_config("quickstart", [*fsdp, "learner.optimizer.type=muon"])
     with pytest.raises(ConfigError, match=r"learner.sharding: Input should be 'auto', 'replicate' or 'fsdp'"):
         load_config("quickstart", ["learner.sharding=zero3"])
-    # auto: FSDP on CUDA where the policy allows it, the replicated learner otherwise.
+    # auto: FSDP on CUDA with AdamW, the replicated learner otherwise.
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    plain = load_config("quickstart", ["learner.num_ranks=2", "policy.mtp.enabled=false"])
-    assert uses_fsdp(plain, cuda) and not uses_fsdp(plain, cpu)
-    assert not uses_fsdp(load_config("quickstart", ["learner.num_ranks=2"]), cuda)  # an MTP layer
-    assert not uses_fsdp(load_config("quickstart", ["policy.mtp.enabled=false"]), cuda)  # one rank
-    assert uses_fsdp(load_config("quickstart", [*fsdp, "policy.mtp.enabled=false"]), cpu)
+    two = load_config("quickstart", ["learner.num_ranks=2"])
+    assert uses_fsdp(two, cuda) and not uses_fsdp(two, cpu)
+    assert not uses_fsdp(load_config("quickstart", ["learner.num_ranks=2", "learner.optimizer.type=muon"]), cuda)
+    assert not uses_fsdp(load_config("quickstart", []), cuda)  # one rank
+    assert uses_fsdp(load_config("quickstart", fsdp), cpu)

@@ -165,6 +165,40 @@ def test_fsdp_takes_the_one_rank_step_on_the_moe_policy_with_its_frozen_indexer(
         ray.kill(actor)
 
 
+def test_fsdp_trains_the_mtp_layer_as_one_rank_does_and_checkpoints_it(ray_session, tmp_path):
+    """The MTP layer shares the policy's embedding and head: sharded, its loss is computed inside the root's
+    forward, where they are whole; pushed under "mtp.*" and written beside the policy as one rank does."""
+    import ray
+    import torch
+
+    from asyncrl.learner.actor import create_learner
+
+    def run(ranks: int, sharding: str) -> RunConfig:
+        learner = LearnerConfig(group_size=4, num_cpus=0.25, num_ranks=ranks, micro_batch_tokens=64, sharding=sharding, mtp_loss_weight=0.3)
+        policy = PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(train_depth=2))
+        return RunConfig(policy=policy, learner=learner)
+
+    alone, sharded = create_learner(run(1, "replicate")), create_learner(run(2, "fsdp"))
+    before = ray.get(alone.state.remote())
+    one, two = ray.get([alone.train_step.remote(batch()), sharded.train_step.remote(batch())])
+    assert one["mtp_loss"] > 0 and two["mtp_loss"] == pytest.approx(one["mtp_loss"], rel=1e-6)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
+    assert weights_one.keys() == weights_two.keys() and any(name.startswith("mtp.") for name in weights_one)
+    assert max(float((weights_one[n] - weights_two[n]).abs().max()) for n in weights_one) < 1e-5
+    assert max(float((weights_one[n] - before[n]).abs().max()) for n in weights_one if n.startswith("mtp.")) > 1e-5  # it trained
+
+    ray.get(sharded.save.remote(str(tmp_path / "ckpt")))
+    ray.kill(alone)
+    resumed = create_learner(run(1, "replicate"), resume_from=str(tmp_path / "ckpt"))
+    assert all(torch.equal(t, weights_two[name]) for name, t in ray.get(resumed.state.remote()).items())
+    after = ray.get([sharded.train_step.remote(batch()), resumed.train_step.remote(batch())])
+    assert after[0]["mtp_loss"] == pytest.approx(after[1]["mtp_loss"], rel=1e-5)
+    assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=1e-5)
+    for actor in (sharded, resumed):
+        ray.kill(actor)
+
+
 @pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
 def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path, sharding):
     import json

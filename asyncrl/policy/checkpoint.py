@@ -28,7 +28,7 @@ import contextlib
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -76,12 +76,21 @@ def _quiet() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def mtp_state_dict(model: PreTrainedModel, mtp: MTPLayer) -> dict[str, torch.Tensor]:
-    """The MTP layer under its on-disk names (`model.layers.{N}.*`, experts unfused)."""
+def mtp_state_dict(
+    model: PreTrainedModel, mtp: MTPLayer, whole: tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
+    """The MTP layer under its on-disk names (`model.layers.{N}.*`, experts unfused). `whole`: the policy's and
+    the MTP layer's state dicts to take the tensors from, where the modules hold shards (a sharded learner's)."""
     prefix = f"model.layers.{mtp.layer_index}."
-    state = {prefix + name.removeprefix("block."): t for name, t in mtp.state_dict().items()}
-    state[prefix + "embed_tokens.weight"] = model.get_input_embeddings().weight
-    state[prefix + "shared_head.head.weight"] = model.get_output_embeddings().weight
+    policy_state, own = whole if whole is not None else (None, mtp.state_dict())
+    state = {prefix + name.removeprefix("block."): t for name, t in own.items()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if policy_state is None:
+        state[prefix + "embed_tokens.weight"], state[prefix + "shared_head.head.weight"] = embed.weight, head.weight
+    else:
+        names = {id(module): name for name, module in model.named_modules()}
+        state[prefix + "embed_tokens.weight"] = policy_state[f"{names[id(embed)]}.weight"]
+        state[prefix + "shared_head.head.weight"] = policy_state[f"{names[id(head)]}.weight"]
     # transformers' own inverse of its load-time conversion, so the block's experts are named
     # exactly as save_pretrained names the policy's layers.
     state = revert_weight_conversion(model, state)
@@ -135,16 +144,18 @@ def save_policy(
     mtp: MTPLayer | None = None,
     extra_config: dict | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    mtp_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the policy (and MTP layer, if any) as a Hugging Face directory; returns its path.
 
-    `extra_config` keys are merged into config.json (e.g. asyncrl provenance: stage, step). `state_dict`: the
-    weights to write instead of the model's own (a sharded learner's, gathered whole).
+    `extra_config` keys are merged into config.json (e.g. asyncrl provenance: stage, step). `state_dict` and
+    `mtp_state`: the weights to write instead of the modules' own (a sharded learner's, gathered whole).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with _quiet():
-        model.save_pretrained(str(directory), state_dict=state_dict)
+        # A copy: save_pretrained drops the tied head's entry from the dict it is given.
+        model.save_pretrained(str(directory), state_dict=None if state_dict is None else dict(state_dict))
         tokenizer.save_pretrained(str(directory))
     if mtp is None:
         _update_config(directory, extra_config or {}, drop=("num_nextn_predict_layers",))
@@ -152,7 +163,7 @@ def save_policy(
     _update_config(directory, {**(extra_config or {}), "num_nextn_predict_layers": 1})
     path = _mtp_path(directory, model.config.model_type)
     path.parent.mkdir(exist_ok=True)
-    state = mtp_state_dict(model, mtp)
+    state = mtp_state_dict(model, mtp, None if state_dict is None or mtp_state is None else (state_dict, mtp_state))
     save_file(state, str(path), metadata={"format": "pt"})
     index = directory / INDEX_FILE
     if path.parent == directory and index.exists():
