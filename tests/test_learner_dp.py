@@ -199,8 +199,12 @@ def test_fsdp_trains_the_mtp_layer_as_one_rank_does_and_checkpoints_it(ray_sessi
         ray.kill(actor)
 
 
-@pytest.mark.parametrize("sharding", ["replicate", "fsdp"])
-def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path, sharding):
+@pytest.mark.parametrize(
+    ("sharding", "policy"),
+    [("replicate", []), ("fsdp", ["policy.mtp.enabled=true", "learner.mtp_loss_weight=0.3"])],  # sharded: a trained MTP layer pushed
+    ids=["replicate", "fsdp-mtp"],
+)
+def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path, sharding, policy):
     import json
 
     from loop_helpers import TINY
@@ -210,6 +214,7 @@ def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path, shar
 
     common = [*TINY, f"runs_dir={tmp_path}", "name=dp", "loop.mode=sync", "loop.eval_every=1000", "eval.num_problems=4",
               'tasks.mix={echo: {env: "replay_envs:EchoEnv"}}']  # fmt: skip
+    common += policy
     assert main(["run", "quickstart", *common, "learner.num_ranks=2", f"learner.sharding={sharding}", "loop.steps=2"]) == 0
     run_dir = RunDir(tmp_path / "dp")
     assert run_dir.latest_checkpoint() is not None
