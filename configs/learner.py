@@ -87,8 +87,8 @@ class LearnerConfig(Section):
     sharding: Literal["auto", "replicate", "fsdp"] = "auto"
     """How num_ranks > 1 hold the policy (learner/sharding.py): replicate (every rank the whole policy and optimizer,
     gradients summed: DDP's semantics) or fsdp (torch's FSDP2 `fully_shard`: each rank a 1/num_ranks shard of the
-    weights, gradients and AdamW moments, for a model that does not fit one device; AdamW only).
-    auto: fsdp when the learner runs on CUDA with AdamW, else replicate."""
+    weights, gradients and optimizer state, for a model that does not fit one device). auto: fsdp when the
+    learner runs on CUDA, else replicate."""
     micro_batch_tokens: int = Field(8192, ge=1)
     """Most padded tokens (rows x longest) in one forward/backward; bounds activation memory."""
     gradient_checkpointing: bool = False

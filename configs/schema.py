@@ -236,12 +236,3 @@ class RunConfig(Section):
                 "disk, which gateways and processes on other nodes cannot share (store: {type: redis, url: redis://HOST:6379/0})"
             )
         return self
-
-    @model_validator(mode="after")
-    def _check_sharding(self) -> RunConfig:
-        if self.learner.sharding == "fsdp" and self.learner.optimizer.type != "adamw":
-            raise ValueError(
-                f"learner.sharding fsdp runs with learner.optimizer.type adamw only ({self.learner.optimizer.type!r} "
-                "orthogonalizes whole matrices, which FSDP cuts into shards): use adamw, or learner.sharding replicate"
-            )
-        return self

@@ -72,7 +72,7 @@ class LearnerActor:
             join_group(address, rank, world, learner_device(config))
         self.learner = RLLearner.from_config(config)
         if world > 1 and rank == 0:
-            held = "FSDP2 shards of the weights, gradients and AdamW moments" if self.learner.fsdp else "the whole policy each"
+            held = "FSDP2 shards of the weights, gradients and optimizer state" if self.learner.fsdp else "the whole policy each"
             log.info("data-parallel learner: %d ranks holding %s (learner.sharding %s)", world, held, config.learner.sharding)
         if resume_from is not None:
             self.learner.load(resume_from)

@@ -32,6 +32,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr
 from torch.optim._muon import muon as muon_update
 from transformers import PreTrainedModel
@@ -221,16 +222,36 @@ class BlockMuon(torch.optim.Optimizer):
                 state = self.state[param]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+                if isinstance(param, DTensor):  # an FSDP shard (learner/sharding.py): updated whole, one at a time
+                    self._update_whole(param, state["momentum_buffer"], layout, group)
+                    continue
                 for into, tensor in zip(views, (param, param.grad, state["momentum_buffer"]), strict=True):
                     into.extend(blocks(tensor, layout))
-            options = dict(lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
-                           ns_coefficients=group["ns_coefficients"], eps=group["eps"], ns_steps=group["ns_steps"],
-                           adjust_lr_fn=group["adjust_lr_fn"])  # fmt: skip
-            if self.ns_dtype == torch.bfloat16:
-                muon_update(*views, **options, has_complex=False)
-            else:
-                _muon_update_in(self.ns_dtype, *views, **options)
+            if views[0]:
+                self._update(views, group)
         return loss
+
+    def _update(self, views: tuple[list[Tensor], list[Tensor], list[Tensor]], group: dict[str, Any]) -> None:
+        """torch's functional Muon update on (params, grads, momentum buffers) blocks, in place."""
+        options = dict(lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
+                       ns_coefficients=group["ns_coefficients"], eps=group["eps"], ns_steps=group["ns_steps"],
+                       adjust_lr_fn=group["adjust_lr_fn"])  # fmt: skip
+        if self.ns_dtype == torch.bfloat16:
+            muon_update(*views, **options, has_complex=False)
+        else:
+            _muon_update_in(self.ns_dtype, *views, **options)
+
+    def _update_whole(self, param: DTensor, buffer: DTensor, layout: Layout, group: dict[str, Any]) -> None:
+        """The update of a sharded parameter: Newton-Schulz needs the whole matrix, so every rank gathers the
+        parameter, its gradient and its momentum, computes the same update, and keeps its own shard of the
+        result. Collectives, in the same order on every rank (the groups' parameter order)."""
+        grad = param.grad
+        assert isinstance(grad, DTensor)
+        whole = [param.full_tensor(), grad.full_tensor(), buffer.full_tensor()]
+        self._update(([*blocks(whole[0], layout)], [*blocks(whole[1], layout)], [*blocks(whole[2], layout)]), group)
+        for shard, updated in ((param, whole[0]), (buffer, whole[2])):
+            mine = distribute_tensor(updated, shard.device_mesh, shard.placements, src_data_rank=None)  # no communication
+            shard.to_local().copy_(mine.to_local())
 
 
 def _muon_update_in(

@@ -1,5 +1,5 @@
 """FSDP2 for the data-parallel learner (`learner.sharding`): each of the `learner.num_ranks` ranks holds a
-1/num_ranks shard of the weights, gradients and AdamW moments (torch's `fully_shard`), so a policy that does
+1/num_ranks shard of the weights, gradients and optimizer state (torch's `fully_shard`), so a policy that does
 not fit one device trains across several. The replicated alternative is learner/distributed.py.
 
 What sharding changes in a step, and why:
@@ -21,8 +21,10 @@ What sharding changes in a step, and why:
 
 The MTP layer is a child of the `Scorer` (its block a group of its own, its norms and projection in the
 root's), and its loss is computed inside the root's forward: it reads the policy's embedding and head,
-which are whole only there. FSDP runs AdamW only (Muon orthogonalizes whole matrices, which FSDP cuts
-into shards); the config refuses Muon with it (`RunConfig._check_sharding`).
+which are whole only there. Muon orthogonalizes whole matrices, so under FSDP every rank gathers each
+Muon parameter, its gradient and momentum, computes the same update and keeps its shard
+(`BlockMuon._update_whole`): exact, at the price of those gathers and of every rank running every
+Newton-Schulz (splitting the matrices across the ranks is the follow-up).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from transformers import PreTrainedModel
 from asyncrl.configs.schema import RunConfig
 from asyncrl.policy.mtp import MTPLayer, mtp_loss, policy_hidden_and_logits
 
+from .optim import CombinedOptimizer
 from .routing_replay import replay
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -107,7 +110,7 @@ def uses_fsdp(run: RunConfig, device: torch.device) -> bool:
         return False
     if learner.sharding == "fsdp":
         return True
-    return device.type == "cuda" and learner.optimizer.type == "adamw"
+    return device.type == "cuda"
 
 
 def shard(scorer: Scorer, world: int, device: torch.device) -> None:
@@ -167,6 +170,9 @@ def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], stri
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's whole state in `optimizer.state_dict()`'s layout, on rank 0 ({} on the others). A
     collective: every rank calls it."""
+    if isinstance(optimizer, CombinedOptimizer):  # Muon and AdamW: each its own state dict
+        parts = {name: full_optimizer_state(model, inner) for name, inner in optimizer.optimizers.items()}
+        return parts if all(parts.values()) else {}
     state: Any = get_optimizer_state_dict(model, optimizer, options=FULL)
     if not state:
         return {}
@@ -179,6 +185,13 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
     """`optimizer.state_dict()`-layout state (a checkpoint of any rank count) into this rank's shards."""
+    if isinstance(optimizer, CombinedOptimizer):
+        if set(saved) != set(optimizer.optimizers):
+            raise ValueError(f"optimizer state of {sorted(saved)}, expected {sorted(optimizer.optimizers)} (another optimizer.type?)")
+        for name, inner in optimizer.optimizers.items():
+            load_optimizer_state(model, inner, saved[name])
+        optimizer.param_groups = [g for o in optimizer.optimizers.values() for g in o.param_groups]
+        return
     names = parameter_names(model, optimizer)
     state: Any = {
         "state": {names[int(i)]: value for i, value in saved["state"].items()},

@@ -230,20 +230,18 @@ def test_the_env_context_carries_what_plugins_read() -> None:
         context.seed = 1  # type: ignore[misc]  # frozen: every plug-in sees the same settings
 
 
-def test_fsdp_sharding_refuses_muon_naming_the_keys() -> None:
+def test_learner_sharding_resolves_auto_by_device_and_refuses_unknown_values() -> None:
     import torch
 
     from asyncrl.learner.sharding import uses_fsdp
 
     fsdp = ["learner.num_ranks=2", "learner.sharding=fsdp"]
-    with pytest.raises(ConfigError, match=r"learner.sharding fsdp runs with learner.optimizer.type adamw only \('muon'"):
-        load_config("quickstart", [*fsdp, "learner.optimizer.type=muon"])
     with pytest.raises(ConfigError, match=r"learner.sharding: Input should be 'auto', 'replicate' or 'fsdp'"):
         load_config("quickstart", ["learner.sharding=zero3"])
-    # auto: FSDP on CUDA with AdamW, the replicated learner otherwise.
+    # auto: FSDP on CUDA, the replicated learner otherwise.
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     two = load_config("quickstart", ["learner.num_ranks=2"])
     assert uses_fsdp(two, cuda) and not uses_fsdp(two, cpu)
-    assert not uses_fsdp(load_config("quickstart", ["learner.num_ranks=2", "learner.optimizer.type=muon"]), cuda)
+    assert not uses_fsdp(load_config("quickstart", ["learner.num_ranks=2", "learner.sharding=replicate"]), cuda)
     assert not uses_fsdp(load_config("quickstart", []), cuda)  # one rank
     assert uses_fsdp(load_config("quickstart", fsdp), cpu)

@@ -11,7 +11,7 @@ steps are timed; the sides alternate `bench.repeats` times and the medians are r
 - `samples_per_s` per rank count and `dp_speedup` (2 ranks over 1): on CPU each rank has
   `learner.torch_threads` threads, so 2 ranks use twice the cores of 1.
 - `peak_rss_mb` per rank: what each learner process held at most (ru_maxrss); `held_mb` per rank: its
-  weights and AdamW moments (FSDP's shards: about half of them each with 2 ranks).
+  weights and optimizer state (FSDP's shards: about half of them each with 2 ranks).
 - the push: `LearnerActor.state` (the CPU copy of every weight, put in Ray's object store) timed until
   the driver holds it, against its limit, the state's bytes over this machine's measured memory copy
   bandwidth (a tensor of the same size cloned, best of five): `push_over_copy_limit` is how many
