@@ -4,6 +4,7 @@ learner takes on the same batch, and a checkpoint written by two ranks resumes u
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from conftest import SMALL_SHAPE
@@ -16,12 +17,15 @@ from asyncrl.records import UNSAMPLED_VERSION, Sample
 pytestmark = pytest.mark.slow  # a Ray start plus five learner processes importing torch
 
 
-def config(ranks: int, sharding: str = "auto") -> RunConfig:
-    return RunConfig(
-        policy=PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(enabled=False)),
-        # The default lr, 1e-4; a quarter CPU each, so that three learners (five processes) fit the 2-CPU Ray.
-        learner=LearnerConfig(group_size=4, num_cpus=0.25, num_ranks=ranks, micro_batch_tokens=64, sharding=sharding),
-    )  # fmt: skip
+def config(
+    ranks: int, sharding: str = "auto", *, tiny: TinyModelConfig | None = None, mtp: MTPConfig | None = None, **learner: Any
+) -> RunConfig:
+    """The tiny Qwen3 of SMALL_SHAPE without an MTP layer (or `tiny`, `mtp`), and a learner of `ranks` ranks
+    (`learner`: other LearnerConfig fields)."""
+    # The default lr, 1e-4; a quarter CPU each, so that three learners (five processes) fit the 2-CPU Ray.
+    fields = {"group_size": 4, "num_cpus": 0.25, "micro_batch_tokens": 64, "num_ranks": ranks, "sharding": sharding, **learner}
+    policy = PolicyConfig(tiny=tiny or TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=mtp or MTPConfig(enabled=False))
+    return RunConfig(policy=policy, learner=LearnerConfig(**fields))
 
 
 def batch() -> list[Sample]:
@@ -126,16 +130,14 @@ def test_fsdp_ranks_with_unequal_micro_batch_counts_and_checkpointing_take_the_o
             versions=[UNSAMPLED_VERSION] * 4 + [0] * reply, reward=float(i % 2), group_id=f"g{i // 4}", rollout_id=f"r{i}",
             status="ok", task="t",
         ))  # fmt: skip
-    run = config(1).model_copy(update={"learner": config(1).learner.model_copy(update={"micro_batch_tokens": 20})})
     selection = select(samples, current_version=0, max_staleness=4, group_size=4, crash_statuses=["env_crash"])
     rows = to_rows(selection.batch, advantages_for(selection, True))
     counts = [len(micro_batches(shard_rows(rows, rank, 2), 0, 20)) for rank in range(2)]
     assert counts[0] < counts[1], counts
 
-    alone = create_learner(run)
+    alone = create_learner(config(1, micro_batch_tokens=20))
     # Sharded with activation checkpointing too: a checkpointed layer gathers its shards again for the recompute.
-    fsdp = {"num_ranks": 2, "sharding": "fsdp", "gradient_checkpointing": True}
-    sharded = create_learner(run.model_copy(update={"learner": run.learner.model_copy(update=fsdp)}))
+    sharded = create_learner(config(2, "fsdp", micro_batch_tokens=20, gradient_checkpointing=True))
     one, two = ray.get([alone.train_step.remote(samples), sharded.train_step.remote(samples)])
     assert two["micro_batches"] == sum(counts)  # the empty passes are no micro-batches of the step
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
@@ -152,8 +154,7 @@ def test_fsdp_takes_the_one_rank_step_on_the_moe_policy_with_its_frozen_indexer(
     from asyncrl.learner.actor import create_learner
 
     def run(ranks: int, sharding: str) -> RunConfig:
-        learner = LearnerConfig(group_size=4, num_cpus=0.5, num_ranks=ranks, micro_batch_tokens=64, sharding=sharding)
-        return RunConfig(policy=PolicyConfig(tiny=TinyModelConfig(arch="glm_moe_dsa"), mtp=MTPConfig(enabled=False)), learner=learner)
+        return config(ranks, sharding, tiny=TinyModelConfig(arch="glm_moe_dsa"))
 
     alone, sharded = create_learner(run(1, "replicate")), create_learner(run(2, "fsdp"))
     one, two = ray.get([alone.train_step.remote(batch()), sharded.train_step.remote(batch())])
@@ -174,9 +175,7 @@ def test_fsdp_trains_the_mtp_layer_as_one_rank_does_and_checkpoints_it(ray_sessi
     from asyncrl.learner.actor import create_learner
 
     def run(ranks: int, sharding: str) -> RunConfig:
-        learner = LearnerConfig(group_size=4, num_cpus=0.25, num_ranks=ranks, micro_batch_tokens=64, sharding=sharding, mtp_loss_weight=0.3)
-        policy = PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(train_depth=2))
-        return RunConfig(policy=policy, learner=learner)
+        return config(ranks, sharding, mtp=MTPConfig(train_depth=2), mtp_loss_weight=0.3)
 
     alone, sharded = create_learner(run(1, "replicate")), create_learner(run(2, "fsdp"))
     before = ray.get(alone.state.remote())
@@ -208,12 +207,7 @@ def test_fsdp_takes_the_one_rank_muon_step_and_checkpoints_its_momentum(ray_sess
     from asyncrl.learner.actor import create_learner
 
     def run(ranks: int, sharding: str) -> RunConfig:
-        learner = LearnerConfig(
-            group_size=4, num_cpus=0.25, num_ranks=ranks, micro_batch_tokens=64, sharding=sharding, lr=1e-3,
-            optimizer=OptimizerConfig(type=optimizer),
-        )  # fmt: skip
-        policy = PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(enabled=False))
-        return RunConfig(policy=policy, learner=learner)
+        return config(ranks, sharding, lr=1e-3, optimizer=OptimizerConfig(type=optimizer))
 
     alone, sharded = create_learner(run(1, "replicate")), create_learner(run(2, "fsdp"))
     before = ray.get(alone.state.remote())
