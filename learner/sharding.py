@@ -104,7 +104,7 @@ class Scorer(nn.Module):
 
 
 def uses_fsdp(run: RunConfig, device: torch.device) -> bool:
-    """Whether this learner shards: `learner.sharding` fsdp, or auto on CUDA where the policy allows it."""
+    """Whether this learner shards: `learner.sharding` fsdp, or auto on CUDA."""
     learner = run.learner
     if learner.num_ranks == 1 or learner.sharding == "replicate":
         return False
@@ -173,6 +173,10 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     if isinstance(optimizer, CombinedOptimizer):  # Muon and AdamW: each its own state dict
         parts = {name: full_optimizer_state(model, inner) for name, inner in optimizer.optimizers.items()}
         return parts if all(parts.values()) else {}
+    if not optimizer.state:
+        # Fresh moments (before the first step, or reset on a push): the hyperparameters alone. torch's full
+        # state dict would first make a state by stepping with zero gradients, moving AdamW's step count.
+        return optimizer.state_dict() if dist.get_rank() == 0 else {}
     state: Any = get_optimizer_state_dict(model, optimizer, options=FULL)
     if not state:
         return {}
@@ -191,6 +195,9 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sav
         for name, inner in optimizer.optimizers.items():
             load_optimizer_state(model, inner, saved[name])
         optimizer.param_groups = [g for o in optimizer.optimizers.values() for g in o.param_groups]
+        return
+    if not saved["state"]:
+        optimizer.load_state_dict(saved)  # fresh moments: no tensors to shard (and no zero-gradient step to make some)
         return
     names = parameter_names(model, optimizer)
     state: Any = {

@@ -198,6 +198,26 @@ def test_fsdp_trains_the_mtp_layer_as_one_rank_does_and_checkpoints_it(ray_sessi
         ray.kill(actor)
 
 
+def test_a_sharded_checkpoint_of_fresh_moments_leaves_them_fresh(ray_session, tmp_path):
+    """Before the first step (or after `reset_optimizer_on_push`) AdamW has no state. torch's full optimizer state
+    dict would make one by stepping with zero gradients, moving AdamW's step count and so its bias correction:
+    saving must not touch the live optimizer, and loading must not either."""
+    import ray
+
+    from asyncrl.learner.actor import create_learner
+
+    alone, sharded = create_learner(config(1, lr=1e-3)), create_learner(config(2, "fsdp", lr=1e-3))
+    ray.get(sharded.save.remote(str(tmp_path / "fresh")))
+    resumed = create_learner(config(2, "fsdp", lr=1e-3), resume_from=str(tmp_path / "fresh"))
+    ray.get([learner.train_step.remote(batch()) for learner in (alone, sharded, resumed)])
+    weights = ray.get([learner.state.remote() for learner in (alone, sharded, resumed)])
+    assert (
+        max(float((weights[0][n] - weights[k][n]).abs().max()) for n in weights[0] for k in (1, 2)) < 1e-5
+    )  # 2.6e-4 when the save stepped
+    for actor in (alone, sharded, resumed):
+        ray.kill(actor)
+
+
 @pytest.mark.parametrize("optimizer", ["muon", "muon_split"])
 def test_fsdp_takes_the_one_rank_muon_step_and_checkpoints_its_momentum(ray_session, tmp_path, optimizer):
     """Muon orthogonalizes whole matrices (per head under muon_split): sharded, each rank gathers them."""
