@@ -1,7 +1,8 @@
 """The CUDA paths, wherever a GPU is present (marker `gpu`; skipped on CPU machines): the learner on the GPU
-takes the CPU learner's step, the embedded engine on the GPU samples with transformers' log-probs, and
-`asyncrl run` trains with both on GPUs. scripts/gpu_smoke.sh runs these on a lent GPU machine. The run test
-also runs on the CPU (marker `slow`), so its set-up is checked where no GPU is."""
+takes the CPU learner's step, two FSDP learner ranks (NCCL) take the one-rank step, the embedded engine on
+the GPU samples with transformers' log-probs, and `asyncrl run` trains with both on GPUs. scripts/gpu_smoke.sh
+runs these on a lent GPU machine. The FSDP and run tests also run on the CPU (marker `slow`), so their set-up
+is checked where no GPU is."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ def test_the_learner_on_cuda_takes_the_cpu_learners_step():
 
     from asyncrl.learner.rl import RLLearner
 
-    cpu = RLLearner.from_config(config(1).model_copy(update={"learner": config(1).learner.model_copy(update={"device": "cpu"})}))
-    gpu = RLLearner.from_config(config(1).model_copy(update={"learner": config(1).learner.model_copy(update={"device": "cuda"})}))
+    cpu, gpu = RLLearner.from_config(config(1, device="cpu")), RLLearner.from_config(config(1, device="cuda"))
     assert gpu.device.type == "cuda"
     one, two = cpu.train_step(batch()), gpu.train_step(batch())
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-3)
@@ -47,6 +47,64 @@ def test_the_embedded_engine_on_cuda_matches_transformers():
         results = run_to_completion(engine, [(p, SamplingParams(temperature=1.0, max_tokens=8, seed=2)) for p in PROMPTS])
         assert_matches_hf(model, results)
         engine.shutdown()
+
+
+def _fsdp_rank(rank: int, port: int, device: str, results) -> None:
+    """One rank of `test_two_fsdp_ranks_take_the_one_rank_step_on_the_device`, in a process of its own."""
+    import io
+    import os
+
+    import torch.distributed as dist
+    from test_learner_dp import batch, config
+
+    from asyncrl.learner.distributed import join_group
+    from asyncrl.learner.rl import RLLearner
+
+    if device == "cuda":  # two ranks on one GPU: NCCL allows it through its network transport, a host id each
+        os.environ["NCCL_HOSTID"] = f"asyncrl-fsdp-rank{rank}"
+    join_group(("127.0.0.1", port), rank, 2, torch.device(device))
+    learner = RLLearner.from_config(config(2, "fsdp", device=device))
+    metrics = learner.train_step(batch())
+    learner.gather_weights()  # every rank: a collective
+    if rank == 0:  # the weights as bytes: a queued tensor is shared through this process, which is about to exit
+        weights = io.BytesIO()
+        torch.save(learner.state_dict_for_push(), weights)
+        results.put((metrics["loss"], metrics["grad_norm"], weights.getvalue(), learner.held_bytes()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda]), pytest.param("cpu", marks=pytest.mark.slow)])
+def test_two_fsdp_ranks_take_the_one_rank_step_on_the_device(device):
+    """The sharded learner without Ray (the lent GPU machine has none): two torch processes form the group
+    (NCCL on one GPU, gloo on the CPU) and take the step one learner takes."""
+    import io
+    import socket
+
+    import torch.multiprocessing as mp
+    from test_learner_dp import batch, config
+
+    from asyncrl.learner.rl import RLLearner
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_fsdp_rank, args=(rank, port, device, results)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    alone = RLLearner.from_config(config(1, device=device))
+    one = alone.train_step(batch())
+    loss, grad_norm, saved, held = results.get(timeout=600)
+    weights = torch.load(io.BytesIO(saved), weights_only=True)
+    for process in ranks:
+        process.join(timeout=60)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    assert loss == pytest.approx(one["loss"], rel=1e-5) and grad_norm == pytest.approx(one["grad_norm"], rel=1e-4)
+    expected = alone.state_dict_for_push()
+    assert weights.keys() == expected.keys()
+    assert max(float((weights[n] - expected[n]).abs().max()) for n in expected) < (1e-5 if device == "cpu" else 1e-4)
+    assert 0.45 < held / alone.held_bytes() < 0.55  # rank 0 holds about half the weights and moments
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda]), pytest.param("cpu", marks=pytest.mark.slow)])
