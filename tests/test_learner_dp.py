@@ -43,6 +43,24 @@ def batch() -> list[Sample]:
     return samples
 
 
+def gap(a: dict, b: dict, prefix: str = "") -> float:
+    """The largest |a - b| over the tensors of `a` whose names start with `prefix`."""
+    return max(float((a[name].float() - b[name].float()).abs().max()) for name in a if name.startswith(prefix))
+
+
+def resume_under_one_rank(sharded: Any, run: RunConfig, directory: str, weights: dict) -> Any:
+    """A checkpoint of `sharded`, resumed by a one-rank learner of `run`, which then holds exactly `weights`."""
+    import ray
+    import torch
+
+    from asyncrl.learner.actor import create_learner
+
+    ray.get(sharded.save.remote(directory))
+    resumed = create_learner(run, resume_from=directory)
+    assert all(torch.equal(t, weights[name]) for name, t in ray.get(resumed.state.remote()).items())
+    return resumed
+
+
 def test_rows_are_split_by_tokens_deterministically_in_their_order():
     rows = [Row(token_ids=[0] * n, loss_mask=[], logprobs=[], advantage=1.0, temperatures=[]) for n in (9, 2, 7, 3, 3, 8)]
     shares = [shard_rows(rows, rank, 2) for rank in range(2)]
@@ -73,9 +91,7 @@ def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_
     for key in ("ratio_mean", "logprob_gap_mean", "masked_token_frac"):
         assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-9), key
     weights_one, weights_two = ray.get([alone.state.remote(), grouped.state.remote()])
-    gap = max(float((weights_one[name] - weights_two[name]).abs().max()) for name in weights_one)
-    moved = max(float((weights_one[name] - before[name]).abs().max()) for name in weights_one)
-    assert gap < 1e-5 and moved > 100 * gap
+    assert gap(weights_one, weights_two) < 1e-5 and gap(weights_one, before) > 100 * gap(weights_one, weights_two)
     # Replicated, each rank holds the whole weights and AdamW moments; sharded, about half of them.
     whole = ray.get(alone.usage.remote())["held_bytes"][0]
     held = ray.get(grouped.usage.remote())["held_bytes"]
@@ -102,7 +118,7 @@ def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_
     assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=1e-5) == after[2]["loss"]
     assert after[0]["grad_norm"] == pytest.approx(after[1]["grad_norm"], rel=1e-5) == after[2]["grad_norm"]
     stepped = ray.get([learner.state.remote() for learner in (grouped, resumed, regrouped)])
-    assert max(float((stepped[0][n] - stepped[k][n]).abs().max()) for n in stepped[0] for k in (1, 2)) < 1e-5
+    assert max(gap(stepped[0], stepped[k]) for k in (1, 2)) < 1e-5
     # Every rank reads the driver's run-directory check back, or says which rank on which node did not.
     (tmp_path / "check").write_text("token")
     assert ray.get(grouped.reads.remote(str(tmp_path / "check"), "token")) == []
@@ -142,7 +158,7 @@ def test_fsdp_ranks_with_unequal_micro_batch_counts_and_checkpointing_take_the_o
     assert two["micro_batches"] == sum(counts)  # the empty passes are no micro-batches of the step
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
-    assert max(float((weights_one[n] - weights_two[n]).abs().max()) for n in weights_one) < 1e-5
+    assert gap(weights_one, weights_two) < 1e-5
     for actor in (alone, sharded):
         ray.kill(actor)
 
@@ -161,7 +177,7 @@ def test_fsdp_takes_the_one_rank_step_on_the_moe_policy_with_its_frozen_indexer(
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
     assert weights_one.keys() == weights_two.keys()
-    assert max(float((weights_one[n].float() - weights_two[n].float()).abs().max()) for n in weights_one) < 1e-5
+    assert gap(weights_one, weights_two) < 1e-5
     for actor in (alone, sharded):
         ray.kill(actor)
 
@@ -170,7 +186,6 @@ def test_fsdp_trains_the_mtp_layer_as_one_rank_does_and_checkpoints_it(ray_sessi
     """The MTP layer shares the policy's embedding and head: sharded, its loss is computed inside the root's
     forward, where they are whole; pushed under "mtp.*" and written beside the policy as one rank does."""
     import ray
-    import torch
 
     from asyncrl.learner.actor import create_learner
 
@@ -184,13 +199,10 @@ def test_fsdp_trains_the_mtp_layer_as_one_rank_does_and_checkpoints_it(ray_sessi
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
     assert weights_one.keys() == weights_two.keys() and any(name.startswith("mtp.") for name in weights_one)
-    assert max(float((weights_one[n] - weights_two[n]).abs().max()) for n in weights_one) < 1e-5
-    assert max(float((weights_one[n] - before[n]).abs().max()) for n in weights_one if n.startswith("mtp.")) > 1e-5  # it trained
+    assert gap(weights_one, weights_two) < 1e-5 and gap(weights_one, before, "mtp.") > 1e-5  # it trained
 
-    ray.get(sharded.save.remote(str(tmp_path / "ckpt")))
     ray.kill(alone)
-    resumed = create_learner(run(1, "replicate"), resume_from=str(tmp_path / "ckpt"))
-    assert all(torch.equal(t, weights_two[name]) for name, t in ray.get(resumed.state.remote()).items())
+    resumed = resume_under_one_rank(sharded, run(1, "replicate"), str(tmp_path / "ckpt"), weights_two)
     after = ray.get([sharded.train_step.remote(batch()), resumed.train_step.remote(batch())])
     assert after[0]["mtp_loss"] == pytest.approx(after[1]["mtp_loss"], rel=1e-5)
     assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=1e-5)
@@ -211,9 +223,7 @@ def test_a_sharded_checkpoint_of_fresh_moments_leaves_them_fresh(ray_session, tm
     resumed = create_learner(config(2, "fsdp", lr=1e-3), resume_from=str(tmp_path / "fresh"))
     ray.get([learner.train_step.remote(batch()) for learner in (alone, sharded, resumed)])
     weights = ray.get([learner.state.remote() for learner in (alone, sharded, resumed)])
-    assert (
-        max(float((weights[0][n] - weights[k][n]).abs().max()) for n in weights[0] for k in (1, 2)) < 1e-5
-    )  # 2.6e-4 when the save stepped
+    assert max(gap(weights[0], weights[k]) for k in (1, 2)) < 1e-5  # 2.6e-4 when the save stepped
     for actor in (alone, sharded, resumed):
         ray.kill(actor)
 
@@ -222,7 +232,6 @@ def test_a_sharded_checkpoint_of_fresh_moments_leaves_them_fresh(ray_session, tm
 def test_fsdp_takes_the_one_rank_muon_step_and_checkpoints_its_momentum(ray_session, tmp_path, optimizer):
     """Muon orthogonalizes whole matrices (per head under muon_split): sharded, each rank gathers them."""
     import ray
-    import torch
 
     from asyncrl.learner.actor import create_learner
 
@@ -234,19 +243,15 @@ def test_fsdp_takes_the_one_rank_muon_step_and_checkpoints_its_momentum(ray_sess
     one, two = ray.get([alone.train_step.remote(batch()), sharded.train_step.remote(batch())])
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
-    gap = max(float((weights_one[n] - weights_two[n]).abs().max()) for n in weights_one)
-    moved = max(float((weights_one[n] - before[n]).abs().max()) for n in weights_one)
-    assert gap < 1e-5 and moved > 100 * gap
+    assert gap(weights_one, weights_two) < 1e-5 and gap(weights_one, before) > 100 * gap(weights_one, weights_two)
 
     # Sharded checkpoint, one-rank resume: the momentum buffers came back, so the next steps agree.
-    ray.get(sharded.save.remote(str(tmp_path / "ckpt")))
     ray.kill(alone)
-    resumed = create_learner(run(1, "replicate"), resume_from=str(tmp_path / "ckpt"))
-    assert all(torch.equal(t, weights_two[name]) for name, t in ray.get(resumed.state.remote()).items())
+    resumed = resume_under_one_rank(sharded, run(1, "replicate"), str(tmp_path / "ckpt"), weights_two)
     after = ray.get([sharded.train_step.remote(batch()), resumed.train_step.remote(batch())])
     assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=1e-5)
     stepped = ray.get([sharded.state.remote(), resumed.state.remote()])
-    assert max(float((stepped[0][n] - stepped[1][n]).abs().max()) for n in stepped[0]) < 1e-5
+    assert gap(stepped[0], stepped[1]) < 1e-5
     for actor in (sharded, resumed):
         ray.kill(actor)
 
