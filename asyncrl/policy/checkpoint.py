@@ -82,15 +82,11 @@ def mtp_state_dict(
     """The MTP layer under its on-disk names (`model.layers.{N}.*`, experts unfused). `whole`: the policy's and
     the MTP layer's state dicts to take the tensors from, where the modules hold shards (a sharded learner's)."""
     prefix = f"model.layers.{mtp.layer_index}."
-    policy_state, own = whole if whole is not None else (None, mtp.state_dict())
+    policy_state, own = whole if whole is not None else (model.state_dict(), mtp.state_dict())
     state = {prefix + name.removeprefix("block."): t for name, t in own.items()}
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if policy_state is None:
-        state[prefix + "embed_tokens.weight"], state[prefix + "shared_head.head.weight"] = embed.weight, head.weight
-    else:
-        names = {id(module): name for name, module in model.named_modules()}
-        state[prefix + "embed_tokens.weight"] = policy_state[f"{names[id(embed)]}.weight"]
-        state[prefix + "shared_head.head.weight"] = policy_state[f"{names[id(head)]}.weight"]
+    names = {id(module): name for name, module in model.named_modules()}
+    state[prefix + "embed_tokens.weight"] = policy_state[f"{names[id(model.get_input_embeddings())]}.weight"]
+    state[prefix + "shared_head.head.weight"] = policy_state[f"{names[id(model.get_output_embeddings())]}.weight"]
     # transformers' own inverse of its load-time conversion, so the block's experts are named
     # exactly as save_pretrained names the policy's layers.
     state = revert_weight_conversion(model, state)
