@@ -32,9 +32,10 @@ class Rollout(NamedTuple):
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     def async_openai(self, **kwargs: Any):
-        import openai
+        """An `openai.AsyncOpenAI` client bound to this rollout (`asyncrl.episode_client.EpisodeClient`)."""
+        from .episode_client import EpisodeClient
 
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        return EpisodeClient(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
 
 class RolloutLifecycle(Protocol):

@@ -14,6 +14,10 @@ Two behaviours of a socket are kept, because the gateway's accounting depends on
 - A streamed reply reaches the client as the app sends it, not when it ends.
 
 An exception the app does not answer becomes a 500 response, as uvicorn would send.
+
+`InProcessHttpClient` is the episodes' HTTP client over this transport. It also names the transport as
+`direct`, so `asyncrl.episode_client.EpisodeClient` can hand it plain JSON posts without the OpenAI SDK's
+request building.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 import httpx2
+import openai
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,14 @@ class InProcessTransport(httpx2.AsyncBaseTransport):
     async def aclose(self) -> None:
         """Wait for the handlers of clients that hung up (each ends its turn's record)."""
         await asyncio.gather(*self.running, return_exceptions=True)
+
+
+class InProcessHttpClient(openai.DefaultAsyncHttpxClient):
+    """The OpenAI client's HTTP client into `app` in this process (no timeouts: the episode has its own)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.direct = InProcessTransport(app)
+        super().__init__(transport=self.direct, timeout=None)
 
 
 class _Exchange:

@@ -103,10 +103,10 @@ def episode_http_client(config: RunConfig, gateway: InProcessLifecycle | None = 
     connections = config.loop.max_inflight
     limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
     if gateway is not None and gateway.app is not None and config.loop.episode_transport == "inprocess":
-        from .inprocess_transport import InProcessTransport
+        from .inprocess_transport import InProcessHttpClient, InProcessTransport
 
         if config.gateway.replicas == 1:
-            return openai.DefaultAsyncHttpxClient(transport=InProcessTransport(gateway.app), timeout=None)
+            return InProcessHttpClient(gateway.app)
         # Rollouts opened on this process's replica without a socket, the other replicas' over HTTP.
         return openai.DefaultAioHttpClient(timeout=None, limits=limits, mounts={gateway.url: InProcessTransport(gateway.app)})
     return openai.DefaultAioHttpClient(timeout=None, limits=limits)

@@ -13,8 +13,9 @@ import pytest
 from gateway_helpers import TOKENIZER, LiveGateway, Replier, make_engine, make_service, scripted_model
 
 from asyncrl.configs.schema import SamplingConfig
-from asyncrl.gateway.inprocess_transport import InProcessTransport
+from asyncrl.gateway.inprocess_transport import InProcessHttpClient, InProcessTransport
 from asyncrl.gateway.store import open_store
+from asyncrl.lifecycle import Rollout
 from asyncrl.policy.tokenizer import ASSISTANT, EOS
 
 USER = [{"role": "user", "content": "hi"}]
@@ -31,14 +32,14 @@ def engine():
 
 def _on_loop(gateway: LiveGateway, make_coroutine):
     """Run `make_coroutine(client_for)` on the gateway's event loop, where its app and pool live;
-    `client_for(key)` is an AsyncOpenAI client reaching the app through the transport."""
-    transport = InProcessTransport(gateway.server.config.app)
+    `client_for(key)` is the OpenAI client an episode gets (`EpisodeClient`), reaching the app through
+    the episodes' in-process HTTP client."""
 
     async def main():
-        http = openai.DefaultAsyncHttpxClient(transport=transport, timeout=None)
+        http = InProcessHttpClient(gateway.server.config.app)
 
         def client_for(key: str) -> openai.AsyncOpenAI:
-            return openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=key, http_client=http, max_retries=0)
+            return Rollout("", key, gateway.url + "/v1").async_openai(http_client=http, max_retries=0)
 
         try:
             return await make_coroutine(client_for)
@@ -129,8 +130,10 @@ def test_a_cancelled_stream_aborts_the_engine_request_and_keeps_its_tokens(tmp_p
         assert gateway.service.health()["requests_in_flight"] == 0
 
 
-def test_a_cancelled_plain_call_still_completes_and_is_recorded(tmp_path) -> None:
-    """Over a socket a client that gives up does not stop the gateway's handler; here neither."""
+@pytest.mark.parametrize("call", ["typed", "plain post"])
+def test_a_cancelled_plain_call_still_completes_and_is_recorded(tmp_path, call) -> None:
+    """Over a socket a client that gives up does not stop the gateway's handler; here neither, through the
+    SDK's typed call or an `EpisodeClient`'s plain post (which goes to the transport directly)."""
     reply = [*TOKENIZER.encode("Hi, bot!", add_special_tokens=False), TOKENIZER.eos_token_id]
     release = asyncio.Event()
 
@@ -143,16 +146,21 @@ def test_a_cancelled_plain_call_still_completes_and_is_recorded(tmp_path) -> Non
         rollout_id, key = gateway.open()
 
         async def give_up(client_for):
-            call = asyncio.create_task(client_for(key).chat.completions.create(model="policy", messages=USER))
+            client = client_for(key)
+            if call == "typed":
+                request = client.chat.completions.create(model="policy", messages=USER)
+            else:
+                request = client.post("/chat/completions", cast_to=object, body={"model": "policy", "messages": USER})
+            call_task = asyncio.create_task(request)
             while gateway.service.health()["requests_in_flight"] == 0:
                 await asyncio.sleep(0.01)
-            call.cancel()
-            await asyncio.gather(call, return_exceptions=True)
+            call_task.cancel()
+            await asyncio.gather(call_task, return_exceptions=True)
             recorded_before = len(gateway.service.store.get(rollout_id).turns)
             release.set()
             while gateway.service.health()["requests_in_flight"]:
                 await asyncio.sleep(0.01)
-            return call.cancelled(), recorded_before
+            return call_task.cancelled(), recorded_before
 
         cancelled, recorded_before = _on_loop(gateway, give_up)
         assert cancelled and recorded_before == 0
