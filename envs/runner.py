@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 import openai
@@ -73,7 +74,7 @@ async def play_episode(env: Environment, task: Any, client: Any, sandboxes: Any 
     Only cancellation propagates.
     """
     try:
-        return await asyncio.wait_for(_play(env, task, client, sandboxes), timeout_s)
+        return await _within(timeout_s, _play(env, task, client, sandboxes))
     except asyncio.TimeoutError:
         return EpisodeResult(0.0, "timeout", reason=f"episode exceeded {timeout_s} s")
     except openai.APIError as error:
@@ -82,6 +83,15 @@ async def play_episode(env: Environment, task: Any, client: Any, sandboxes: Any 
     except Exception as error:  # the environment's own bug, or its sandbox failing (SandboxError)
         log.warning("environment %s crashed: %s", env.name, error)
         return EpisodeResult(0.0, "env_crash", reason=f"{type(error).__name__}: {error}")
+
+
+async def _within(timeout_s: float, episode: Awaitable[EpisodeResult]) -> EpisodeResult:
+    """`episode`, or TimeoutError after `timeout_s`. `asyncio.timeout` where there is one (Python 3.11):
+    `wait_for` there runs the episode on a task of its own, one more task for every episode."""
+    if not hasattr(asyncio, "timeout"):
+        return await asyncio.wait_for(episode, timeout_s)
+    async with asyncio.timeout(timeout_s):
+        return await episode
 
 
 async def _play(env: Environment, task: Any, client: Any, sandboxes: Any) -> EpisodeResult:

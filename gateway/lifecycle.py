@@ -30,9 +30,11 @@ class InProcessLifecycle:
         opened = await _refusing(self.service.rollouts.open(request))
         return Rollout(opened.rollout_id, opened.api_key, opened.base_url or self.url + "/v1")
 
-    async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = ""):
+    async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> None:
+        # Returns nothing: the HTTP route's answer (the rollout's info) is one more store read, the whole
+        # trajectory parsed, per episode, and no episode runner reads it.
         request = api.FinishRolloutRequest(reward=reward, status=status, metrics=metrics or {}, reason=reason)
-        return await _refusing(self.service.rollouts.finish(rollout_id, request))
+        await _refusing(self.service.rollouts.settle(rollout_id, request))
 
     async def abort(self, rollout_id: str, reason: str = ""):
         return await _refusing(self.service.rollouts.abort(rollout_id, api.AbortRolloutRequest(reason=reason)))

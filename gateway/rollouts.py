@@ -105,14 +105,18 @@ class RolloutTable:
         return api.OpenRolloutResponse(rollout_id=rollout_id, api_key=self.key(rollout_id), base_url=base_url)
 
     async def finish(self, rollout_id: str, request: api.FinishRolloutRequest) -> api.RolloutInfo:
+        """`settle`, and the rollout's info after (read back from the store)."""
         evaluation = self._evaluation(rollout_id)
+        await self.settle(rollout_id, request)
         if evaluation is not None:
-            info = _evaluation_info(evaluation, request.status, request.reward, request.metrics, request.reason)
-            self.end(rollout_id, request.status)
-            return info
-        await self._io(self.store.finish, rollout_id, request.reward, request.status, request.metrics, request.reason)
-        self.end(rollout_id, request.status)
+            return _evaluation_info(evaluation, request.status, request.reward, request.metrics, request.reason)
         return await self.info(rollout_id)
+
+    async def settle(self, rollout_id: str, request: api.FinishRolloutRequest) -> None:
+        """End a rollout with its reward and status: recorded (an evaluation rollout nowhere), then forgotten."""
+        if self._evaluation(rollout_id) is None:
+            await self._io(self.store.finish, rollout_id, request.reward, request.status, request.metrics, request.reason)
+        self.end(rollout_id, request.status)
 
     async def abort(self, rollout_id: str, request: api.AbortRolloutRequest) -> api.RolloutInfo:
         evaluation = self._evaluation(rollout_id)

@@ -13,6 +13,7 @@ from gateway_helpers import TOOLS, LiveGateway, Pausable, make_engine, make_serv
 from asyncrl.gateway.client import GatewayClient, GatewayRefused
 from asyncrl.gateway.engines import LocalEngine
 from asyncrl.gateway.store import open_store
+from asyncrl.lifecycle import LifecycleRefused
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -152,3 +153,24 @@ def test_an_evaluation_rollout_is_sampled_greedily_and_recorded_nowhere(engine, 
         plain = recorded.openai(max_retries=0).chat.completions.create(model="policy", messages=USER, temperature=1.7)
         assert "evaluation" not in plain.model_extra["asyncrl"] and recording.sampling[-1].temperature == 1.7
         assert [t.rollout_id for t in store.list()] == [recorded.rollout_id]
+
+
+def test_the_in_process_lifecycle_finishes_as_the_route_does_without_reading_the_rollout_back(gateway, monkeypatch) -> None:
+    """The runner never reads what `finish` returns, so the in-process lifecycle does not read the whole
+    trajectory back from the store for it: the rollout ends the same, with one store read fewer."""
+    from asyncrl.gateway.lifecycle import InProcessLifecycle
+
+    lifecycle = InProcessLifecycle(gateway.service, gateway.url)
+    store, reads = gateway.service.store, []
+    original_get = store.get
+    monkeypatch.setattr(store, "get", lambda rollout_id: reads.append(rollout_id) or original_get(rollout_id))
+    rollout = gateway.await_on_loop(lifecycle.open_rollout(task="t", group_id="g"))
+    gateway.openai(rollout.api_key).chat.completions.create(model="policy", messages=USER)
+    assert gateway.await_on_loop(lifecycle.finish(rollout.rollout_id, 0.5, metrics={"correct": False})) is None
+    assert reads == []
+    assert gateway.http.get(f"/rollouts/{rollout.rollout_id}").json()["status"] == "ok"
+    stored = original_get(rollout.rollout_id)
+    assert (stored.status, stored.reward, stored.metrics, len(stored.turns)) == ("ok", 0.5, {"correct": False}, 1)
+    with pytest.raises(LifecycleRefused) as refused:  # finished: a second finish is refused as over HTTP
+        gateway.await_on_loop(lifecycle.finish(rollout.rollout_id, 1.0))
+    assert refused.value.status == 409
