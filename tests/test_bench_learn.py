@@ -48,6 +48,8 @@ def test_every_side_learns_from_the_same_checkpoint(ray_session, tmp_path):
     assert 0 < sides["async"]["engine_busy_frac"][f"{config.name}-async-rollout-0"] <= 1
     alone = results["engine_alone"]
     assert alone["completions"] > 0 and alone["samples_per_s"] == pytest.approx(alone["completions"] / alone["wall_s"], rel=0.05)
+    # Measured before the sides and again after them, and pooled.
+    assert len(alone["runs"]) == 2 and alone["completions"] == sum(run["completions"] for run in alone["runs"])
     for side in sides.values():
         assert side["fraction_of_engine_alone"] == pytest.approx(side["samples_per_s"] / alone["samples_per_s"], rel=0.01)
     assert results["async_over_trl_samples_per_s"] == pytest.approx(

@@ -5,9 +5,11 @@ set), trains on the same addition task with the same group size, prompts per ste
 learning rate and gradient clip, for the same wall budget, one side after the other, and is scored
 greedily on the same held-out problems (`eval.num_problems`, `eval.seed`) as it goes:
 
-- the engine alone (first; `bench.engine_alone_s=0` skips it): the pipeline limit, the rollout
-  engine fed `loop.max_inflight` requests at a time with nothing else running
-  (asyncrl/bench/learn_engine.py); each side's samples/s over it is `fraction_of_engine_alone`.
+- the engine alone (first, and again after the last side; `bench.engine_alone_s=0` skips it): the
+  pipeline limit, the rollout engine fed `loop.max_inflight` requests at a time with nothing else
+  running (asyncrl/bench/learn_engine.py); each side's samples/s over it is `fraction_of_engine_alone`.
+  Measured twice and pooled because one 30 s measurement moved by ±5% between runs, as much as
+  the fraction's distance to its target.
 - async, sync: `asyncrl run` itself (Ray actors, the TITO gateway, the store), `loop.mode` async or
   sync, evaluating every `loop.eval_every` versions. Its curve, samples and the CPU of each process
   over the RL phase come from the run's own records (metrics.jsonl, summary.json `usage`).
@@ -68,7 +70,8 @@ class LearnBenchOptions(Section):
     trl_eval_every_s: float = Field(20.0, gt=0)
     """TRL's held-out evaluation cadence, in seconds of its wall (asyncrl's is loop.eval_every versions)."""
     engine_alone_s: float = Field(30.0, ge=0)
-    """Seconds of the engine alone at loop.max_inflight requests, first (the pipeline limit); 0 skips it."""
+    """Seconds of each measurement of the engine alone at loop.max_inflight requests (the pipeline limit),
+    first and again after the last side; 0 skips both."""
 
 
 def run(config: RunConfig, json_path: str | None = None, options: LearnBenchOptions | None = None) -> dict:
@@ -78,12 +81,7 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnBenchOpti
     with TemporaryDirectory(prefix="bench-learn-") as tmp:
         config = _with(config, f"runs_dir={tmp}", f"loop.wall_budget_s={options.budget_s}")
         config, sft = _warm_start(config)
-        alone = None
-        if options.engine_alone_s:
-            from .learn_engine import engine_alone
-
-            _say(f"bench learn: the engine alone, {options.engine_alone_s:.0f} s at {config.loop.max_inflight} requests")
-            alone = engine_alone(config, options.engine_alone_s)
+        alone_runs = [_engine_alone(config, options.engine_alone_s, "first")] if options.engine_alone_s else []
         for side in options.sides:
             _say(f"bench learn: {side}, {options.budget_s:.0f} s from {config.policy.path}")
             if side == "trl":
@@ -101,6 +99,9 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnBenchOpti
                 sides[side] = run_plain(config, options.budget_s)
                 continue
             sides[side] = _asyncrl_side(_with(config, f"loop.mode={side}", f"name={config.name}-{side}"))
+        if options.engine_alone_s:
+            alone_runs.append(_engine_alone(config, options.engine_alone_s, "again, last"))
+    alone = _pooled(alone_runs) if alone_runs else None
     if alone is not None:
         for measured in sides.values():
             measured["fraction_of_engine_alone"] = round(measured["samples_per_s"] / alone["samples_per_s"], 3)
@@ -160,6 +161,20 @@ def _side(curve: list[tuple], *, trained: int, wall_s: float, optimizer_steps: i
         "optimizer_steps": optimizer_steps, "s_to_plus_10": first_at(0.10), "s_to_plus_20": first_at(0.20),
         "cpu_s": cpu_s, **(extra or {}),
     }  # fmt: skip
+
+
+def _engine_alone(config: RunConfig, seconds: float, when: str) -> dict:
+    from .learn_engine import engine_alone
+
+    _say(f"bench learn: the engine alone ({when}), {seconds:.0f} s at {config.loop.max_inflight} requests")
+    return engine_alone(config, seconds)
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """The engine alone over all its measurements: completions over wall, and each run."""
+    completions, wall = sum(r["completions"] for r in runs), sum(r["wall_s"] for r in runs)
+    return {"samples_per_s": round(completions / wall, 2), "completions": completions, "wall_s": round(wall, 1),
+            "in_flight": runs[0]["in_flight"], "runs": runs}  # fmt: skip
 
 
 def _compare(sides: dict[str, dict]) -> dict:
