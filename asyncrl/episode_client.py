@@ -16,6 +16,7 @@ that retries) goes through the SDK unchanged.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -28,6 +29,8 @@ class EpisodeClient(openai.AsyncOpenAI):
     for the plain JSON posts above."""
 
     def __init__(self, **kwargs: Any) -> None:
+        if isinstance(kwargs.get("base_url"), str):
+            kwargs["base_url"] = _parsed_base_url(kwargs["base_url"])
         super().__init__(**kwargs)
         direct = getattr(kwargs.get("http_client"), "direct", None)
         self._direct: httpx2.AsyncBaseTransport | None = direct if isinstance(direct, httpx2.AsyncBaseTransport) else None
@@ -47,3 +50,10 @@ class EpisodeClient(openai.AsyncOpenAI):
         if response.status_code >= 400:
             raise self._make_status_error_from_response(response)
         return response.json()
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_base_url(base_url: str) -> httpx2.URL:
+    """`base_url` parsed once, with the trailing slash the SDK gives it: parsing it was half of building a
+    client, and an episode builds one per rollout (every rollout of a gateway has the same base URL)."""
+    return httpx2.URL(base_url if base_url.endswith("/") else base_url + "/")

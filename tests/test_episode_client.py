@@ -147,3 +147,10 @@ def test_over_a_socket_a_plain_post_is_the_sdks(engine, tmp_path, built) -> None
         reply = asyncio.run(over_http())
         assert reply["choices"][0]["message"]["content"] == "Hi, bot!" and built[0] == 1
         assert gateway.service.store.get(rollout_id).turns
+
+
+@pytest.mark.parametrize("base_url", ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/", "http://gateway.local/g1/v1"])
+def test_the_base_url_parsed_once_is_the_one_the_sdk_parses(base_url) -> None:
+    ours, sdk = EpisodeClient(base_url=base_url, api_key="k"), openai.AsyncOpenAI(base_url=base_url, api_key="k")
+    assert ours.base_url == sdk.base_url and str(ours.base_url) == str(sdk.base_url)
+    assert ours._prepare_url("/chat/completions") == sdk._prepare_url("/chat/completions")
