@@ -11,7 +11,7 @@ any call, and the same reply. A refusal raises the exception the SDK raises for 
 SDK's own `_make_status_error_from_response` from the same response).
 
 Everything else (typed calls such as `chat.completions.create`, streams, options, files, a client
-that retries) goes through the SDK unchanged.
+that retries or has default headers or query parameters of its own) goes through the SDK unchanged.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ class EpisodeClient(openai.AsyncOpenAI):
         self._direct: httpx2.AsyncBaseTransport | None = direct if isinstance(direct, httpx2.AsyncBaseTransport) else None
 
     async def post(self, path: str, *, cast_to: Any, body: Any = None, options: Any = None, **rest: Any) -> Any:
-        # A client that retries takes the SDK's path: retrying is its business, not this one's.
+        # A client that retries, or sends headers or query parameters of its own, takes the SDK's path:
+        # those are its business, not this one's.
         plain = cast_to is object and isinstance(body, dict) and not options and not any(rest.values()) and not self.max_retries
-        if self._direct is None or not plain:
+        customized = getattr(self, "_custom_headers", None) or getattr(self, "_custom_query", None)
+        if self._direct is None or not plain or customized:
             sdk_options: Any = options or {}
             return await super().post(path, cast_to=cast_to, body=body, options=sdk_options, **rest)
         url = str(self.base_url).rstrip("/") + "/" + path.lstrip("/")

@@ -117,23 +117,27 @@ def test_a_refused_direct_post_raises_what_the_sdk_raises(engine, tmp_path) -> N
         assert direct[0][0] is openai.AuthenticationError and direct[3][0] is openai.ConflictError
 
 
-def test_typed_streamed_and_retrying_calls_take_the_sdk(engine, tmp_path, built) -> None:
+def test_typed_streamed_retrying_and_customized_calls_take_the_sdk(engine, tmp_path, built) -> None:
     with LiveGateway(make_service(open_store(tmp_path), [engine])) as gateway:
-        keys = [gateway.open()[1] for _ in range(3)]
+        keys = [gateway.open()[1] for _ in range(4)]
 
         async def calls(http):
-            typed_client, streaming, retrying = (
-                _rollout(gateway, key).async_openai(max_retries=retries, http_client=http)
-                for key, retries in zip(keys, (0, 0, 2), strict=True)
+            typed_client, streaming, retrying, headed = (
+                _rollout(gateway, key).async_openai(http_client=http, **options)
+                for key, options in zip(
+                    keys,
+                    ({"max_retries": 0}, {"max_retries": 0}, {"max_retries": 2}, {"max_retries": 0, "default_headers": {"x-trace": "1"}}),
+                    strict=True,
+                )
             )
             typed = await typed_client.chat.completions.create(model="policy", messages=USER)
             stream = await streaming.chat.completions.create(model="policy", messages=USER, stream=True)
             text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
-            plain = await retrying.post("/chat/completions", cast_to=object, body=BODY)
-            return typed.choices[0].message.content, text, plain["choices"][0]["message"]["content"]
+            plain = [await client.post("/chat/completions", cast_to=object, body=BODY) for client in (retrying, headed)]
+            return [typed.choices[0].message.content, text, *(reply["choices"][0]["message"]["content"] for reply in plain)]
 
-        assert _on_loop(gateway, calls) == ("Hi, bot!",) * 3
-        assert built[0] == 3
+        assert _on_loop(gateway, calls) == ["Hi, bot!"] * 4
+        assert built[0] == 4
 
 
 def test_over_a_socket_a_plain_post_is_the_sdks(engine, tmp_path, built) -> None:
