@@ -1,7 +1,12 @@
 """`InProcessTransport`: the official OpenAI client calling the gateway's app without a socket records
 exactly what the same call over loopback HTTP records, streams as the app sends, answers refusals with
 the same statuses, and behaves as a socket when its client gives up: a cancelled stream aborts the
-engine request (its turn recorded truncated), a cancelled plain call still completes and is recorded."""
+engine request (its turn recorded truncated), a cancelled plain call still completes and is recorded.
+
+`EpisodeClient`, the client an episode gets: its plain JSON post goes to the transport directly,
+without the SDK's request building, and nothing else changes: the same reply, the same recorded turn,
+the same exception for a refusal; every other call (typed, streamed, retrying, customized, or over a
+socket) is the SDK's."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import pytest
 from gateway_helpers import TOKENIZER, LiveGateway, Replier, make_engine, make_service, scripted_model
 
 from asyncrl.configs.schema import SamplingConfig
+from asyncrl.episode_client import EpisodeClient
 from asyncrl.gateway.inprocess_transport import InProcessHttpClient, InProcessTransport
 from asyncrl.gateway.store import open_store
 from asyncrl.lifecycle import Rollout
@@ -20,6 +26,7 @@ from asyncrl.policy.tokenizer import ASSISTANT, EOS
 
 USER = [{"role": "user", "content": "hi"}]
 SCRIPT = [ASSISTANT, *"Hi, bot!", EOS]
+BODY = {"model": "policy", "messages": USER, "max_tokens": 16, "seed": 7}
 WAIT_S = 60.0
 
 
@@ -30,16 +37,34 @@ def engine():
     engine.shutdown()
 
 
+@pytest.fixture
+def built(monkeypatch):
+    """How many requests the SDK built (its `_build_request`), counted for every client."""
+    count = [0]
+    original = openai.AsyncOpenAI._build_request
+
+    def counting(self, *args, **kwargs):
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(openai.AsyncOpenAI, "_build_request", counting)
+    return count
+
+
 def _on_loop(gateway: LiveGateway, make_coroutine):
-    """Run `make_coroutine(client_for)` on the gateway's event loop, where its app and pool live;
-    `client_for(key)` is the OpenAI client an episode gets (`EpisodeClient`), reaching the app through
-    the episodes' in-process HTTP client."""
+    """Run `make_coroutine(client_for)` on the gateway's event loop, where its app and pool live.
+    `client_for(key, **options)` is the OpenAI client an episode gets (`EpisodeClient`, no retries unless
+    asked), reaching the app through the episodes' in-process HTTP client; with `sdk=True`, a plain
+    `openai.AsyncOpenAI` over the same HTTP client."""
 
     async def main():
         http = InProcessHttpClient(gateway.server.config.app)
 
-        def client_for(key: str) -> openai.AsyncOpenAI:
-            return Rollout("", key, gateway.url + "/v1").async_openai(http_client=http, max_retries=0)
+        def client_for(key: str, *, sdk: bool = False, **options) -> openai.AsyncOpenAI:
+            options = {"max_retries": 0, "http_client": http, **options}
+            if sdk:
+                return openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=key, **options)
+            return Rollout("", key, gateway.url + "/v1").async_openai(**options)
 
         try:
             return await make_coroutine(client_for)
@@ -182,3 +207,85 @@ def test_an_app_that_raises_answers_500(tmp_path) -> None:
             await http.aclose()
 
     asyncio.run(main())
+
+
+def test_a_plain_post_goes_to_the_app_directly_and_returns_and_records_what_the_sdk_does(engine, tmp_path, built) -> None:
+    with LiveGateway(make_service(open_store(tmp_path), [engine], sampling=SamplingConfig(max_tokens=16))) as gateway:
+        (direct_id, direct_key), (sdk_id, sdk_key) = gateway.open(), gateway.open()
+
+        async def both(client_for):
+            direct = client_for(direct_key)
+            assert isinstance(direct, EpisodeClient)
+            reply = await direct.post("/chat/completions", cast_to=object, body=BODY)
+            built_by_direct = built[0]
+            return reply, built_by_direct, await client_for(sdk_key, sdk=True).post("/chat/completions", cast_to=object, body=BODY)
+
+        direct, built_by_direct, through_sdk = _on_loop(gateway, both)
+        assert built_by_direct == 0 and built[0] == 1  # the direct post built no SDK request; the SDK's did
+        assert direct["choices"][0]["message"] == through_sdk["choices"][0]["message"]
+        assert direct["choices"][0]["message"]["content"] == "Hi, bot!"
+        assert direct["usage"] == through_sdk["usage"]
+        assert direct["asyncrl"]["rollout_id"] == direct_id
+        _same_record(_turn(gateway, direct_id), _turn(gateway, sdk_id))
+
+
+def test_a_refused_direct_post_raises_what_the_sdk_raises(engine, tmp_path) -> None:
+    with LiveGateway(make_service(open_store(tmp_path), [engine])) as gateway:
+        _, key = gateway.open()
+        finished_id, finished_key = gateway.open()
+        gateway.http.post(f"/rollouts/{finished_id}/finish", json={"reward": 0.0}).raise_for_status()
+        refused = [("not-a-key", BODY), (key, {**BODY, "messages": "not a list"}), (key, {**BODY, "max_tokens": -1}), (finished_key, BODY)]
+
+        async def errors(client_for):
+            seen = []
+            for rollout_key, body in refused:
+                for client in (client_for(rollout_key), client_for(rollout_key, sdk=True)):
+                    try:
+                        await client.post("/chat/completions", cast_to=object, body=body)
+                    except openai.APIStatusError as error:
+                        seen.append((type(error), error.status_code, error.message, error.body))
+                    else:
+                        seen.append(None)
+            return seen
+
+        seen = _on_loop(gateway, errors)
+        direct, sdk = seen[0::2], seen[1::2]
+        assert direct == sdk
+        assert [status for _, status, _, _ in direct] == [401, 400, 400, 409]
+        assert direct[0][0] is openai.AuthenticationError and direct[3][0] is openai.ConflictError
+
+
+def test_typed_streamed_retrying_and_customized_calls_take_the_sdk(engine, tmp_path, built) -> None:
+    with LiveGateway(make_service(open_store(tmp_path), [engine])) as gateway:
+        keys = [gateway.open()[1] for _ in range(4)]
+
+        async def calls(client_for):
+            typed = await client_for(keys[0]).chat.completions.create(model="policy", messages=USER)
+            stream = await client_for(keys[1]).chat.completions.create(model="policy", messages=USER, stream=True)
+            text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+            retrying, headed = client_for(keys[2], max_retries=2), client_for(keys[3], default_headers={"x-trace": "1"})
+            plain = [await client.post("/chat/completions", cast_to=object, body=BODY) for client in (retrying, headed)]
+            return [typed.choices[0].message.content, text, *(reply["choices"][0]["message"]["content"] for reply in plain)]
+
+        assert _on_loop(gateway, calls) == ["Hi, bot!"] * 4
+        assert built[0] == 4
+
+
+def test_over_a_socket_a_plain_post_is_the_sdks(engine, tmp_path, built) -> None:
+    with LiveGateway(make_service(open_store(tmp_path), [engine])) as gateway:
+        rollout_id, key = gateway.open()
+
+        async def over_http():
+            async with Rollout("", key, gateway.url + "/v1").async_openai(max_retries=0) as client:
+                return await client.post("/chat/completions", cast_to=object, body=BODY)
+
+        reply = asyncio.run(over_http())
+        assert reply["choices"][0]["message"]["content"] == "Hi, bot!" and built[0] == 1
+        assert gateway.service.store.get(rollout_id).turns
+
+
+@pytest.mark.parametrize("base_url", ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/", "http://gateway.local/g1/v1"])
+def test_the_base_url_parsed_once_is_the_one_the_sdk_parses(base_url) -> None:
+    ours, sdk = EpisodeClient(base_url=base_url, api_key="k"), openai.AsyncOpenAI(base_url=base_url, api_key="k")
+    assert ours.base_url == sdk.base_url and str(ours.base_url) == str(sdk.base_url)
+    assert ours._prepare_url("/chat/completions") == sdk._prepare_url("/chat/completions")
