@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -319,6 +320,64 @@ def test_sqlite_is_safe_across_processes(tmp_path) -> None:
     assert store.counts()["pending"] == 120
 
 
+def test_closing_sqlite_waits_for_a_call_on_another_thread(tmp_path) -> None:
+    # A run's loop can stop waiting for a claim a worker thread is still making, and close the store
+    # under it: closing that thread's connection in the middle of its call crashed the process.
+    store = SQLiteStore(tmp_path / "run.db")
+    for step in range(3):
+        rollout_id = store.open("t")
+        store.append(Turn(rollout_id, [step], [1], [-0.5], [0]))
+        store.finish(rollout_id, 1.0)
+    inside, closing = threading.Event(), threading.Event()
+    outcome: dict = {}
+
+    def pause() -> int:  # SQLite calls this while the claim's statements run
+        inside.set()
+        closing.wait(10)
+        return 0  # go on
+
+    def claim_through_the_close() -> None:
+        outcome["connection"] = store._db()
+        outcome["connection"].set_progress_handler(pause, 1)
+        outcome["claimed"] = store.claim("c", 10)
+
+    worker = threading.Thread(target=claim_through_the_close)
+    worker.start()
+    assert inside.wait(10)
+    closer = threading.Thread(target=store.close)
+    closer.start()  # while the claim's first statement is inside SQLite
+    closer.join(0.2)
+    assert closer.is_alive()  # waiting for the claim
+    closing.set()
+    worker.join(10)
+    closer.join(10)
+    assert not closer.is_alive() and len(outcome["claimed"]) == 3
+    with pytest.raises(sqlite3.ProgrammingError, match="closed database"):
+        outcome["connection"].execute("SELECT 1")  # closed by `close`, once the claim had returned
+    with pytest.raises(StoreError, match="closed"):
+        store.claim("c", 10)
+    # The last connection closed: SQLite folded its write-ahead log into the file.
+    assert not (tmp_path / "run.db-wal").exists()
+
+
+def test_closing_sqlite_ends_a_blocking_claim(tmp_path) -> None:
+    store = SQLiteStore(tmp_path / "run.db")
+    outcome: dict = {}
+
+    def wait_for_work() -> None:
+        try:
+            store.claim("c", 10, block_s=60)
+        except StoreError as error:
+            outcome["refused"] = error
+
+    worker = threading.Thread(target=wait_for_work)
+    worker.start()
+    time.sleep(0.1)  # the claim is waiting for work (the close below ends it either way)
+    store.close()
+    worker.join(10)
+    assert not worker.is_alive() and "closed" in str(outcome["refused"])
+
+
 def test_open_store_picks_the_backend(tmp_path) -> None:
     in_dir = open_store(tmp_path)
     assert isinstance(in_dir, SQLiteStore) and in_dir.path == tmp_path / "trajectories.db"
@@ -334,8 +393,6 @@ def test_open_store_picks_the_backend(tmp_path) -> None:
 def test_sqlite_finish_reads_the_hand_off_order_from_an_index_not_a_scan(tmp_path) -> None:
     # Every finish takes MAX(done_seq); answered by a table scan it made a finish cost grow with
     # every rollout before it (0.4 -> 2.5 ms at 40k, most of the driver's CPU late in a run).
-    import sqlite3
-
     open_store(tmp_path / "t.db").close()
     db = sqlite3.connect(tmp_path / "t.db")
     plan = " ".join(row[-1] for row in db.execute("EXPLAIN QUERY PLAN SELECT COALESCE(MAX(done_seq), 0) + 1 FROM trajectories"))

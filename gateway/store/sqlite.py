@@ -9,15 +9,17 @@ own connection, because a sqlite3 connection must not be shared across either.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
 from asyncrl.records import Trajectory, Turn
 
@@ -84,6 +86,20 @@ _CHUNK = 500
 _POLL_S = 0.05
 """How often a blocking claim looks again: SQLite has no cross-process notification."""
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _counted(method: Callable[Concatenate[SQLiteStore, P], R]) -> Callable[Concatenate[SQLiteStore, P], R]:
+    """A store method as one counted call (`SQLiteStore._call`)."""
+
+    @functools.wraps(method)
+    def counted(self: SQLiteStore, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._call():
+            return method(self, *args, **kwargs)
+
+    return counted
+
 
 class SQLiteStore:
     """`TrajectoryStore` over one SQLite file, safe from several threads and processes."""
@@ -98,6 +114,10 @@ class SQLiteStore:
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._calls = threading.Condition()
+        self._running = 0
+        """Calls in progress, on any thread; `close` waits for them (closing a connection under a call
+        running on another thread crashes the process)."""
         if read_only:
             if not self.path.is_file():
                 raise FileNotFoundError(f"{self.path}: no such trajectory store")
@@ -111,8 +131,25 @@ class SQLiteStore:
 
     # -- connections and transactions -------------------------------------------------------------
 
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """One call of this store's, counted until it returns (`close` waits for it); refused once closed."""
+        local = self._local
+        with self._calls:
+            if self._closed and not getattr(local, "calls", 0):
+                raise StoreError(f"{self!r} is closed")
+            self._running += 1
+        local.calls = getattr(local, "calls", 0) + 1
+        try:
+            yield
+        finally:
+            local.calls -= 1
+            with self._calls:
+                self._running -= 1
+                self._calls.notify_all()
+
     def _db(self) -> sqlite3.Connection:
-        if self._closed:
+        if self._closed and not getattr(self._local, "calls", 0):
             raise StoreError(f"{self!r} is closed")
         local = self._local
         if getattr(local, "pid", None) != os.getpid():
@@ -156,20 +193,27 @@ class SQLiteStore:
     def transaction(self) -> Iterator[None]:
         """Run this thread's calls inside as one transaction (each write a savepoint of it), committed
         at the end: one commit for many writes (gateway/store_calls.py). Not reentrant."""
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        self._local.batching = True
-        try:
-            yield
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        finally:
-            self._local.batching = False
-        db.execute("COMMIT")
+        with self._call():
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+            self._local.batching = True
+            try:
+                yield
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            finally:
+                self._local.batching = False
+            db.execute("COMMIT")
 
     def close(self) -> None:
-        self._closed = True
+        """Refuse new calls, wait for those in progress on other threads (a claim on a worker thread whose
+        caller stopped waiting for it), then close every thread's connection."""
+        own = getattr(self._local, "calls", 0)
+        with self._calls:
+            self._closed = True
+            self._calls.notify_all()  # a blocking claim's wait
+            self._calls.wait_for(lambda: self._running == own)
         with self._lock:
             for db in self._connections:
                 db.close()
@@ -177,6 +221,7 @@ class SQLiteStore:
 
     # -- the rollout lifecycle --------------------------------------------------------------------
 
+    @_counted
     def open(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, rollout_id: str | None = None) -> str:
         rollout_id = rollout_id or uuid.uuid4().hex
         try:
@@ -189,6 +234,7 @@ class SQLiteStore:
             raise StoreError(f"rollout id {rollout_id!r} is already in use in {self!r}") from None
         return rollout_id
 
+    @_counted
     def append(self, turn: Turn) -> int:
         with self._write() as db:
             self._require_running(db, turn.rollout_id, "append a turn to")
@@ -199,10 +245,12 @@ class SQLiteStore:
             db.execute("INSERT INTO turns VALUES (?, ?, ?)", (turn.rollout_id, index, turn_json(turn)))
         return index
 
+    @_counted
     def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> None:
         check_finish(rollout_id, reward, status)
         self._end(rollout_id, status, float(reward), metrics or {}, reason, "finish")
 
+    @_counted
     def abort(self, rollout_id: str, reason: str = "") -> None:
         self._end(rollout_id, "aborted", None, {}, reason, "abort")
 
@@ -224,20 +272,24 @@ class SQLiteStore:
 
     # -- the replicas' directory ------------------------------------------------------------------
 
+    @_counted
     def announce_replica(self, replica_id: str, url: str, ttl_s: float) -> None:
         with self._write() as db:
             db.execute("INSERT OR REPLACE INTO replicas VALUES (?, ?, ?)", (replica_id, url, time.time() + ttl_s))
 
+    @_counted
     def replicas(self) -> dict[str, str]:
         rows = self._db().execute("SELECT replica_id, url FROM replicas WHERE until > ?", (time.time(),))
         return dict(rows.fetchall())
 
+    @_counted
     def withdraw_replica(self, replica_id: str) -> None:
         with self._write() as db:
             db.execute("DELETE FROM replicas WHERE replica_id = ?", (replica_id,))
 
     # -- the hand-off to the learner --------------------------------------------------------------
 
+    @_counted
     def claim(self, consumer: str, max_n: int, block_s: float = 0.0) -> list[Trajectory]:
         check_claim(consumer, max_n, block_s)
         deadline = time.monotonic() + block_s
@@ -266,8 +318,11 @@ class SQLiteStore:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return []
-            time.sleep(min(_POLL_S, remaining))
+            with self._calls:
+                if self._calls.wait_for(lambda: self._closed, timeout=min(_POLL_S, remaining)):
+                    raise StoreError(f"{self!r} was closed while a claim waited")
 
+    @_counted
     def ack(self, consumer: str, rollout_ids: Iterable[str]) -> int:
         now = time.time()
         with self._write() as db:
@@ -280,9 +335,11 @@ class SQLiteStore:
 
     # -- retention (TrajectoryPruner) -------------------------------------------------------------
 
+    @_counted
     def acknowledged(self) -> list[str]:
         return [row[0] for row in self._db().execute("SELECT rollout_id FROM trajectories WHERE acked_at IS NOT NULL ORDER BY seq")]
 
+    @_counted
     def delete(self, rollout_ids: Iterable[str]) -> int:
         ids = list(dict.fromkeys(rollout_ids))
         with self._write() as db:
@@ -301,6 +358,7 @@ class SQLiteStore:
 
     # -- reading ----------------------------------------------------------------------------------
 
+    @_counted
     def get(self, rollout_id: str) -> Trajectory:
         db = self._db()
         row = db.execute(f"SELECT {_HEADER} FROM trajectories WHERE rollout_id = ?", (rollout_id,)).fetchone()
@@ -326,6 +384,7 @@ class SQLiteStore:
             raise unknown_error(missing[0])
         return [found[rollout_id] for rollout_id in rollout_ids]
 
+    @_counted
     def list(
         self, *, status: str | None = None, group_id: str | None = None, limit: int | None = None, offset: int = 0
     ) -> list[Trajectory]:
@@ -343,6 +402,7 @@ class SQLiteStore:
         ids = [row[0] for row in self._db().execute(sql, params)]
         return [self.get(rollout_id) for rollout_id in ids]
 
+    @_counted
     def counts(self) -> dict[str, int]:
         counts = dict.fromkeys(COUNT_KEYS, 0)
         db = self._db()
