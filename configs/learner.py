@@ -91,6 +91,11 @@ class LearnerConfig(Section):
     learner runs on CUDA, else replicate."""
     micro_batch_tokens: int = Field(8192, ge=1)
     """Most padded tokens (rows x longest) in one forward/backward; bounds activation memory."""
+    share_prefixes: bool = True
+    """Score the tokens that rows begin with in common (a GRPO group's prompt) once per micro-batch, not once per
+    row (learner/prefix.py): the same log-probs and gradients for fewer tokens. Applies where the policy's family
+    gives the same logits both ways (checked at start; a warning says when not) and not with routing_replay,
+    gradient_checkpointing or fsdp sharding, which score whole rows."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them: activation memory
     of one layer instead of all, for about a third more compute (a model too big for its device at micro_batch_tokens)."""

@@ -10,6 +10,10 @@ learner's log-probs compare with the engine's token by token. Rows also carry th
 and the trajectory turn of each token (`Sample.token_turns`), for the consistency figures
 (`learner/consistency.py`).
 
+Rows that begin with the same tokens (the samples of one GRPO group) can share them
+(`share_prefixes`): their micro-batches then hold whole sets of such rows and carry a `PrefixSplit`
+(`learner/prefix.py`) that scores each shared prefix once.
+
 A sample may carry `teacher_logprobs` (aligned with its tokens, as `distill.ScoredSample` does):
 it is a distillation sample, whose advantage is per token and is computed in the learner's step
 from those log-probs (`distill_advantages` in `learner/objectives.py`) instead of from its reward.
@@ -27,8 +31,9 @@ import torch
 
 from asyncrl.records import Sample
 
+from .prefix import MIN_SAVED_FRACTION, PrefixSplit, prefix_groups, saved_fraction, split_rows
 from .routing_replay import routes_tensor
-from .sft_data import collate, length_buckets
+from .sft_data import collate, length_buckets, padded
 
 
 @dataclass
@@ -75,9 +80,13 @@ class MicroBatch:
     routes: torch.Tensor | None = None
     """[B, T, MoE layers, top_k] the experts position p replays (`learner/routing_replay.py`; -1: routes
     itself); None when no row has routes."""
+    prefix: PrefixSplit | None = None
+    """The rows as shared prefixes and suffixes, to score in two passes; None: one pass over whole rows."""
 
     def to(self, device: torch.device) -> MicroBatch:
-        moved: dict[str, Any] = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
+        moved: dict[str, Any] = {
+            name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor | PrefixSplit)
+        }
         return dataclasses.replace(self, **moved)
 
 
@@ -107,33 +116,61 @@ def to_rows(samples: Sequence[Sample], advantages: Sequence[float], temperature:
     return rows
 
 
-def micro_batches(rows: list[Row], pad_token_id: int, max_tokens: int) -> list[MicroBatch]:
-    """Length-bucketed micro-batches of at most `max_tokens` padded tokens (at least one row each)."""
-    batches = []
-    for bucket in length_buckets(rows):  # sorted by length, so a chunk's longest row is its last
-        chunk: list[Row] = []
-        for row in bucket:
-            if chunk and (len(chunk) + 1) * len(row.token_ids) > max_tokens:
-                batches.append(_collate(chunk, pad_token_id))
-                chunk = []
-            chunk.append(row)
-        batches.append(_collate(chunk, pad_token_id))
-    return batches
+def micro_batches(rows: list[Row], pad_token_id: int, max_tokens: int, share_prefixes: bool = False) -> list[MicroBatch]:
+    """Length-bucketed micro-batches of at most `max_tokens` padded tokens (at least one row each).
+
+    `share_prefixes`: rows with the same prompt stay together (in pieces of at most `max_tokens`
+    padded tokens), and a micro-batch whose shared prefixes skip enough of its tokens
+    (`prefix.MIN_SAVED_FRACTION`) carries their `PrefixSplit`.
+    """
+    if not share_prefixes:
+        batches = []
+        for bucket in length_buckets(rows):  # sorted by length, so a chunk's longest row is its last
+            chunk: list[Row] = []
+            for row in bucket:
+                if chunk and (len(chunk) + 1) * len(row.token_ids) > max_tokens:
+                    batches.append(_collate(chunk, pad_token_id))
+                    chunk = []
+                chunk.append(row)
+            batches.append(_collate(chunk, pad_token_id))
+        return batches
+    sets = [piece for _, members in prefix_groups(rows) for piece in _pieces([rows[i] for i in members], max_tokens)]
+    shared = []
+    for similar in length_buckets(sets, length=_longest):
+        held: list[list[Row]] = []
+        for rows_of_prompt in similar:  # sorted by their longest row
+            if held and (sum(map(len, held)) + len(rows_of_prompt)) * _longest(rows_of_prompt) > max_tokens:
+                shared.append(_collate_shared([row for piece in held for row in piece], pad_token_id))
+                held = []
+            held.append(rows_of_prompt)
+        shared.append(_collate_shared([row for piece in held for row in piece], pad_token_id))
+    return shared
+
+
+def _longest(rows: list[Row]) -> int:
+    return max(len(row.token_ids) for row in rows)
+
+
+def _pieces(rows: list[Row], max_tokens: int) -> list[list[Row]]:
+    """`rows` (of one prompt) cut into pieces of at most `max_tokens` padded tokens (at least one row each)."""
+    per_piece = max(1, max_tokens // _longest(rows))
+    return [rows[i : i + per_piece] for i in range(0, len(rows), per_piece)]
+
+
+def _collate_shared(rows: list[Row], pad_token_id: int) -> MicroBatch:
+    groups = prefix_groups(rows)
+    if saved_fraction(groups, rows) < MIN_SAVED_FRACTION:
+        return _collate(rows, pad_token_id)
+    return dataclasses.replace(_collate(rows, pad_token_id), prefix=split_rows(groups, rows, pad_token_id))
 
 
 def _collate(rows: list[Row], pad_token_id: int) -> MicroBatch:
     tensors = collate(rows, pad_token_id)
-    logprobs = torch.zeros_like(tensors["loss_mask"])
-    teacher = torch.zeros_like(tensors["loss_mask"])
-    temperatures = torch.ones_like(tensors["loss_mask"])  # not 0 on padding: logits / 0 would be NaN there
-    turns = torch.full(tensors["input_ids"].shape, -1, dtype=torch.long)
-    for i, row in enumerate(rows):
-        logprobs[i, : len(row.logprobs)] = torch.tensor(row.logprobs, dtype=torch.float32)
-        temperatures[i, : len(row.temperatures)] = torch.tensor(row.temperatures, dtype=torch.float32)
-        if row.teacher_logprobs is not None:
-            teacher[i, : len(row.teacher_logprobs)] = torch.tensor(row.teacher_logprobs, dtype=torch.float32)
-        if row.turns is not None:
-            turns[i, : len(row.turns)] = torch.tensor(row.turns, dtype=torch.long)
+    width = tensors["input_ids"].shape[1]
+    logprobs = padded([row.logprobs for row in rows], width, 0.0, torch.float32)
+    teacher = padded([row.teacher_logprobs or () for row in rows], width, 0.0, torch.float32)
+    temperatures = padded([row.temperatures for row in rows], width, 1.0, torch.float32)  # not 0: logits / 0 is NaN
+    turns = padded([row.turns or () for row in rows], width, -1, torch.long)
     return MicroBatch(
         input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], loss_mask=tensors["loss_mask"],
         rollout_logprobs=logprobs, advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),

@@ -61,6 +61,7 @@ from .consistency import ConsistencyStats, warn_gaps
 from .distributed import all_reduce_gradients, broadcast_parameters, gather_objects, shard_rows
 from .objectives import ObjectiveOutput, distill_advantages, double_sided_is_loss, group_advantages, icepop_grpo_loss
 from .optim import build_optimizer
+from .prefix import sharing_refusal
 from .selection import Selection, select
 from .sharding import (
     MTPTargets,
@@ -160,6 +161,7 @@ class _StepStats:
     loss: float = 0.0
     mtp_loss: float = 0.0
     tokens: int = 0
+    prefix_skipped_tokens: int = 0
     micro_batches: int = 0
     consistency: ConsistencyStats = field(default_factory=ConsistencyStats)
 
@@ -168,6 +170,8 @@ class _StepStats:
         # Token j+1 is scored at position j: its turn is that of token j+1.
         self.consistency.add(batch.tasks, batch.turns[:, 1:], gap, out.ratio, out.kept, mask)
         self.tokens += int(batch.attention_mask.sum())
+        if batch.prefix is not None:
+            self.prefix_skipped_tokens += int(batch.attention_mask.sum() - batch.prefix.prefix_mask.sum() - batch.prefix.suffix_mask.sum())
         self.micro_batches += 1
 
     def portable(self) -> _StepStats:
@@ -188,6 +192,7 @@ class _StepStats:
         self.loss += other.loss
         self.mtp_loss += other.mtp_loss
         self.tokens += other.tokens
+        self.prefix_skipped_tokens += other.prefix_skipped_tokens
         self.micro_batches += other.micro_batches
         self.consistency.merge(other.consistency)
 
@@ -203,6 +208,7 @@ class _StepStats:
             "ratio_max": float(ratios.max()) if n else None,
             "abs_logp_diff": consistency["logprob_gap_mean"],
             "computed_tokens": self.tokens,
+            "prefix_skipped_tokens": self.prefix_skipped_tokens,
             "computed_trainable_tokens": n,
             "micro_batches": self.micro_batches,
             **consistency,
@@ -257,6 +263,8 @@ class RLLearner:
         """Sharded over the ranks (learner/sharding.py) rather than replicated on each."""
         if self.fsdp:
             shard(self.scorer, self.world, self.device)
+        self.share_prefixes = self._shares_prefixes()
+        """Whether micro-batches score their rows' shared prefixes once (`learner.share_prefixes`, learner/prefix.py)."""
         self._gathered: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         """(version, the policy's whole weights, the MTP layer's) on the CPU, of the last `gather_weights` (rank 0
         of a sharded learner)."""
@@ -269,6 +277,15 @@ class RLLearner:
             config.optimizer, model, self.params, lr=config.lr, weight_decay=config.weight_decay,
             extra=[trained_mtp] if trained_mtp is not None else [],
         )  # fmt: skip
+
+    def _shares_prefixes(self) -> bool:
+        config = self.config
+        if not config.share_prefixes or config.routing_replay or config.gradient_checkpointing or self.fsdp:
+            return False
+        if (refusal := sharing_refusal(self.model)) is not None:
+            warnings.warn(f"learner.share_prefixes: {refusal}; scoring whole rows", stacklevel=3)
+            return False
+        return True
 
     @classmethod
     def from_config(cls, run: RunConfig) -> RLLearner:
@@ -344,14 +361,14 @@ class RLLearner:
         those of the computed rows, all ranks' shares)."""
         stats = _StepStats()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        batches = micro_batches(rows, pad, self.config.micro_batch_tokens)
+        batches = micro_batches(rows, pad, self.config.micro_batch_tokens, self.share_prefixes)
         # FSDP: agreed before any pass, since every pass's gathers are collectives too.
         passes = matched_passes(len(batches), self.device) if self.fsdp else len(batches)
         mtp = MTPTargets(float(max(computed_trainable, 1)), self.mtp_depth_weights) if self._trained_mtp is not None else None
         for batch in batches:
             batch = batch.to(self.device)
             routes = batch.routes if self.config.routing_replay else None
-            _, logits, aux = self.scorer(batch.input_ids, batch.attention_mask, routes, mtp, batch.loss_mask)
+            _, logits, aux = self.scorer(batch.input_ids, batch.attention_mask, routes, mtp, batch.loss_mask, batch.prefix)
             logp = sampled_logprobs(logits, batch.input_ids, batch.temperatures[:, 1:])
             mask = batch.loss_mask[:, 1:]
             out = self.objective(logp, batch.rollout_logprobs[:, 1:], _advantages(batch, logp, mask), mask)

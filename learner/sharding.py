@@ -52,6 +52,7 @@ from asyncrl.configs.schema import RunConfig
 from asyncrl.policy.mtp import MTPLayer, mtp_loss, policy_hidden_and_logits
 
 from .optim import CombinedOptimizer
+from .prefix import PrefixSplit, shared_hidden_and_logits
 from .routing_replay import replay
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -88,10 +89,17 @@ class Scorer(nn.Module):
         routes: torch.Tensor | None = None,
         mtp: MTPTargets | None = None,
         loss_mask: torch.Tensor | None = None,
+        prefix: PrefixSplit | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(hidden states, logits, the MTP loss over the tokens `loss_mask` marks where `mtp` is given)."""
-        with replay(self.policy, routes):
-            hidden, logits = policy_hidden_and_logits(self.policy, input_ids, attention_mask)
+        """(hidden states, logits, the MTP loss over the tokens `loss_mask` marks where `mtp` is given);
+        through the shared prefixes of `prefix` where given (the same figures, `learner/prefix.py`)."""
+        if prefix is not None:
+            if routes is not None:
+                raise ValueError("routing replay scores whole rows: each row's prompt has routes of its own")
+            hidden, logits = shared_hidden_and_logits(self.policy, prefix)
+        else:
+            with replay(self.policy, routes):
+                hidden, logits = policy_hidden_and_logits(self.policy, input_ids, attention_mask)
         if mtp is None or self.mtp is None or loss_mask is None:
             return hidden, logits, None
         # Detached hidden states: the drafter follows the policy without pulling the trunk toward every

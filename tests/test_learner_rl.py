@@ -155,7 +155,8 @@ def test_all_equal_groups_are_counted_but_not_computed():
 
 
 def test_micro_batches_give_the_step_of_one_batch():
-    one, many = make_learner(), make_learner(micro_batch_tokens=8)
+    # Whole rows: sharing the common prompt would put all four in one micro-batch (test_learner_prefix.py).
+    one, many = make_learner(share_prefixes=False), make_learner(micro_batch_tokens=8, share_prefixes=False)
     batches = []
     for learner in (one, many):
         batches.append([
@@ -173,7 +174,8 @@ def test_micro_batches_give_the_step_of_one_batch():
 def test_gradient_checkpointing_takes_the_same_step(arch):
     def learner(**config) -> RLLearner:
         model = make_tiny_model(arch)
-        return RLLearner(LearnerConfig(group_size=2, lr=1e-3, weight_decay=0.0, **config), model, build_tokenizer())
+        # Whole rows on both sides: this compares checkpointing alone (test_learner_prefix.py compares sharing).
+        return RLLearner(LearnerConfig(group_size=2, lr=1e-3, weight_decay=0.0, share_prefixes=False, **config), model, build_tokenizer())
 
     plain, checkpointed = learner(), learner(gradient_checkpointing=True)
     from transformers.modeling_layers import GradientCheckpointingLayer
