@@ -17,9 +17,11 @@ wire form) as a single keyless `<arg_value>{json}</arg_value>`; that form is par
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,11 +91,7 @@ def parse_completion(
     parameter. `new_id` makes tool-call ids (default: random `call_...`).
     """
     ids = strip_stop(token_ids, tokenizer, MARKERS)
-    marker_ids = {}
-    for marker in MARKERS:
-        token_id = tokenizer.convert_tokens_to_ids(marker)
-        if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
-            marker_ids[token_id] = marker
+    marker_ids = _specials(tokenizer).markers
     if len(marker_ids) < len(MARKERS):  # a tokenizer without markup tokens: fall back to the text
         return parse_completion_text(tokenizer.decode(ids, skip_special_tokens=False), tools, new_id)
     pieces: list[tuple[str | None, str]] = []
@@ -116,12 +114,49 @@ def strip_stop(token_ids: Sequence[int], tokenizer: Any, keep: Collection[str] =
     ids = list(token_ids)
     if not ids:
         return ids
-    if ids[-1] == getattr(tokenizer, "eos_token_id", None):
+    specials = _specials(tokenizer)
+    if ids[-1] == specials.eos:
         return ids[:-1]
-    token = (getattr(tokenizer, "added_tokens_decoder", None) or {}).get(ids[-1])
-    if token is not None and getattr(token, "special", False) and getattr(token, "content", None) not in keep:
+    special = specials.special.get(ids[-1])
+    if special is not None and special not in keep:
         return ids[:-1]
     return ids
+
+
+@dataclass(frozen=True)
+class _Specials:
+    """What parsing reads of a tokenizer."""
+
+    eos: int | None
+    special: dict[int, str]
+    """The special added tokens, id -> text."""
+    markers: dict[int, str]
+    """The tool-call markup tokens the vocabulary has, id -> text."""
+
+
+_SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _specials(tokenizer: Any) -> _Specials:
+    """A tokenizer's special ids, read once: transformers works each out again on every access (an id is a
+    vocabulary lookup, `added_tokens_decoder` a new dict), several per reply. A gateway's tokenizer does
+    not change while it serves."""
+    try:
+        return _SPECIALS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    markers = {}
+    for marker in MARKERS:
+        token_id = tokenizer.convert_tokens_to_ids(marker)
+        if isinstance(token_id, int) and token_id != unknown:
+            markers[token_id] = marker
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {i: t.content for i, t in decoder.items() if getattr(t, "special", False) and getattr(t, "content", None) is not None}
+    specials = _Specials(getattr(tokenizer, "eos_token_id", None), special, markers)
+    with contextlib.suppress(TypeError):  # a tokenizer that cannot be weakly referenced is read again next time
+        _SPECIALS[tokenizer] = specials
+    return specials
 
 
 def parse_completion_text(text: str, tools: Sequence[Mapping] | None = None, new_id: Callable[[], str] | None = None) -> ParsedCompletion:
