@@ -159,7 +159,9 @@ def _pieces(rows: list[Row], max_tokens: int) -> list[list[Row]]:
 
 def _collate_shared(rows: list[Row], pad_token_id: int) -> MicroBatch:
     groups = prefix_groups(rows)
-    if saved_fraction(groups, rows) < MIN_SAVED_FRACTION:
+    # A one-token row has an empty prefix: its row of the prefix pass would attend to nothing (NaN,
+    # which the backward pass would carry into the weights' gradients even where it is never read).
+    if saved_fraction(groups, rows) < MIN_SAVED_FRACTION or min(length for length, _ in groups) == 0:
         return _collate(rows, pad_token_id)
     return dataclasses.replace(_collate(rows, pad_token_id), prefix=split_rows(groups, rows, pad_token_id))
 

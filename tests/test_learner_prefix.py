@@ -16,7 +16,7 @@ import torch
 from conftest import make_tiny_model
 
 from asyncrl.configs.schema import LearnerConfig
-from asyncrl.learner.batch import Row, micro_batches
+from asyncrl.learner.batch import Row, _collate_shared, micro_batches
 from asyncrl.learner.prefix import prefix_groups, saved_fraction, sharing_refusal, split_rows
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
 from asyncrl.policy.mtp import build_mtp
@@ -149,6 +149,15 @@ def test_micro_batches_keep_their_token_cap_and_share_within_it():
     # Rows that share nothing go through whole.
     alone = [row([3 + i, 50], [10, 11, 12, 13]) for i in range(6)]
     assert all(b.prefix is None for b in micro_batches(alone, 0, 8192, share_prefixes=True))
+
+
+def test_a_one_token_row_is_never_scored_through_an_empty_prefix():
+    # Length buckets keep a one-token row apart from longer ones; were it beside rows that share a
+    # prompt, its empty prefix would attend to nothing (NaN in the backward pass), so the batch goes whole.
+    with_a_token = [row([3, 4, 5], [10, 11]), row([3, 4, 5], [12, 13]), row([7], [])]
+    assert prefix_groups(with_a_token)[1] == (0, [2])
+    assert _collate_shared(with_a_token, pad_token_id=0).prefix is None
+    assert _collate_shared(with_a_token[:2], pad_token_id=0).prefix is not None
 
 
 def test_a_family_that_scores_otherwise_through_a_cache_falls_back_to_whole_rows(monkeypatch):
