@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sqlite3
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -36,6 +34,7 @@ from .base import (
     turn_json,
     unknown_error,
 )
+from .sqlite_connections import ThreadConnections
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS trajectories (
@@ -91,11 +90,11 @@ R = TypeVar("R")
 
 
 def _counted(method: Callable[Concatenate[SQLiteStore, P], R]) -> Callable[Concatenate[SQLiteStore, P], R]:
-    """A store method as one counted call (`SQLiteStore._call`)."""
+    """A store method as one counted call (`ThreadConnections.call`: `close` waits for it)."""
 
     @functools.wraps(method)
     def counted(self: SQLiteStore, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self._call():
+        with self._connections.call():
             return method(self, *args, **kwargs)
 
     return counted
@@ -110,14 +109,8 @@ class SQLiteStore:
         self.path = Path(path)
         self.visibility_timeout_s = visibility_timeout_s
         self.read_only = read_only
-        self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._calls = threading.Condition()
-        self._running = 0
-        """Calls in progress, on any thread; `close` waits for them (closing a connection under a call
-        running on another thread crashes the process)."""
+        self._connections = ThreadConnections(self._connect, repr(self))
+        self._local = self._connections.local
         if read_only:
             if not self.path.is_file():
                 raise FileNotFoundError(f"{self.path}: no such trajectory store")
@@ -131,41 +124,19 @@ class SQLiteStore:
 
     # -- connections and transactions -------------------------------------------------------------
 
-    @contextmanager
-    def _call(self) -> Iterator[None]:
-        """One call of this store's, counted until it returns (`close` waits for it); refused once closed."""
-        local = self._local
-        with self._calls:
-            if self._closed and not getattr(local, "calls", 0):
-                raise StoreError(f"{self!r} is closed")
-            self._running += 1
-        local.calls = getattr(local, "calls", 0) + 1
-        try:
-            yield
-        finally:
-            local.calls -= 1
-            with self._calls:
-                self._running -= 1
-                self._calls.notify_all()
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: we issue BEGIN ourselves, so no transaction opens behind our back.
+        if self.read_only:
+            uri = f"{self.path.resolve().as_uri()}?mode=ro"
+            return sqlite3.connect(uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False)
+        db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode survives a process crash; only a power loss can drop the last commits.
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
 
     def _db(self) -> sqlite3.Connection:
-        if self._closed and not getattr(self._local, "calls", 0):
-            raise StoreError(f"{self!r} is closed")
-        local = self._local
-        if getattr(local, "pid", None) != os.getpid():
-            # isolation_level=None: we issue BEGIN ourselves, so no transaction opens behind our back.
-            if self.read_only:
-                uri = f"{self.path.resolve().as_uri()}?mode=ro"
-                db = sqlite3.connect(uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False)
-            else:
-                db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
-                db.execute("PRAGMA journal_mode=WAL")
-                # NORMAL in WAL mode survives a process crash; only a power loss can drop the last commits.
-                db.execute("PRAGMA synchronous=NORMAL")
-            local.db, local.pid = db, os.getpid()
-            with self._lock:
-                self._connections.append(db)
-        return local.db
+        return self._connections.get()
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
@@ -193,7 +164,7 @@ class SQLiteStore:
     def transaction(self) -> Iterator[None]:
         """Run this thread's calls inside as one transaction (each write a savepoint of it), committed
         at the end: one commit for many writes (gateway/store_calls.py). Not reentrant."""
-        with self._call():
+        with self._connections.call():
             db = self._db()
             db.execute("BEGIN IMMEDIATE")
             self._local.batching = True
@@ -207,17 +178,8 @@ class SQLiteStore:
             db.execute("COMMIT")
 
     def close(self) -> None:
-        """Refuse new calls, wait for those in progress on other threads (a claim on a worker thread whose
-        caller stopped waiting for it), then close every thread's connection."""
-        own = getattr(self._local, "calls", 0)
-        with self._calls:
-            self._closed = True
-            self._calls.notify_all()  # a blocking claim's wait
-            self._calls.wait_for(lambda: self._running == own)
-        with self._lock:
-            for db in self._connections:
-                db.close()
-            self._connections.clear()
+        """Refuse new calls, wait for those in progress (`ThreadConnections.close`), close every connection."""
+        self._connections.close()
 
     # -- the rollout lifecycle --------------------------------------------------------------------
 
@@ -318,9 +280,8 @@ class SQLiteStore:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return []
-            with self._calls:
-                if self._calls.wait_for(lambda: self._closed, timeout=min(_POLL_S, remaining)):
-                    raise StoreError(f"{self!r} was closed while a claim waited")
+            if self._connections.wait_closed(min(_POLL_S, remaining)):
+                raise StoreError(f"{self!r} was closed while a claim waited")
 
     @_counted
     def ack(self, consumer: str, rollout_ids: Iterable[str]) -> int:
