@@ -8,7 +8,7 @@ computes that prefix once per row. Here a micro-batch runs in two passes instead
     suffix pass  -> every row's remaining tokens, [R, S], attending to its group's cached prefix
 
 and `PrefixSplit.gather` puts the two passes' hidden states back in the rows' own layout, [R, T, H],
-so that logits, log-probs, the objective, the consistency figures and the MTP loss see exactly what
+so that log-probs, the objective, the consistency figures and the MTP loss see exactly what
 the one-pass forward gives them (to float rounding: the same products, summed in other orders).
 Gradients flow through the cache into the prefix pass and add up over the rows that share it, as
 they would over the rows' own copies of the prefix.
@@ -131,12 +131,12 @@ def split_rows(groups: Sequence[tuple[int, list[int]]], rows: Sequence[HasTokens
     return PrefixSplit(prefix_ids, prefix_mask, suffix_ids, suffix_mask, groups_t, lengths, gather)
 
 
-def shared_hidden_and_logits(policy: nn.Module, split: PrefixSplit) -> tuple[torch.Tensor, torch.Tensor]:
-    """The policy's final hidden states and logits of the split's rows, [R, T, H] and [R, T, V], from the
-    two passes: what `policy_hidden_and_logits` gives for the whole rows."""
+def shared_hidden(policy: nn.Module, split: PrefixSplit) -> torch.Tensor:
+    """The policy's final hidden states of the split's rows, [R, T, H], from the two passes: what
+    `policy_hidden` gives for the whole rows."""
     from transformers import DynamicCache
 
-    decoder, head = decoder_and_head(policy)
+    decoder = decoder_and_head(policy)[0]
     config: Any = decoder.config
     cache = DynamicCache(config=config)
     name = _cache_argument(decoder)
@@ -147,8 +147,7 @@ def shared_hidden_and_logits(policy: nn.Module, split: PrefixSplit) -> tuple[tor
     suffix = decoder(input_ids=split.suffix_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
     width = prefix.last_hidden_state.shape[-1]
     flat = torch.cat([prefix.last_hidden_state.reshape(-1, width), suffix.last_hidden_state.reshape(-1, width)])
-    hidden = flat[split.gather]
-    return hidden, head(hidden)
+    return flat[split.gather]
 
 
 def sharing_refusal(policy: nn.Module) -> str | None:
@@ -171,7 +170,7 @@ def sharing_refusal(policy: nn.Module) -> str | None:
     try:
         with torch.no_grad():
             whole = policy_hidden_and_logits(policy, ids, mask)[1].float()
-            shared = shared_hidden_and_logits(policy, split)[1].float()
+            shared = decoder_and_head(policy)[1](shared_hidden(policy, split)).float()
     except Exception as error:  # a family whose forward takes no cache, or other arguments
         return f"{type(policy).__name__}: scoring through a shared prefix failed ({type(error).__name__}: {error})"
     real = mask.bool()

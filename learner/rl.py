@@ -258,7 +258,7 @@ class RLLearner:
         """This process's place in a data-parallel learner (learner/distributed.py); (0, 1) alone."""
         if self.world > 1:  # before FSDP (if any) cuts the parameters into shards
             broadcast_parameters([*model.parameters(), *(mtp.parameters() if mtp is not None else ())])
-        self.scorer = Scorer(model, self.mtp)
+        self.scorer = Scorer(model, self.mtp, config.logits_chunk_tokens)
         self.fsdp = fsdp and self.world > 1
         """Sharded over the ranks (learner/sharding.py) rather than replicated on each."""
         if self.fsdp:
@@ -368,8 +368,8 @@ class RLLearner:
         for batch in batches:
             batch = batch.to(self.device)
             routes = batch.routes if self.config.routing_replay else None
-            _, logits, aux = self.scorer(batch.input_ids, batch.attention_mask, routes, mtp, batch.loss_mask, batch.prefix)
-            logp = sampled_logprobs(logits, batch.input_ids, batch.temperatures[:, 1:])
+            scored = (batch.input_ids, batch.attention_mask, batch.loss_mask, batch.temperatures, batch.rollout_logprobs)
+            logp, aux = self.scorer(*scored, routes, mtp, batch.prefix)
             mask = batch.loss_mask[:, 1:]
             out = self.objective(logp, batch.rollout_logprobs[:, 1:], _advantages(batch, logp, mask), mask)
             # The objective divides by this micro-batch's trainable tokens; rescale to the step's.

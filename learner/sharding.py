@@ -4,7 +4,7 @@ not fit one device trains across several. The replicated alternative is learner/
 
 What sharding changes in a step, and why:
 
-- The learner scores with the decoder and then the head (`policy_hidden_and_logits`), never the HF
+- The learner scores with the decoder and then the head (`policy_hidden`, `trainable_logprobs`), never the HF
   model's own forward, so the FSDP root is a `Scorer` whose forward is exactly that: its hooks gather the
   embedding, final norm and head (one group, so a tied head is no problem), and each decoder layer is a
   group of its own, gathered for its forward and backward only.
@@ -49,11 +49,12 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.policy.mtp import MTPLayer, mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.mtp import MTPLayer, decoder_and_head, mtp_loss, policy_hidden
 
 from .optim import CombinedOptimizer
-from .prefix import PrefixSplit, shared_hidden_and_logits
+from .prefix import PrefixSplit, shared_hidden
 from .routing_replay import replay
+from .token_logprobs import trainable_logprobs
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Whole tensors, on the CPU of rank 0 only (the other ranks get empty dicts)."""
@@ -74,41 +75,48 @@ class MTPTargets:
 
 
 class Scorer(nn.Module):
-    """The learner's forward: the policy's last hidden states and logits (`policy_hidden_and_logits`), under
-    routing replay where the micro-batch has routes, and the MTP layer's loss where it is trained."""
+    """The learner's forward: the policy's log-probs of the trainable tokens (its decoder, then its head on those
+    positions only: `learner/token_logprobs.py`), under routing replay where the micro-batch has routes, and the
+    MTP layer's loss where it is trained. The head runs inside this forward so that under FSDP it is whole."""
 
-    def __init__(self, policy: PreTrainedModel, mtp: MTPLayer | None = None) -> None:
+    def __init__(self, policy: PreTrainedModel, mtp: MTPLayer | None = None, chunk_tokens: int = 2048) -> None:
         super().__init__()
         self.policy = policy
         self.mtp = mtp
+        self.chunk_tokens = chunk_tokens
 
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperatures: torch.Tensor,
+        fill: torch.Tensor,
         routes: torch.Tensor | None = None,
         mtp: MTPTargets | None = None,
-        loss_mask: torch.Tensor | None = None,
         prefix: PrefixSplit | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(hidden states, logits, the MTP loss over the tokens `loss_mask` marks where `mtp` is given);
-        through the shared prefixes of `prefix` where given (the same figures, `learner/prefix.py`)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, T-1] log-probs of the tokens `loss_mask` marks at their `temperatures`, `fill` elsewhere (see
+        `trainable_logprobs`); the MTP loss over those tokens where `mtp` is given, else None), through the
+        shared prefixes of `prefix` where given (the same figures, `learner/prefix.py`)."""
         if prefix is not None:
             if routes is not None:
                 raise ValueError("routing replay scores whole rows: each row's prompt has routes of its own")
-            hidden, logits = shared_hidden_and_logits(self.policy, prefix)
+            hidden = shared_hidden(self.policy, prefix)
         else:
             with replay(self.policy, routes):
-                hidden, logits = policy_hidden_and_logits(self.policy, input_ids, attention_mask)
-        if mtp is None or self.mtp is None or loss_mask is None:
-            return hidden, logits, None
+                hidden = policy_hidden(self.policy, input_ids, attention_mask)
+        head = decoder_and_head(self.policy)[1]
+        logp = trainable_logprobs(head, hidden, input_ids, temperatures, loss_mask, fill, self.chunk_tokens)
+        if mtp is None or self.mtp is None:
+            return logp, None
         # Detached hidden states: the drafter follows the policy without pulling the trunk toward every
         # sampled token (negative-advantage ones included). Inside this forward, so that under FSDP the
         # embedding and head it shares with the policy are whole.
         aux = mtp_loss(
             self.policy, self.mtp, hidden.detach(), input_ids, attention_mask, loss_mask, mtp.depth, mtp.num_tokens, mtp.depth_weights
         )
-        return hidden, logits, aux
+        return logp, aux
 
 
 def uses_fsdp(run: RunConfig, device: torch.device) -> bool:
@@ -148,8 +156,9 @@ def empty_pass(scorer: Scorer, pad_token_id: int, device: torch.device, mtp: MTP
     """A forward and backward that joins every group's collectives (the MTP layer's too, where `mtp` says it is
     trained) and adds nothing to any gradient."""
     ids = torch.full((1, 2 + (mtp.depth if mtp is not None else 0)), pad_token_id, device=device)
-    _, logits, aux = scorer(ids, torch.ones_like(ids), None, mtp, torch.zeros_like(ids))
-    ((logits.float().sum() + (aux if aux is not None else 0.0)) * 0.0).backward()
+    none = torch.zeros_like(ids)
+    logp, aux = scorer(ids, torch.ones_like(ids), none, torch.ones_like(ids), none, None, mtp)
+    ((logp.sum() + (aux if aux is not None else 0.0)) * 0.0).backward()
 
 
 def total_norm(norm: torch.Tensor) -> float:

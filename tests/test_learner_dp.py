@@ -152,8 +152,9 @@ def test_fsdp_ranks_with_unequal_micro_batch_counts_and_checkpointing_take_the_o
     assert counts[0] < counts[1], counts
 
     alone = create_learner(config(1, micro_batch_tokens=20))
-    # Sharded with activation checkpointing too: a checkpointed layer gathers its shards again for the recompute.
-    sharded = create_learner(config(2, "fsdp", micro_batch_tokens=20, gradient_checkpointing=True))
+    # Sharded with activation checkpointing and the head run 4 positions at a time too: a checkpointed layer, and
+    # each checkpointed chunk of the head, gathers its shards again for the recompute.
+    sharded = create_learner(config(2, "fsdp", micro_batch_tokens=20, gradient_checkpointing=True, logits_chunk_tokens=4))
     one, two = ray.get([alone.train_step.remote(samples), sharded.train_step.remote(samples)])
     assert two["micro_batches"] == sum(counts)  # the empty passes are no micro-batches of the step
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)

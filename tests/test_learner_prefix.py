@@ -14,14 +14,14 @@ import random
 import pytest
 import torch
 from conftest import make_tiny_model
+from learner_steps import batch_for, record_gradients
 
 from asyncrl.configs.schema import LearnerConfig
 from asyncrl.learner.batch import Row, _collate_shared, micro_batches
 from asyncrl.learner.prefix import prefix_groups, saved_fraction, sharing_refusal, split_rows
-from asyncrl.learner.rl import RLLearner, sampled_logprobs
+from asyncrl.learner.rl import RLLearner
 from asyncrl.policy.mtp import build_mtp
 from asyncrl.policy.tokenizer import build_tokenizer
-from asyncrl.records import UNSAMPLED_VERSION, Sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-6, on one thread
 
@@ -64,35 +64,6 @@ def test_the_split_puts_every_token_back_where_it_was():
     assert int(split.prefix_mask.sum()) == sum(length for length, _ in groups)
 
 
-def sample(model_learner: RLLearner, rollout: str, group: str, reward: float, prompt: list[int], completion: list[int], **turns) -> Sample:
-    """A sample whose rollout log-probs are the policy's own at T = 1 (ratio 1)."""
-    env, more = list(turns.get("env", [])), list(turns.get("more", []))
-    tokens = prompt + completion + env + more
-    mask = [0] * len(prompt) + [1] * len(completion) + [0] * len(env) + [1] * len(more)
-    with torch.no_grad():
-        logits = model_learner.model(input_ids=torch.tensor([tokens])).logits
-        own = [0.0, *sampled_logprobs(logits, torch.tensor([tokens]), 1.0)[0].tolist()]
-    logprobs = [lp if m else 0.0 for lp, m in zip(own, mask, strict=True)]
-    versions = [0 if m else UNSAMPLED_VERSION for m in mask]
-    return Sample(tokens, mask, logprobs, versions, reward, group, rollout, "ok")
-
-
-def batch_for(learner: RLLearner) -> list[Sample]:
-    """Two GRPO groups of four, each over its own prompt, completions of different lengths, one of them
-    a second turn after environment tokens."""
-    p, q = [3, 4, 5, 6, 7, 8, 9], [12, 13, 14, 15, 16]
-    return [
-        sample(learner, "a", "g", 1.0, p, [20, 21, 22]),
-        sample(learner, "b", "g", 0.0, p, [20, 23]),
-        sample(learner, "c", "g", 0.5, p, [24, 25, 26, 27, 28]),
-        sample(learner, "d", "g", 0.0, p, [29], env=[40, 41], more=[30, 31]),
-        sample(learner, "e", "h", 1.0, q, [20]),
-        sample(learner, "f", "h", 0.0, q, [21, 22, 23, 24]),
-        sample(learner, "g", "h", 0.2, q, [25, 26]),
-        sample(learner, "h", "h", 0.0, q, [27, 28, 29]),
-    ]
-
-
 @pytest.mark.parametrize(("arch", "mtp"), [("qwen3", False), ("qwen3", True), ("glm_moe_dsa", False)])
 def test_a_step_through_shared_prefixes_is_the_step_over_whole_rows(arch, mtp):
     # index_topk 4: the DSA indexer really chooses among a prompt's positions.
@@ -120,19 +91,6 @@ def test_a_step_through_shared_prefixes_is_the_step_over_whole_rows(arch, mtp):
     assert of_whole.keys() == of_shared.keys() and len(of_whole) > 5
     for name, gradient in of_whole.items():
         torch.testing.assert_close(of_shared[name], gradient, atol=1e-7, rtol=1e-5, msg=name)
-
-
-def record_gradients(learner: RLLearner) -> list[dict[str, torch.Tensor]]:
-    """The gradients of the policy's weights at each optimizer step of `learner`, as it takes them."""
-    taken: list[dict[str, torch.Tensor]] = []
-    step = learner.optimizer.step
-
-    def record_then_step(*args, **kwargs):
-        taken.append({name: p.grad.clone() for name, p in learner.model.named_parameters() if p.grad is not None})
-        return step(*args, **kwargs)
-
-    learner.optimizer.step = record_then_step
-    return taken
 
 
 def test_micro_batches_keep_their_token_cap_and_share_within_it():

@@ -14,6 +14,7 @@ from conftest import make_tiny_model
 
 from asyncrl.configs.schema import LearnerConfig
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
+from asyncrl.learner.token_logprobs import trainable_logprobs
 from asyncrl.policy.mtp import build_mtp
 from asyncrl.policy.tokenizer import build_tokenizer
 from asyncrl.records import UNSAMPLED_VERSION, Sample
@@ -50,15 +51,17 @@ def sample(
     return Sample(token_ids, loss_mask, logprobs, versions, reward, group, rollout, status)
 
 
-def capture_logits(learner: RLLearner) -> list[torch.Tensor]:
-    """Logits of every policy forward, kept with their gradient after backward."""
+def capture_hidden(monkeypatch) -> list[torch.Tensor]:
+    """The final hidden states [B, T, H] each scoring pass hands the head, kept with their gradient after backward:
+    position j-1's gradient is what token j's log-prob sends back."""
     captured: list[torch.Tensor] = []
 
-    def hook(_module, _inputs, output):
-        output.retain_grad()
-        captured.append(output)
+    def keep(head, hidden, *args, **kwargs):
+        hidden.retain_grad()
+        captured.append(hidden)
+        return trainable_logprobs(head, hidden, *args, **kwargs)
 
-    learner.model.lm_head.register_forward_hook(hook)
+    monkeypatch.setattr("asyncrl.learner.sharding.trainable_logprobs", keep)
     return captured
 
 
@@ -78,7 +81,7 @@ def test_positive_advantage_rises_and_negative_falls():
     assert metrics["trainable_tokens"] == 6 and metrics["computed_tokens"] == 12
 
 
-def test_environment_tokens_get_exactly_zero_gradient():
+def test_environment_tokens_get_exactly_zero_gradient(monkeypatch):
     learner = make_learner()
     env = [30, 31, 32]
     samples = [
@@ -87,9 +90,9 @@ def test_environment_tokens_get_exactly_zero_gradient():
     ]
     for s in samples:  # env tokens look on-policy (ratio 1): only the loss mask can keep them out
         s.logprobs = model_logprobs(learner, s.token_ids)
-    logits = capture_logits(learner)
+    hidden = capture_hidden(monkeypatch)
     learner.train_step(samples)
-    grad = logits[0].grad  # [2, T, V]; row j-1 predicts token j
+    grad = hidden[0].grad  # [2, T, H]; row j-1 predicts token j
     env_positions = [j for j, m in enumerate(samples[0].loss_mask) if not m][1:]
     sampled_positions = [j for j, m in enumerate(samples[0].loss_mask) if m]
     for j in env_positions:
@@ -99,14 +102,14 @@ def test_environment_tokens_get_exactly_zero_gradient():
 
 
 @pytest.mark.parametrize("objective", ["icepop_grpo", "double_sided_is"])
-def test_token_outside_the_ratio_mask_gets_exactly_zero_gradient(objective):
+def test_token_outside_the_ratio_mask_gets_exactly_zero_gradient(objective, monkeypatch):
     learner = make_learner(objective=objective)
     samples = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21, 22])]
     far = 4  # token 4 of rollout a: rollout log-prob 3 nats below the policy's, ratio e^3 = 20
     samples[0].logprobs[far] -= 3.0
-    logits = capture_logits(learner)
+    hidden = capture_hidden(monkeypatch)
     metrics = learner.train_step(samples)
-    grad = logits[0].grad
+    grad = hidden[0].grad
     assert torch.count_nonzero(grad[0, far - 1]) == 0
     assert all(grad[0, j - 1].abs().sum() > 0 for j in (3, 5))
     assert metrics["masked_token_frac"] == pytest.approx(1 / 6)

@@ -118,10 +118,14 @@ def policy_hidden_and_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's final (normed) hidden states and its logits, from one forward pass (any family;
     `check_plain_head` says whether decoder then head is the family's whole forward)."""
-    decoder, head = decoder_and_head(policy)
+    hidden = policy_hidden(policy, input_ids, attention_mask)
+    return hidden, decoder_and_head(policy)[1](hidden)
+
+
+def policy_hidden(policy: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The policy's final (normed) hidden states: its decoder's forward, without the head."""
     # No cache: a full forward needs none, and a checkpointed layer must not write one twice.
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return hidden, head(hidden)
+    return decoder_and_head(policy)[0](input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
 def check_plain_head(policy: PreTrainedModel, key: str = "policy.path") -> None:

@@ -11,7 +11,7 @@ those, so the step is the same step. The learner's step draws no random numbers 
 dropout), so no other seed enters.
 
 Before step N's optimizer step, the same rows go through the learner's own functions (`select`,
-`advantages_for`, `to_rows`, `micro_batches`, `sampled_logprobs`, the run's objective) once more,
+`advantages_for`, `to_rows`, `micro_batches`, its scorer, the run's objective) once more,
 without gradients, to split the loss into each sample's share and each token's share (the per-token
 objective term over the step's trainable tokens; the shares add up to the loss).
 
@@ -224,10 +224,9 @@ def _shares(learner: RLLearner, samples: list[Sample], current_version: int, top
     import torch
 
     from asyncrl.learner.batch import micro_batches, to_rows
-    from asyncrl.learner.rl import advantages_for, sampled_logprobs
+    from asyncrl.learner.rl import advantages_for
     from asyncrl.learner.selection import select
     from asyncrl.learner.sft_data import length_buckets
-    from asyncrl.policy.mtp import policy_hidden_and_logits
 
     config = learner.config
     selection = select(samples, current_version=current_version, max_staleness=config.max_staleness,
@@ -248,8 +247,7 @@ def _shares(learner: RLLearner, samples: list[Sample], current_version: int, top
     with torch.no_grad():
         for batch in micro_batches(computed, pad, config.micro_batch_tokens):
             batch = batch.to(learner.device)
-            _, logits = policy_hidden_and_logits(learner.model, batch.input_ids, batch.attention_mask)
-            logp = sampled_logprobs(logits, batch.input_ids, batch.temperatures[:, 1:])
+            logp, _ = learner.scorer(batch.input_ids, batch.attention_mask, batch.loss_mask, batch.temperatures, batch.rollout_logprobs)
             mask, rollout = batch.loss_mask[:, 1:], batch.rollout_logprobs[:, 1:]
             out = learner.objective(logp, rollout, batch.advantages, mask)
             advantages = batch.advantages[:, None].expand_as(logp)

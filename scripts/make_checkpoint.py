@@ -1,0 +1,53 @@
+"""Write a randomly initialised checkpoint directory of a transformers causal-LM family, for benchmarks that need
+a model of a real shape (no model hub is reachable from here): the weights at the shape asked for, and the
+embedded tokenizer with its chat template. The vocabulary may be wider than the tokenizer, as real checkpoints
+pad theirs (Qwen3: 151,936 rows for 151,669 tokens); only the learner benchmarks' synthetic batches, which draw
+ids from the whole vocabulary, use the rows beyond it.
+
+    python scripts/make_checkpoint.py /tmp/qwen3-wide --vocab-size 151936 --hidden-size 256 --layers 4
+    asyncrl bench learner policy.path=/tmp/qwen3-wide "bench.ranks=[1]"
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from asyncrl.policy.tokenizer import build_tokenizer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory")
+    parser.add_argument("--family", default="qwen3", help="a transformers model_type (default qwen3)")
+    parser.add_argument("--vocab-size", type=int, default=151936)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    tokenizer = build_tokenizer()
+    if args.vocab_size < len(tokenizer):
+        parser.error(f"--vocab-size {args.vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
+    if args.hidden_size % args.head_dim:
+        parser.error(f"--hidden-size {args.hidden_size} is not a multiple of --head-dim {args.head_dim}")
+    heads = args.hidden_size // args.head_dim
+    config = AutoConfig.for_model(
+        args.family, vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=args.head_dim, intermediate_size=4 * args.hidden_size,
+        max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(args.directory)
+    tokenizer.save_pretrained(args.directory)
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"{args.directory}: {args.family}, {millions:.1f}M parameters, vocabulary {args.vocab_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

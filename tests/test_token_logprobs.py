@@ -1,0 +1,134 @@
+"""The learner's log-probs through the head at trained positions only (learner/token_logprobs.py).
+
+What must hold: the figures are those of the full-vocabulary softmax at every position, read where a token
+is trained (at each token's own temperature); the other positions carry the rollout's log-probs; chunking
+changes neither the figures nor the gradients (autograd's, through the full softmax); and what is kept for
+the backward pass is one softmax for one chunk and none for several (read from autograd's saved tensors,
+which do not depend on the machine's timing or allocator).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from learner_steps import batch_for, record_gradients
+
+from asyncrl.configs.schema import LearnerConfig
+from asyncrl.learner.rl import RLLearner, sampled_logprobs
+from asyncrl.learner.token_logprobs import trainable_logprobs
+from asyncrl.policy.mtp import build_mtp
+from asyncrl.policy.tokenizer import build_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # compared to 1e-6, on one thread
+
+ROWS, WIDTH, HIDDEN, VOCAB = 3, 9, 16, 2000
+
+
+def case(seed: int = 0) -> dict:
+    """A micro-batch's tensors: hidden states, ids, per-token temperatures, a loss mask with a row that trains
+    nothing, and rollout log-probs to fill with."""
+    generator = torch.Generator().manual_seed(seed)
+    loss_mask = (torch.rand(ROWS, WIDTH, generator=generator) < 0.6).float()
+    loss_mask[:, 0] = 0
+    loss_mask[2] = 0
+    return {
+        "hidden": torch.randn(ROWS, WIDTH, HIDDEN, generator=generator, requires_grad=True),
+        "input_ids": torch.randint(0, VOCAB, (ROWS, WIDTH), generator=generator),
+        "temperatures": 0.5 + torch.rand(ROWS, WIDTH, generator=generator),
+        "loss_mask": loss_mask,
+        "fill": -torch.rand(ROWS, WIDTH, generator=generator) * loss_mask,
+    }
+
+
+def head(bias: bool = False) -> torch.nn.Linear:
+    torch.manual_seed(1)
+    projection = torch.nn.Linear(HIDDEN, VOCAB, bias=bias)
+    if bias:
+        torch.nn.init.normal_(projection.bias)
+    return projection
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 4096])
+def test_trained_positions_get_the_full_softmax_at_their_temperature_and_the_rest_the_rollout_figures(chunk_tokens):
+    inputs, projection = case(), head()
+    got = trainable_logprobs(projection, chunk_tokens=chunk_tokens, **inputs)
+    with torch.no_grad():
+        full = sampled_logprobs(projection(inputs["hidden"]), inputs["input_ids"], inputs["temperatures"][:, 1:])
+    trained = inputs["loss_mask"][:, 1:].bool()
+    assert got.shape == (ROWS, WIDTH - 1) and got.dtype == torch.float32 and int(trained.sum()) > 4
+    torch.testing.assert_close(got[trained], full[trained], atol=1e-6, rtol=0)
+    assert torch.equal(got[~trained], inputs["fill"][:, 1:][~trained])
+
+
+def gradients(chunk_tokens: int | None, bias: bool) -> tuple[list[torch.Tensor], list[torch.Size]]:
+    """The gradients of the hidden states and the head's parameters of a loss that weighs every position
+    differently, and the shapes of what autograd saved for the backward pass; `chunk_tokens` None: autograd
+    through `sampled_logprobs`, the reference."""
+    inputs, projection = case(), head(bias)
+    saved: list[torch.Size] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.shape)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        if chunk_tokens is None:
+            logp = sampled_logprobs(projection(inputs["hidden"]), inputs["input_ids"], inputs["temperatures"][:, 1:])
+        else:
+            logp = trainable_logprobs(projection, chunk_tokens=chunk_tokens, **inputs)
+    trained = inputs["loss_mask"][:, 1:].bool()
+    weights = torch.linspace(-1.0, 1.0, logp.numel()).view_as(logp) * trained  # every trained position its own share
+    (logp * weights).sum().backward()
+    return [inputs["hidden"].grad, *(p.grad for p in projection.parameters())], saved
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_gradients_are_autograds_through_the_full_softmax_in_one_chunk_or_several(bias):
+    reference, _ = gradients(None, bias)
+    assert len(reference) == (3 if bias else 2) and all(float(g.abs().sum()) > 0 for g in reference)
+    for chunk_tokens in (4, 4096):
+        got, _ = gradients(chunk_tokens, bias)
+        for a, b in zip(got, reference, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+
+
+def test_one_chunk_keeps_one_softmax_for_the_backward_pass_and_several_keep_none():
+    trained = int(case()["loss_mask"][:, 1:].sum())
+    vocabulary_wide = lambda shapes: [s for s in shapes if s[-1] == VOCAB]  # noqa: E731
+    _, reference = gradients(None, False)
+    assert len(vocabulary_wide(reference)) >= 2  # autograd's softmax path keeps logits and more
+    _, one = gradients(4096, False)
+    assert vocabulary_wide(one) == [torch.Size([trained, VOCAB])]
+    _, several = gradients(4, False)
+    assert vocabulary_wide(several) == []  # recomputed from the chunks' hidden states in the backward pass
+
+
+def test_nothing_trained_still_gives_the_head_a_zero_gradient():
+    # A sharded or replicated learner reduces every parameter's gradient; an absent one would desynchronize ranks.
+    inputs, projection = case(), head()
+    inputs["loss_mask"] = torch.zeros_like(inputs["loss_mask"])
+    logp = trainable_logprobs(projection, chunk_tokens=4, **inputs)
+    (logp.sum() * 0.0).backward()
+    assert projection.weight.grad is not None and not projection.weight.grad.any()
+
+
+@pytest.mark.parametrize("share_prefixes", [False, True])
+def test_a_learner_step_in_chunks_of_three_positions_is_the_step_in_one(share_prefixes):
+    def learner(chunk_tokens: int) -> RLLearner:
+        model = make_tiny_model("qwen3")
+        config = LearnerConfig(
+            group_size=4, lr=1e-3, weight_decay=0.0, mtp_loss_weight=0.3, logits_chunk_tokens=chunk_tokens, share_prefixes=share_prefixes
+        )
+        return RLLearner(config, model, build_tokenizer(), build_mtp(model, seed=1))
+
+    whole, chunked = learner(4096), learner(3)
+    gradients = [record_gradients(whole), record_gradients(chunked)]
+    a, b = whole.train_step(batch_for(whole)), chunked.train_step(batch_for(chunked))
+    assert a["computed_trainable_tokens"] > 3 * a["micro_batches"]  # every micro-batch really ran in chunks
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert b["abs_logp_diff"] == pytest.approx(a["abs_logp_diff"], abs=1e-6) and b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-6)
+    (of_whole,), (of_chunked,) = gradients
+    assert of_whole.keys() == of_chunked.keys() and len(of_whole) > 5
+    for name, gradient in of_whole.items():
+        torch.testing.assert_close(of_chunked[name], gradient, atol=1e-7, rtol=1e-5, msg=name)
