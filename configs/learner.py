@@ -100,7 +100,7 @@ class LearnerConfig(Section):
     """Most positions whose full-vocabulary logits exist at once. The head runs only where a token is trained,
     into one float32 buffer of this many positions at most (2048 x 151,936 words: 1.2 GB); a micro-batch with
     more trained tokens is scored chunk by chunk, each chunk's logits recomputed in the backward pass instead of
-    kept (learner/token_logprobs.py), for one more head matmul."""
+    kept (asyncrl/policy/token_logprobs.py), for one more head matmul."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them: activation memory
     of one layer instead of all, for about a third more compute (a model too big for its device at micro_batch_tokens)."""

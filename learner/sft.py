@@ -23,10 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.configs.schema import RunConfig, SFTConfig
-from asyncrl.policy.mtp import combine_depths, decoder_and_head, draft_step, mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.mtp import combine_depths, decoder_and_head, draft_hidden, mtp_loss, policy_hidden
+from asyncrl.policy.token_logprobs import masked_cross_entropy
 
 from .optim import build_optimizer
 from .sft_data import Demo, collate, length_buckets
+
+HEAD_CHUNK_TOKENS = 2048
+"""Most positions whose full-vocabulary logits exist at once in an SFT step (`masked_cross_entropy`)."""
 
 
 @dataclass
@@ -75,23 +79,21 @@ def micro_batches(demos: Sequence[Demo], pad_token_id: int, pack_length: int | N
 
 
 def next_token_loss(
-    logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, num_tokens: float | None = None
+    model, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, num_tokens: float | None = None
 ) -> torch.Tensor:
-    """Summed cross-entropy over the tokens the mask trains (`loss_mask[:, j]` = token j), divided
-    by `num_tokens` (default: this batch's trained tokens, i.e. the token mean)."""
-    per_token = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
-    weights = loss_mask[:, 1:].reshape(-1)
-    count = weights.sum().clamp(min=1.0) if num_tokens is None else num_tokens
-    return (per_token * weights).sum() / count
+    """Summed cross-entropy over the tokens the mask trains (`loss_mask[:, j]` = token j), divided by `num_tokens`
+    (default: this batch's trained tokens, i.e. the token mean); the head runs at those tokens' positions only
+    (`masked_cross_entropy`), from the policy's final hidden states."""
+    count = loss_mask[:, 1:].sum().clamp(min=1.0) if num_tokens is None else num_tokens
+    return masked_cross_entropy(decoder_and_head(model)[1], hidden, input_ids, loss_mask, HEAD_CHUNK_TOKENS) / count
 
 
-def _forward(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _hidden(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if "position_ids" not in batch:
-        return policy_hidden_and_logits(model, batch["input_ids"], batch["attention_mask"])
+        return policy_hidden(model, batch["input_ids"], batch["attention_mask"])
     # No attention mask and no cache: transformers then builds the per-sequence mask from the position ids.
-    decoder, head = decoder_and_head(model)
-    hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).last_hidden_state
-    return hidden, head(hidden)
+    decoder = decoder_and_head(model)[0]
+    return decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).last_hidden_state
 
 
 def _packed_mtp_loss(
@@ -100,12 +102,14 @@ def _packed_mtp_loss(
     """`mtp_loss` over packed rows: packed positions, and targets in another sequence than their source dropped."""
     ids, positions, loss_mask = batch["input_ids"], batch["position_ids"], batch["loss_mask"]
     sequence = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
+    head = model.get_submodule("lm_head")
     losses, previous = [], hidden
     for k in range(1, len(depth_weights) + 1):
-        logits, previous = draft_step(model, mtp, previous, F.pad(ids[:, k:], (0, k), value=0), positions, None)
-        weights = loss_mask[:, k + 1 :] * (sequence[:, k + 1 :] == sequence[:, : -k - 1])
-        per_token = F.cross_entropy(logits[:, : -k - 1].reshape(-1, logits.shape[-1]), ids[:, k + 1 :].reshape(-1), reduction="none")
-        losses.append((per_token * weights.reshape(-1)).sum() / num_tokens)
+        shifted = F.pad(ids[:, k:], (0, k), value=0)
+        previous = draft_hidden(model, mtp, previous, shifted, positions, None)
+        # Position i predicts t_{i+k+1}, which `shifted` holds at i+1; targets in another sequence weigh 0.
+        weights = F.pad(loss_mask[:, k + 1 :] * (sequence[:, k + 1 :] == sequence[:, : -k - 1]), (1, k), value=0)
+        losses.append(masked_cross_entropy(head, mtp.shared_head.norm(previous), shifted, weights, HEAD_CHUNK_TOKENS) / num_tokens)
     return combine_depths(losses, depth_weights)
 
 
@@ -130,8 +134,8 @@ def train_step(
     loss_total, aux_total, tokens = 0.0, 0.0, 0
     for batch in micro_batches(demos, pad_token_id, pack_length):
         ids, mask = batch["input_ids"], batch["loss_mask"]
-        hidden, logits = _forward(model, batch)
-        loss = next_token_loss(logits, ids, mask, num_targets)
+        hidden = _hidden(model, batch)
+        loss = next_token_loss(model, hidden, ids, mask, num_targets)
         total = loss
         if mtp is not None:
             if "position_ids" in batch:
@@ -152,6 +156,5 @@ def evaluation_loss(model, demos: Sequence[Demo], pad_token_id: int, pack_length
     num_targets = float(sum(sum(d.loss_mask[1:]) for d in demos))
     total = 0.0
     for batch in micro_batches(demos, pad_token_id, pack_length):
-        _, logits = _forward(model, batch)
-        total += next_token_loss(logits, batch["input_ids"], batch["loss_mask"], num_targets).item()
+        total += next_token_loss(model, _hidden(model, batch), batch["input_ids"], batch["loss_mask"], num_targets).item()
     return total

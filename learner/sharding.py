@@ -50,11 +50,11 @@ from transformers import PreTrainedModel
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.policy.mtp import MTPLayer, decoder_and_head, mtp_loss, policy_hidden
+from asyncrl.policy.token_logprobs import trainable_logprobs
 
 from .optim import CombinedOptimizer
 from .prefix import PrefixSplit, shared_hidden
 from .routing_replay import replay
-from .token_logprobs import trainable_logprobs
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Whole tensors, on the CPU of rank 0 only (the other ranks get empty dicts)."""
@@ -76,7 +76,7 @@ class MTPTargets:
 
 class Scorer(nn.Module):
     """The learner's forward: the policy's log-probs of the trainable tokens (its decoder, then its head on those
-    positions only: `learner/token_logprobs.py`), under routing replay where the micro-batch has routes, and the
+    positions only: `asyncrl/policy/token_logprobs.py`), under routing replay where the micro-batch has routes, and the
     MTP layer's loss where it is trained. The head runs inside this forward so that under FSDP it is whole."""
 
     def __init__(self, policy: PreTrainedModel, mtp: MTPLayer | None = None, chunk_tokens: int = 2048) -> None:
@@ -114,8 +114,9 @@ class Scorer(nn.Module):
         # sampled token (negative-advantage ones included). Inside this forward, so that under FSDP the
         # embedding and head it shares with the policy are whole.
         aux = mtp_loss(
-            self.policy, self.mtp, hidden.detach(), input_ids, attention_mask, loss_mask, mtp.depth, mtp.num_tokens, mtp.depth_weights
-        )
+            self.policy, self.mtp, hidden.detach(), input_ids, attention_mask, loss_mask,
+            mtp.depth, mtp.num_tokens, mtp.depth_weights, self.chunk_tokens,
+        )  # fmt: skip
         return logp, aux
 
 

@@ -14,8 +14,8 @@ from conftest import make_tiny_model
 
 from asyncrl.configs.schema import LearnerConfig
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
-from asyncrl.learner.token_logprobs import trainable_logprobs
 from asyncrl.policy.mtp import build_mtp
+from asyncrl.policy.token_logprobs import trainable_logprobs
 from asyncrl.policy.tokenizer import build_tokenizer
 from asyncrl.records import UNSAMPLED_VERSION, Sample
 

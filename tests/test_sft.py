@@ -108,9 +108,11 @@ def test_bucketed_step_has_the_gradient_of_one_padded_batch():
     batch = collate(demos, tok.pad_token_id)
     ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     hidden, logits = policy_hidden_and_logits(model, ids, attention)
-    loss = next_token_loss(logits, ids, mask) + config.policy.mtp.loss_weight * mtp_loss(
-        model, mtp, hidden, ids, attention, mask, config.policy.mtp.train_depth
-    )
+    # The next-token term by autograd through the full softmax: the step's runs the head at trained tokens only.
+    per_token = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    next_token = (per_token * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    assert float(next_token) == pytest.approx(float(next_token_loss(model, hidden, ids, mask)), rel=1e-6)
+    loss = next_token + config.policy.mtp.loss_weight * mtp_loss(model, mtp, hidden, ids, attention, mask, config.policy.mtp.train_depth)
     loss.backward()
     for ours, reference in zip(bucketed, [p.grad for p in list(model.parameters()) + list(mtp.parameters())], strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-6)

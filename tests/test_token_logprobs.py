@@ -1,4 +1,4 @@
-"""The learner's log-probs through the head at trained positions only (learner/token_logprobs.py).
+"""The learner's log-probs through the head at trained positions only (asyncrl/policy/token_logprobs.py).
 
 What must hold: the figures are those of the full-vocabulary softmax at every position, read where a token
 is trained (at each token's own temperature); the other positions carry the rollout's log-probs; chunking
@@ -16,8 +16,8 @@ from learner_steps import batch_for, record_gradients
 
 from asyncrl.configs.schema import LearnerConfig
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
-from asyncrl.learner.token_logprobs import trainable_logprobs
-from asyncrl.policy.mtp import build_mtp
+from asyncrl.policy.mtp import build_mtp, mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.token_logprobs import masked_cross_entropy, trainable_logprobs
 from asyncrl.policy.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # compared to 1e-6, on one thread
@@ -132,3 +132,34 @@ def test_a_learner_step_in_chunks_of_three_positions_is_the_step_in_one(share_pr
     assert of_whole.keys() == of_chunked.keys() and len(of_whole) > 5
     for name, gradient in of_whole.items():
         torch.testing.assert_close(of_chunked[name], gradient, atol=1e-7, rtol=1e-5, msg=name)
+
+
+def test_the_masked_cross_entropy_is_the_full_softmax_one_weighted_by_the_mask():
+    inputs, projection = case(), head(bias=True)
+    weights = inputs["loss_mask"] * torch.linspace(0.5, 2.0, WIDTH)  # a float mask weighs its tokens
+    with torch.no_grad():
+        logits = projection(inputs["hidden"])[:, :-1]
+        per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), inputs["input_ids"][:, 1:], reduction="none")
+        expected = (per_token * weights[:, 1:]).sum()
+        for chunk_tokens in (3, 4096):
+            got = masked_cross_entropy(projection, inputs["hidden"], inputs["input_ids"], weights, chunk_tokens)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-6)
+
+
+def test_the_mtp_loss_in_chunks_is_the_loss_in_one():
+    model = make_tiny_model("qwen3")
+    ids = torch.randint(20, 100, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(3, 12)
+    mask[:, 4:] = 1
+    results = []
+    for chunk_tokens in (2, 4096):
+        mtp = build_mtp(model, seed=1)
+        hidden = policy_hidden_and_logits(model, ids)[0].detach()
+        loss = mtp_loss(model, mtp, hidden, ids, None, mask, depth=2, chunk_tokens=chunk_tokens)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in mtp.parameters() if p.grad is not None]))
+    (chunked, chunked_grads), (whole, whole_grads) = results
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+    assert len(whole_grads) == len(chunked_grads) > 3
+    for a, b in zip(chunked_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)

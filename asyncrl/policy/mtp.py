@@ -30,6 +30,8 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
+from .token_logprobs import masked_cross_entropy
+
 # Per-layer lists in the policy config that the MTP layer's index must also be valid for.
 _PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "indexer_types")
 
@@ -162,6 +164,20 @@ def draft_step(
     2D padding mask over cached plus new positions; `cache`, if given, is a transformers cache
     built with `mtp.config` (the MTP layer keeps its keys and values at index `mtp.layer_index`).
     """
+    hidden = draft_hidden(policy, mtp, previous_hidden, next_token_ids, position_ids, attention_mask, cache)
+    return policy.get_submodule("lm_head")(mtp.shared_head.norm(hidden)), hidden
+
+
+def draft_hidden(
+    policy: nn.Module,
+    mtp: MTPLayer,
+    previous_hidden: torch.Tensor,
+    next_token_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    cache=None,
+) -> torch.Tensor:
+    """`draft_step` without the head: the MTP layer's output [B, S, H], before its shared head's norm."""
     decoder = policy.get_submodule("model")
     embeds = decoder.get_submodule("embed_tokens")(next_token_ids)
     mask = create_causal_mask(
@@ -173,8 +189,23 @@ def draft_step(
         allow_is_causal_skip=False,  # the DSA indexer needs a real mask
     )
     rotary = decoder.get_submodule("rotary_emb")(previous_hidden, position_ids=position_ids)
-    hidden = mtp(previous_hidden, embeds, rotary, mask, position_ids, cache=cache)
-    return policy.get_submodule("lm_head")(mtp.shared_head.norm(hidden)), hidden
+    return mtp(previous_hidden, embeds, rotary, mask, position_ids, cache=cache)
+
+
+def draft_states(
+    policy: nn.Module, mtp: MTPLayer, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, depth: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What the head reads at depths 1..depth over a whole (right-padded) batch: per depth k, (the normed states
+    [B, T, H], whose position i predicts t_{i+k+1}; the ids [B, T] shifted so that position i+1 holds that
+    token). `mtp_logits` is the head applied to the states."""
+    batch, length = input_ids.shape
+    position_ids = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, -1)
+    out, previous = [], hidden
+    for k in range(1, depth + 1):
+        shifted = F.pad(input_ids[:, k:], (0, k), value=0)
+        previous = draft_hidden(policy, mtp, previous, shifted, position_ids, attention_mask)
+        out.append((mtp.shared_head.norm(previous), shifted))
+    return out
 
 
 def mtp_logits(
@@ -190,14 +221,8 @@ def mtp_logits(
     The last k positions of depth k have no token t_{i+k} to read; they see a zero embedding
     and their predictions are never trained.
     """
-    batch, length = input_ids.shape
-    position_ids = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, -1)
-    out, previous = [], hidden
-    for k in range(1, depth + 1):
-        shifted = F.pad(input_ids[:, k:], (0, k), value=0)
-        logits, previous = draft_step(policy, mtp, previous, shifted, position_ids, attention_mask)
-        out.append(logits)
-    return out
+    head = policy.get_submodule("lm_head")
+    return [head(states) for states, _ in draft_states(policy, mtp, hidden, input_ids, attention_mask, depth)]
 
 
 def combine_depths(per_depth: Sequence[torch.Tensor], depth_weights: Sequence[float] | None = None) -> torch.Tensor:
@@ -220,17 +245,20 @@ def mtp_loss(
     depth: int,
     num_tokens: torch.Tensor | float | None = None,
     depth_weights: Sequence[float] | None = None,
+    chunk_tokens: int = 2048,
 ) -> torch.Tensor:
     """sum_k lambda_k CE_k over depths 1..depth of the masked cross-entropy (`loss_mask[:, j]` = train token j);
-    `depth_weights` are the lambda_k (`MTPConfig.weights_per_depth()`), None the mean over depths.
+    `depth_weights` are the lambda_k (`MTPConfig.weights_per_depth()`), None the mean over depths. The head
+    runs at trained positions only, `chunk_tokens` at a time (`token_logprobs.masked_cross_entropy`).
 
     Each depth's summed loss is divided by `num_tokens` when given (so micro-batches of one
     optimizer step can share the whole batch's count), else by that depth's own trained tokens.
     """
     losses = []
-    for k, logits in enumerate(mtp_logits(policy, mtp, hidden, input_ids, attention_mask, depth), start=1):
-        targets, weights = input_ids[:, k + 1 :], loss_mask[:, k + 1 :]
-        per_token = F.cross_entropy(logits[:, : -k - 1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-        count = weights.sum().clamp(min=1.0) if num_tokens is None else num_tokens
-        losses.append((per_token * weights.reshape(-1)).sum() / count)
+    head = policy.get_submodule("lm_head")
+    for k, (states, shifted) in enumerate(draft_states(policy, mtp, hidden, input_ids, attention_mask, depth), start=1):
+        # Position i of depth k predicts t_{i+k+1}, which `shifted` holds at i+1; the mask moves with it.
+        weights = F.pad(loss_mask[:, k:], (0, k), value=0)
+        count = loss_mask[:, k + 1 :].sum().clamp(min=1.0) if num_tokens is None else num_tokens
+        losses.append(masked_cross_entropy(head, states, shifted, weights, chunk_tokens) / count)
     return combine_depths(losses, depth_weights)

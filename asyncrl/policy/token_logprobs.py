@@ -1,10 +1,11 @@
-"""The learner's log-probs, computed through the output head only where the step reads them.
+"""Log-probs through a policy's output head, computed only at the positions a loss reads.
 
-The objective, the consistency figures and the distillation advantages read log pi(token j+1 | tokens 0..j)
-at trainable positions only (loss mask 1 on token j+1). Full-vocabulary logits at every position, upcast to
-float32 for the softmax, are most of a large-vocabulary policy's activation memory: 8,192 tokens of a
-151,936-word vocabulary are 5 GB per float32 copy, and autograd's softmax keeps several (the upcast, the
-temperature-scaled logits, its own output). So the head runs on the trainable positions' hidden states
+The RL objective, the consistency figures and the distillation advantages read log pi(token j+1 | tokens
+0..j) at trainable positions only (loss mask 1 on token j+1); the SFT loss and the MTP loss are
+cross-entropies over trained tokens. Full-vocabulary logits at every position, upcast to float32 for the
+softmax, are most of a large-vocabulary policy's activation memory: 8,192 tokens of a 151,936-word
+vocabulary are 5 GB per float32 copy, and autograd's softmax keeps several (the upcast, the
+temperature-scaled logits, its own output). So the head runs on the trained positions' hidden states
 alone, at most `chunk_tokens` of them at a time, through `_HeadLogprobs`, which differentiates the
 log-softmax by hand and works on one float32 [positions, vocabulary] buffer in place:
 
@@ -13,8 +14,9 @@ log-softmax by hand and works on one float32 [positions, vocabulary] buffer in p
 - several chunks: each chunk keeps only its hidden states and recomputes its logits in the backward pass
   (one more head matmul over the trained positions), so one chunk's buffer exists at a time.
 
-Every other position gets `fill` (the rollout's own log-probs, detached): the objective masks those
-positions, and a ratio of exactly 1 there keeps an overflow out of its masked arithmetic.
+`trainable_logprobs` gives every other position `fill` (for the RL learner, the rollout's own log-probs,
+detached): the objective masks those positions, and a ratio of exactly 1 there keeps an overflow out of
+its masked arithmetic.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def trainable_logprobs(
     """[B, T-1] float32: where `loss_mask[:, j+1]` is set, the log-prob of token j+1 given tokens 0..j under
     softmax(head(hidden[:, j]) / temperatures[:, j+1]) (what `learner.rl.sampled_logprobs` gives at every
     position); `fill[:, 1:]` elsewhere. `hidden` is [B, T, H]; the other tensors are [B, T]; `head` is the
-    policy's linear output layer."""
+    policy's linear output layer. `hidden[:, j]` may be any state the head reads to predict token j+1 (an MTP
+    depth's, with the ids shifted to match)."""
     if not isinstance(head, nn.Linear):
         raise TypeError(f"the learner scores through a linear output head; this policy's is {type(head).__name__}")
     scored = loss_mask[:, 1:].bool()
@@ -54,6 +57,16 @@ def trainable_logprobs(
         chunk = slice(i, i + chunk_tokens)
         pieces.append(_HeadLogprobs.apply(states[chunk], head.weight, head.bias, targets[chunk], scales[chunk], recompute))
     return fill[:, 1:].detach().float().masked_scatter(scored, torch.cat(pieces))
+
+
+def masked_cross_entropy(
+    head: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """sum_j loss_mask[:, j+1] * -log softmax(head(hidden[:, j]))[token j+1]: the summed next-token cross-entropy
+    over the tokens the mask trains (a float mask weighs them), through `trainable_logprobs` at temperature 1."""
+    ones = torch.ones_like(loss_mask, dtype=torch.float32)
+    logp = trainable_logprobs(head, hidden, input_ids, ones, loss_mask, torch.zeros_like(ones), chunk_tokens)
+    return -(logp * loss_mask[:, 1:]).sum()
 
 
 def _scaled_logits(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperatures: torch.Tensor) -> torch.Tensor:
