@@ -97,10 +97,10 @@ class LearnerConfig(Section):
     gives the same logits both ways (checked at start; a warning says when not) and not with routing_replay,
     gradient_checkpointing or fsdp sharding, which score whole rows."""
     logits_chunk_tokens: int = Field(2048, ge=1)
-    """Most positions whose full-vocabulary logits exist at once. The head runs only where a token is trained,
-    into one float32 buffer of this many positions at most (2048 x 151,936 words: 1.2 GB); a micro-batch with
-    more trained tokens is scored chunk by chunk, each chunk's logits recomputed in the backward pass instead of
-    kept (asyncrl/policy/token_logprobs.py), for one more head matmul."""
+    """Most positions whose full-vocabulary logits exist at once. The head (the MTP layer's loss's too) runs only
+    where a token is trained, into one float32 buffer of this many positions at most (2048 x 151,936 words:
+    1.2 GB); a micro-batch with more trained tokens is scored chunk by chunk, each chunk's logits recomputed in
+    the backward pass instead of kept (asyncrl/policy/token_logprobs.py), for one more head matmul."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them: activation memory
     of one layer instead of all, for about a third more compute (a model too big for its device at micro_batch_tokens)."""
