@@ -6,7 +6,8 @@
 2. The learner on the device: one step against the same step on the CPU (loss, weights), then
    samples/s and peak device memory on synthetic GRPO batches, with and without gradient checkpointing,
    and its push (the weights copied out for the engines) against the copy bandwidth, and the broadcast
-   push to an engine's process (NCCL), bit for bit and timed.
+   push to an engine's process (NCCL), bit for bit and timed; then a generated Qwen3 with a real
+   vocabulary (151,936 words), its logits in chunks and in one buffer: samples/s and peak memory.
 3. Where Ray is installed: `asyncrl run quickstart` with the learner and the engine on the device for
    `--run-seconds`, its held-out accuracy before and after and its samples/s.
 
@@ -28,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny family checkpoints (tests/families.py)
+sys.path.insert(0, str(ROOT / "scripts"))  # make_checkpoint.py
 
 
 def say(results: dict, key: str, value) -> None:
@@ -132,6 +134,41 @@ def learner_checks(device: str, results: dict, size: int, scale: dict) -> None:
         if not checkpointing:
             push_check(trainer, device, results)
             broadcast_check(trainer, device, results)
+        del trainer
+
+
+def wide_vocabulary_check(device: str, results: dict, out: Path, scale: dict) -> None:
+    """The learner on a generated Qwen3 with a real vocabulary (151,936 words), where the logits, not the
+    decoder, set the memory: samples/s and peak memory with the head's logits in chunks of 2048 positions
+    (the default) and in one buffer per micro-batch (asyncrl/policy/token_logprobs.py)."""
+    from make_checkpoint import write_checkpoint
+
+    from asyncrl.bench.learner import LearnerBenchOptions, synthetic_batch
+    from asyncrl.configs import load_config
+    from asyncrl.learner.rl import RLLearner
+
+    write_checkpoint(out / "qwen3-wide", hidden_size=256 if scale is SCALE["quick"] else 1024, layers=4)
+    options = LearnerBenchOptions(prompt_tokens=scale["prompt"], reply_tokens=scale["reply"])
+    for name, chunk in (("chunked", 2048), ("one_buffer", 1 << 30)):
+        overrides = [f"policy.path={out / 'qwen3-wide'}", "policy.mtp.enabled=false", f"learner.device={device}",
+                     f"learner.batch_groups={scale['groups']}", "learner.group_size=8", f"learner.logits_chunk_tokens={chunk}"]  # fmt: skip
+        if device == "cuda":
+            overrides.append("policy.dtype=bfloat16")
+        run = load_config("quickstart", overrides)
+        trainer = RLLearner.from_config(run)
+        batches = [synthetic_batch(run, options, trainer.model.config.vocab_size, seed) for seed in range(3)]
+        trainer.train_step(batches[0])  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for samples in batches[1:]:
+            trainer.train_step(samples)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        say(results, f"learner_wide_vocab_{name}_samples_per_s", round(sum(len(b) for b in batches[1:]) / (time.perf_counter() - start), 1))
+        if device == "cuda":
+            say(results, f"learner_wide_vocab_{name}_peak_memory_gib", round(torch.cuda.max_memory_allocated() / 2**30, 2))
         del trainer
 
 
@@ -289,6 +326,7 @@ def main() -> int:
     for check in (
         lambda: engine_checks(args.device, results, args.size, scale),
         lambda: learner_checks(args.device, results, args.size, scale),
+        lambda: wide_vocabulary_check(args.device, results, out, scale),
     ):
         check()
         (out / "gpu_smoke.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -11,11 +11,36 @@ ids from the whole vocabulary, use the rows beyond it.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from asyncrl.policy.tokenizer import build_tokenizer
+
+
+def write_checkpoint(
+    directory: str | Path, family: str = "qwen3", vocab_size: int = 151936, hidden_size: int = 256, layers: int = 4,
+    head_dim: int = 64, seed: int = 0,
+) -> float:  # fmt: skip
+    """Write the checkpoint; returns its parameters in millions. ValueError on a shape that cannot be built."""
+    tokenizer = build_tokenizer()
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"--vocab-size {vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
+    if hidden_size % head_dim:
+        raise ValueError(f"--hidden-size {hidden_size} is not a multiple of --head-dim {head_dim}")
+    heads = hidden_size // head_dim
+    config = AutoConfig.for_model(
+        family, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim, intermediate_size=4 * hidden_size,
+        max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return sum(p.numel() for p in model.parameters()) / 1e6
 
 
 def main() -> int:
@@ -28,23 +53,10 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    tokenizer = build_tokenizer()
-    if args.vocab_size < len(tokenizer):
-        parser.error(f"--vocab-size {args.vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
-    if args.hidden_size % args.head_dim:
-        parser.error(f"--hidden-size {args.hidden_size} is not a multiple of --head-dim {args.head_dim}")
-    heads = args.hidden_size // args.head_dim
-    config = AutoConfig.for_model(
-        args.family, vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-        num_attention_heads=heads, num_key_value_heads=heads, head_dim=args.head_dim, intermediate_size=4 * args.hidden_size,
-        max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(args.directory)
-    tokenizer.save_pretrained(args.directory)
-    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    try:
+        millions = write_checkpoint(args.directory, args.family, args.vocab_size, args.hidden_size, args.layers, args.head_dim, args.seed)
+    except ValueError as error:
+        parser.error(str(error))
     print(f"{args.directory}: {args.family}, {millions:.1f}M parameters, vocabulary {args.vocab_size}")
     return 0
 

@@ -37,6 +37,7 @@ def test_the_smoke_checks_run_on_the_cpu_and_write_every_figure(tmp_path):
     assert results["learner_plain_samples_per_s"] > 0 and results["learner_checkpointed_samples_per_s"] > 0
     assert results["learner_push_mb"] > 0 and results["learner_push_s"] > 0 and results["learner_push_over_copy_limit"] > 0
     assert results["broadcast_backend"] == "gloo" and results["broadcast_bit_exact"] is True and results["broadcast_s"] > 0
+    assert results["learner_wide_vocab_chunked_samples_per_s"] > 0 and results["learner_wide_vocab_one_buffer_samples_per_s"] > 0
     assert results["asyncrl_run"].startswith("skipped")
 
 
