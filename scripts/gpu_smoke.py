@@ -90,7 +90,7 @@ def engine_checks(device: str, results: dict, size: int, scale: dict) -> None:
 def learner_checks(device: str, results: dict, size: int, scale: dict) -> None:
     from test_learner_dp import batch, config
 
-    from asyncrl.bench.learner import LearnerBenchOptions, synthetic_batch
+    from asyncrl.bench.learner import LearnerBenchOptions
     from asyncrl.configs import load_config
     from asyncrl.learner.rl import RLLearner
 
@@ -116,21 +116,7 @@ def learner_checks(device: str, results: dict, size: int, scale: dict) -> None:
     for checkpointing in (False, True):
         run = load_config("quickstart", [*shape, f"learner.gradient_checkpointing={str(checkpointing).lower()}"])
         trainer = learner(run, device)
-        batches = [synthetic_batch(run, options, trainer.model.config.vocab_size, seed) for seed in range(3)]
-        trainer.train_step(batches[0])  # warm-up
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for samples in batches[1:]:
-            trainer.train_step(samples)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-        tag = "checkpointed" if checkpointing else "plain"
-        say(results, f"learner_{tag}_samples_per_s", round(sum(len(b) for b in batches[1:]) / wall, 1))
-        if device == "cuda":
-            say(results, f"learner_{tag}_peak_memory_gib", round(torch.cuda.max_memory_allocated() / 2**30, 2))
+        time_steps(trainer, run, options, device, results, "learner_" + ("checkpointed" if checkpointing else "plain"))
         if not checkpointing:
             push_check(trainer, device, results)
             broadcast_check(trainer, device, results)
@@ -143,7 +129,7 @@ def wide_vocabulary_check(device: str, results: dict, out: Path, scale: dict) ->
     (the default) and in one buffer per micro-batch (asyncrl/policy/token_logprobs.py)."""
     from make_checkpoint import write_checkpoint
 
-    from asyncrl.bench.learner import LearnerBenchOptions, synthetic_batch
+    from asyncrl.bench.learner import LearnerBenchOptions
     from asyncrl.configs import load_config
     from asyncrl.learner.rl import RLLearner
 
@@ -156,20 +142,27 @@ def wide_vocabulary_check(device: str, results: dict, out: Path, scale: dict) ->
             overrides.append("policy.dtype=bfloat16")
         run = load_config("quickstart", overrides)
         trainer = RLLearner.from_config(run)
-        batches = [synthetic_batch(run, options, trainer.model.config.vocab_size, seed) for seed in range(3)]
-        trainer.train_step(batches[0])  # warm-up
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for samples in batches[1:]:
-            trainer.train_step(samples)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        say(results, f"learner_wide_vocab_{name}_samples_per_s", round(sum(len(b) for b in batches[1:]) / (time.perf_counter() - start), 1))
-        if device == "cuda":
-            say(results, f"learner_wide_vocab_{name}_peak_memory_gib", round(torch.cuda.max_memory_allocated() / 2**30, 2))
+        time_steps(trainer, run, options, device, results, f"learner_wide_vocab_{name}")
         del trainer
+
+
+def time_steps(trainer, run, options, device: str, results: dict, prefix: str) -> None:
+    """`prefix`_samples_per_s over two synthetic batches after a warm-up one, and on CUDA `prefix`_peak_memory_gib."""
+    from asyncrl.bench.learner import synthetic_batch
+
+    batches = [synthetic_batch(run, options, trainer.model.config.vocab_size, seed) for seed in range(3)]
+    trainer.train_step(batches[0])  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for samples in batches[1:]:
+        trainer.train_step(samples)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    say(results, f"{prefix}_samples_per_s", round(sum(len(b) for b in batches[1:]) / (time.perf_counter() - start), 1))
+    if device == "cuda":
+        say(results, f"{prefix}_peak_memory_gib", round(torch.cuda.max_memory_allocated() / 2**30, 2))
 
 
 def push_check(trainer, device: str, results: dict) -> None:
