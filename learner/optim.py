@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr
+from torch.optim._muon import _zeropower_via_newtonschulz as zeropower_via_newtonschulz
 from torch.optim._muon import muon as muon_update
 from transformers import PreTrainedModel
 
@@ -173,6 +175,15 @@ def blocks(tensor: Tensor, layout: Layout) -> tuple[Tensor, ...]:
     return (tensor,)
 
 
+class _ShardedMatrix(NamedTuple):
+    """A Muon parameter FSDP shards, with its momentum buffer (sharded alike), its layout and its param group."""
+
+    param: DTensor
+    buffer: DTensor
+    layout: Layout
+    group: dict[str, Any]
+
+
 class BlockMuon(torch.optim.Optimizer):
     """torch's Muon update applied to blocks: whole matrices, per-head slices, per-expert matrices.
 
@@ -213,6 +224,7 @@ class BlockMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        sharded: list[_ShardedMatrix] = []
         for group in self.param_groups:
             layout = Layout(group["split"], group["parts"])
             views: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
@@ -222,13 +234,15 @@ class BlockMuon(torch.optim.Optimizer):
                 state = self.state[param]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
-                if isinstance(param, DTensor):  # an FSDP shard (learner/sharding.py): updated whole, one at a time
-                    self._update_whole(param, state["momentum_buffer"], layout, group)
+                if isinstance(param, DTensor):  # an FSDP shard (learner/sharding.py)
+                    sharded.append(_ShardedMatrix(param, state["momentum_buffer"], layout, group))
                     continue
                 for into, tensor in zip(views, (param, param.grad, state["momentum_buffer"]), strict=True):
                     into.extend(blocks(tensor, layout))
             if views[0]:
                 self._update(views, group)
+        if sharded:
+            self._update_sharded(sharded)
         return loss
 
     def _update(self, views: tuple[list[Tensor], list[Tensor], list[Tensor]], group: dict[str, Any]) -> None:
@@ -241,17 +255,44 @@ class BlockMuon(torch.optim.Optimizer):
         else:
             _muon_update_in(self.ns_dtype, *views, **options)
 
-    def _update_whole(self, param: DTensor, buffer: DTensor, layout: Layout, group: dict[str, Any]) -> None:
-        """The update of a sharded parameter: Newton-Schulz needs the whole matrix, so every rank gathers the
-        parameter, its gradient and its momentum, computes the same update, and keeps its own shard of the
-        result. Collectives, in the same order on every rank (the groups' parameter order)."""
-        grad = param.grad
-        assert isinstance(grad, DTensor)
-        whole = [param.full_tensor(), grad.full_tensor(), buffer.full_tensor()]
-        self._update(([*blocks(whole[0], layout)], [*blocks(whole[1], layout)], [*blocks(whole[2], layout)]), group)
-        for shard, updated in ((param, whole[0]), (buffer, whole[2])):
-            mine = distribute_tensor(updated, shard.device_mesh, shard.placements, src_data_rank=None)  # no communication
-            shard.to_local().copy_(mine.to_local())
+    def _update_sharded(self, sharded: list[_ShardedMatrix]) -> None:
+        """torch's functional update (`_single_tensor_muon`, step for step) of sharded parameters and their momentum.
+
+        The momentum, the Nesterov step, the decay and the final add are elementwise, so each rank runs them on
+        its own shards; only Newton-Schulz needs whole matrices. The matrices (of every group) go `world` at a
+        time: every rank gathers the round's whole Nesterov updates, orthogonalizes the one it owns (the
+        round's i-th belongs to the mesh's rank i), and each owner broadcasts its result; so each Newton-Schulz
+        runs once, the ranks' in parallel. Collectives in the same order on every rank (the groups' order)."""
+        mesh = sharded[0].param.device_mesh
+        world, me, process_group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+        for start in range(0, len(sharded), world):
+            round_ = sharded[start : start + world]
+            updates = []
+            for matrix in round_:
+                grad, buffer, momentum = matrix.param.grad, matrix.buffer, matrix.group["momentum"]
+                assert isinstance(grad, DTensor)
+                buffer.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buffer, momentum) if matrix.group["nesterov"] else buffer
+                assert isinstance(update, DTensor)  # elementwise on shards: no communication
+                updates.append(update.full_tensor())
+            for owner, (matrix, whole) in enumerate(zip(round_, updates, strict=True)):
+                if owner == me:
+                    for block in blocks(whole, matrix.layout):
+                        block.copy_(self._orthogonalized(block, matrix.group))
+                dist.broadcast(whole, src=dist.get_global_rank(process_group, owner), group=process_group)
+            for matrix, whole in zip(round_, updates, strict=True):
+                param, group = matrix.param, matrix.group
+                mine = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)  # no communication
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                scale = _adjust_lr(group["lr"], group["adjust_lr_fn"], blocks(whole, matrix.layout)[0].shape)
+                param.add_(mine, alpha=-scale)
+
+    def _orthogonalized(self, update: Tensor, group: dict[str, Any]) -> Tensor:
+        """Newton-Schulz of one block, as `_update` runs it: torch's own in bfloat16, else in `ns_dtype`."""
+        coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+        if self.ns_dtype == torch.bfloat16:
+            return zeropower_via_newtonschulz(update, coefficients, steps, eps)
+        return newton_schulz(update, coefficients, steps, eps, self.ns_dtype)
 
 
 def _muon_update_in(

@@ -21,10 +21,9 @@ What sharding changes in a step, and why:
 
 The MTP layer is a child of the `Scorer` (its block a group of its own, its norms and projection in the
 root's), and its loss is computed inside the root's forward: it reads the policy's embedding and head,
-which are whole only there. Muon orthogonalizes whole matrices, so under FSDP every rank gathers each
-Muon parameter, its gradient and momentum, computes the same update and keeps its shard
-(`BlockMuon._update_whole`): exact, at the price of those gathers and of every rank running every
-Newton-Schulz (splitting the matrices across the ranks is the follow-up).
+which are whole only there. Muon orthogonalizes whole matrices; under FSDP each rank runs the elementwise
+parts of the update on its shards and the Newton-Schulz of every num_ranks-th matrix, gathered whole, and
+broadcasts the result (`BlockMuon._update_sharded`): exact, each orthogonalization run once.
 """
 
 from __future__ import annotations

@@ -294,3 +294,55 @@ def test_an_sft_run_of_steps_with_muon_split_lowers_the_loss_under_the_warmup_sc
     assert aux is not None and losses[-1] < losses[0]
     # The schedule reaches both inner optimizers' groups.
     assert {g["lr"] for g in optimizer.param_groups} == {config.sft.lr}
+
+
+SHARDED_SHAPES = [(WHOLE, (24, 40)), (WHOLE, (40, 24)), (Layout("rows", 2), (32, 16)), (WHOLE, (16, 16)), (Layout("cols", 2), (8, 32))]
+"""Five Muon matrices of two layouts and uneven sizes: three rounds of two ranks, the last one short."""
+
+
+def _muon_matrices() -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for _, shape in SHARDED_SHAPES]
+
+
+def _muon_steps(optimizer: torch.optim.Optimizer, params: list, shard) -> None:
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        for param in params:
+            param.grad = shard(torch.randn(param.shape, generator=generator))
+        optimizer.step()
+
+
+def _sharded_muon_rank(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks: the matrices sharded on dim 0 as FSDP shards them, two BlockMuon steps."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in _muon_matrices()]
+    groups = [(layout, [param]) for (layout, _), param in zip(SHARDED_SHAPES, params, strict=True)]
+    optimizer = BlockMuon(groups, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    calls = []
+    orthogonalized = optimizer._orthogonalized
+    optimizer._orthogonalized = lambda update, group: (calls.append(tuple(update.shape)), orthogonalized(update, group))[1]
+    _muon_steps(optimizer, params, lambda whole: distribute_tensor(whole, mesh, [Shard(0)]))
+    torch.save({"params": [p.full_tensor() for p in params], "calls": calls}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_sharded_matrices_take_the_whole_update_and_each_newton_schulz_runs_on_one_rank(tmp_path):
+    params = _muon_matrices()
+    alone = BlockMuon([(layout, [p]) for (layout, _), p in zip(SHARDED_SHAPES, params, strict=True)], lr=0.02, weight_decay=0.1,
+                      adjust_lr_fn="match_rms_adamw")  # fmt: skip
+    _muon_steps(alone, params, lambda whole: whole)
+    torch.multiprocessing.spawn(_sharded_muon_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for rank in ranks:
+        for sharded, whole in zip(rank["params"], params, strict=True):
+            torch.testing.assert_close(sharded, whole.detach(), rtol=0, atol=1e-6)
+    blocks_per_step = sum(layout.parts if layout.split in ("rows", "cols") else 1 for layout, _ in SHARDED_SHAPES)
+    # Matrices 0, 2, 4 are rank 0's (rounds of two), 1 and 3 rank 1's; two steps each.
+    assert len(ranks[0]["calls"]) + len(ranks[1]["calls"]) == 2 * blocks_per_step
+    assert sorted(set(ranks[1]["calls"])) == [(16, 16), (40, 24)] and (24, 40) in ranks[0]["calls"]
