@@ -44,6 +44,7 @@ from asyncrl.learner.sft import evaluation_loss, sft_optimizer, train_step
 from asyncrl.learner.sft_data import ChatRenderer, DemoStream, MixedStream
 from asyncrl.learner.sft_rows import ChatRows
 from asyncrl.policy.checkpoint import build_policy, save_policy
+from asyncrl.policy.mtp import check_plain_head
 from asyncrl.policy.validate import resolve_policy
 from asyncrl.rollout import EmbeddedEngine
 from asyncrl.runlog import MetricsLog, Panel, plot_panels
@@ -221,6 +222,7 @@ def run_sft(config: RunConfig) -> SFTResult:
     (out_dir / "config.yaml").write_text(dump_config(config))
 
     model, tokenizer, mtp = build_policy(config.policy, config.seed)
+    check_plain_head(model.eval())  # the losses read the decoder's states through the head, as the RL learner does
     check_warmup(sft.indexer_warmup, model)
     model.train()
     modules = [model] + ([mtp.train()] if mtp is not None else [])

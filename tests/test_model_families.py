@@ -153,6 +153,13 @@ def test_the_learner_refuses_a_family_that_scales_its_logits():
     check_plain_head(tiny_family_model("gpt2"))  # tied embeddings, another decoder name: a plain head
 
 
+def test_the_learner_refuses_a_head_that_is_no_linear_layer():
+    model = tiny_family_model("llama")
+    model.set_output_embeddings(torch.nn.Sequential(model.get_output_embeddings()))  # the same logits, another module
+    with pytest.raises(ValueError, match=r"policy.path: llama's output head is a Sequential, not a linear layer"):
+        check_plain_head(model)
+
+
 def test_a_checkpoint_directory_of_each_kind_passes_the_start_up_check(tmp_path):
     for family in ("llama", "gpt2"):
         check_policy_directory(PolicyConfig(path=str(save_family_checkpoint(family, tmp_path / family))))

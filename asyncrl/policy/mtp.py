@@ -133,7 +133,11 @@ def policy_hidden(policy: nn.Module, input_ids: torch.Tensor, attention_mask: to
 def check_plain_head(policy: PreTrainedModel, key: str = "policy.path") -> None:
     """ValueError naming `key` when the policy's logits are not its output embeddings applied to its decoder's
     last hidden state (a family that scales or soft-caps its logits): the learner would then score
-    another distribution than the engines sample. Runs one forward of a few tokens."""
+    another distribution than the engines sample, or when the head is no linear layer (the learner's log-softmax,
+    `token_logprobs`, reads its weight and bias). Runs one forward of a few tokens."""
+    head = decoder_and_head(policy)[1]
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{key}: {policy.config.model_type}'s output head is a {type(head).__name__}, not a linear layer")
     ids = torch.arange(min(6, policy.config.vocab_size), device=next(policy.parameters()).device)[None]
     mask = torch.ones_like(ids)
     with torch.no_grad():
