@@ -132,14 +132,15 @@ def _asyncrl_side(config: RunConfig) -> dict:
     for record in evals[1:]:
         trained = sum(s["ledger"]["trained"] for s in steps if s["elapsed_s"] <= record["elapsed_s"])
         curve.append((round(record["elapsed_s"] - start, 1), trained, record["eval_accuracy"]))
-    usage = summary["usage"]
-    if curve[-1][0] < usage["wall_s"] and summary["eval_after"] is not None:
-        # The run's closing evaluation, at the end of its budget (it records none when no version came since the last).
-        curve.append((round(usage["wall_s"], 1), summary["ledger"]["trained"], summary["eval_after"]))
+    usage, trained = summary["usage"], summary["ledger"]["trained"]
+    if summary["eval_after"] is not None and (curve[-1][0] < usage["wall_s"] or curve[-1][1] != trained):
+        # The run's closing evaluation, at the end of its budget (it records none when no version came since the
+        # last), with every sample trained (a batch that took no optimizer step counts, and records no version).
+        curve.append((max(round(usage["wall_s"], 1), curve[-1][0]), trained, summary["eval_after"]))
     extra = {"engine_busy_frac": usage["engine_busy_frac"], "cpu_core_frac": usage["cpu_core_frac"], "ledger": summary["ledger"]}
     return _side(
         curve,
-        trained=summary["ledger"]["trained"],
+        trained=trained,
         wall_s=usage["wall_s"],
         optimizer_steps=summary["version"],
         cpu_s=usage["cpu_s"],

@@ -52,8 +52,8 @@ async def _run(config: RunConfig, budget_s: float) -> dict:
 
     try:
         curve = [(0.0, 0, await evaluate())]
-        began, cpu_before, trained = time.monotonic(), time.process_time(), 0
-        while time.monotonic() - began < budget_s:
+        began, cpu_before, trained, done = time.monotonic(), time.process_time(), 0, False
+        while not done:
             problems = [task.sample(rng) for _ in range(learn.batch_groups)]
             rendered = [(g, problem, prompt(problem)) for g, problem in enumerate(problems)]
             asked = [entry for entry in rendered for _ in range(size)]  # a group: its prompt `size` times
@@ -70,7 +70,8 @@ async def _run(config: RunConfig, budget_s: float) -> dict:
             metrics = await asyncio.to_thread(learner.train_step, samples)
             trained += metrics["ledger"]["trained"]
             await asyncio.to_thread(engine.update_weights, learner.state_dict_for_push(), learner.version)
-            if learner.version % config.loop.eval_every == 0 or time.monotonic() - began >= budget_s:
+            done = time.monotonic() - began >= budget_s  # read once: the last batch always closes the curve
+            if done or learner.version % config.loop.eval_every == 0:
                 curve.append((round(time.monotonic() - began, 1), trained, await evaluate()))
         wall, cpu = time.monotonic() - began, time.process_time() - cpu_before
     finally:

@@ -98,12 +98,13 @@ class _Clock:
     def on_step_end(self, args, state, control, **_):
         self.steps = state.global_step
         elapsed = self.elapsed()
-        if elapsed >= self.budget_s or elapsed - self.last_eval >= self.eval_every_s:
+        done = elapsed >= self.budget_s  # read once: the last step always closes the curve
+        if done or elapsed - self.last_eval >= self.eval_every_s:
             accuracy = self.evaluate()
             self.curve.append((round(self.elapsed(), 1), self.steps * self.samples_per_step, accuracy))
             self.last_eval = self.elapsed()
             print(f"trl  step {self.steps:4d}  {self.last_eval:6.0f}s  held-out {accuracy:.1%}", flush=True)
-        if self.elapsed() >= self.budget_s:
+        if done:
             control.should_training_stop = True
         return control
 
