@@ -23,14 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.configs.schema import RunConfig, SFTConfig
-from asyncrl.policy.mtp import combine_depths, decoder_and_head, draft_hidden, mtp_loss, policy_hidden
-from asyncrl.policy.token_logprobs import masked_cross_entropy
+from asyncrl.policy.mtp import combine_depths, decoder_and_head, draft_states, mtp_loss, policy_hidden
+from asyncrl.policy.token_logprobs import DEFAULT_CHUNK_TOKENS, masked_cross_entropy
 
 from .optim import build_optimizer
 from .sft_data import Demo, collate, length_buckets
-
-HEAD_CHUNK_TOKENS = 2048
-"""Most positions whose full-vocabulary logits exist at once in an SFT step (`masked_cross_entropy`)."""
 
 
 @dataclass
@@ -85,7 +82,7 @@ def next_token_loss(
     (default: this batch's trained tokens, i.e. the token mean); the head runs at those tokens' positions only
     (`masked_cross_entropy`), from the policy's final hidden states."""
     count = loss_mask[:, 1:].sum().clamp(min=1.0) if num_tokens is None else num_tokens
-    return masked_cross_entropy(decoder_and_head(model)[1], hidden, input_ids, loss_mask, HEAD_CHUNK_TOKENS) / count
+    return masked_cross_entropy(decoder_and_head(model)[1], hidden, input_ids, loss_mask, DEFAULT_CHUNK_TOKENS) / count
 
 
 def _hidden(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -102,14 +99,11 @@ def _packed_mtp_loss(
     """`mtp_loss` over packed rows: packed positions, and targets in another sequence than their source dropped."""
     ids, positions, loss_mask = batch["input_ids"], batch["position_ids"], batch["loss_mask"]
     sequence = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
-    head = model.get_submodule("lm_head")
-    losses, previous = [], hidden
-    for k in range(1, len(depth_weights) + 1):
-        shifted = F.pad(ids[:, k:], (0, k), value=0)
-        previous = draft_hidden(model, mtp, previous, shifted, positions, None)
+    head, losses = model.get_submodule("lm_head"), []
+    for k, (states, shifted) in enumerate(draft_states(model, mtp, hidden, ids, None, len(depth_weights), positions), start=1):
         # Position i predicts t_{i+k+1}, which `shifted` holds at i+1; targets in another sequence weigh 0.
         weights = F.pad(loss_mask[:, k + 1 :] * (sequence[:, k + 1 :] == sequence[:, : -k - 1]), (1, k), value=0)
-        losses.append(masked_cross_entropy(head, mtp.shared_head.norm(previous), shifted, weights, HEAD_CHUNK_TOKENS) / num_tokens)
+        losses.append(masked_cross_entropy(head, states, shifted, weights, DEFAULT_CHUNK_TOKENS) / num_tokens)
     return combine_depths(losses, depth_weights)
 
 

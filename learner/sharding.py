@@ -78,7 +78,7 @@ class Scorer(nn.Module):
     positions only: `asyncrl/policy/token_logprobs.py`), under routing replay where the micro-batch has routes, and the
     MTP layer's loss where it is trained. The head runs inside this forward so that under FSDP it is whole."""
 
-    def __init__(self, policy: PreTrainedModel, mtp: MTPLayer | None = None, chunk_tokens: int = 2048) -> None:
+    def __init__(self, policy: PreTrainedModel, mtp: MTPLayer | None, chunk_tokens: int) -> None:
         super().__init__()
         self.policy = policy
         self.mtp = mtp

@@ -6,10 +6,16 @@ import pytest
 import torch
 
 from asyncrl.configs.schema import TinyModelConfig
-from asyncrl.policy.mtp import build_mtp, draft_step, mtp_logits, mtp_loss, policy_hidden_and_logits
+from asyncrl.policy.mtp import build_mtp, draft_hidden, mtp_logits, mtp_loss, policy_hidden_and_logits
 from asyncrl.policy.tiny import build_tiny_model
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, moe_intermediate_size=16)
+
+
+def draft_step(model, mtp, *args):
+    """One depth's logits and output, as a drafting engine reads them: the head after the shared-head norm."""
+    hidden = draft_hidden(model, mtp, *args)
+    return model.get_submodule("lm_head")(mtp.shared_head.norm(hidden)), hidden
 
 
 def small_policy(arch: str):

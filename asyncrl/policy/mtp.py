@@ -30,7 +30,7 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from .token_logprobs import masked_cross_entropy
+from .token_logprobs import DEFAULT_CHUNK_TOKENS, masked_cross_entropy
 
 # Per-layer lists in the policy config that the MTP layer's index must also be valid for.
 _PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "indexer_types")
@@ -151,27 +151,6 @@ def check_plain_head(policy: PreTrainedModel, key: str = "policy.path") -> None:
         )
 
 
-def draft_step(
-    policy: nn.Module,
-    mtp: MTPLayer,
-    previous_hidden: torch.Tensor,
-    next_token_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    cache=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One MTP depth for drafting: (logits [B, S, V], hidden [B, S, H] for the next depth).
-
-    `previous_hidden[:, s]` is the hidden state at position `position_ids[:, s]` (the policy's
-    final hidden state, or the previous depth's output) and `next_token_ids[:, s]` the token that
-    follows that position; the logits predict the token after that one. `attention_mask` is the
-    2D padding mask over cached plus new positions; `cache`, if given, is a transformers cache
-    built with `mtp.config` (the MTP layer keeps its keys and values at index `mtp.layer_index`).
-    """
-    hidden = draft_hidden(policy, mtp, previous_hidden, next_token_ids, position_ids, attention_mask, cache)
-    return policy.get_submodule("lm_head")(mtp.shared_head.norm(hidden)), hidden
-
-
 def draft_hidden(
     policy: nn.Module,
     mtp: MTPLayer,
@@ -181,7 +160,15 @@ def draft_hidden(
     attention_mask: torch.Tensor | None = None,
     cache=None,
 ) -> torch.Tensor:
-    """`draft_step` without the head: the MTP layer's output [B, S, H], before its shared head's norm."""
+    """One MTP depth: the MTP layer's output [B, S, H], the next depth's input; the head reads it after the
+    layer's shared-head norm (`mtp_logits`).
+
+    `previous_hidden[:, s]` is the hidden state at position `position_ids[:, s]` (the policy's
+    final hidden state, or the previous depth's output) and `next_token_ids[:, s]` the token that
+    follows that position; the output predicts the token after that one. `attention_mask` is the
+    2D padding mask over cached plus new positions; `cache`, if given, is a transformers cache
+    built with `mtp.config` (the MTP layer keeps its keys and values at index `mtp.layer_index`).
+    """
     decoder = policy.get_submodule("model")
     embeds = decoder.get_submodule("embed_tokens")(next_token_ids)
     mask = create_causal_mask(
@@ -197,13 +184,20 @@ def draft_hidden(
 
 
 def draft_states(
-    policy: nn.Module, mtp: MTPLayer, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, depth: int
+    policy: nn.Module,
+    mtp: MTPLayer,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    depth: int,
+    position_ids: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """What the head reads at depths 1..depth over a whole (right-padded) batch: per depth k, (the normed states
     [B, T, H], whose position i predicts t_{i+k+1}; the ids [B, T] shifted so that position i+1 holds that
-    token). `mtp_logits` is the head applied to the states."""
-    batch, length = input_ids.shape
-    position_ids = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, -1)
+    token). `mtp_logits` is the head applied to the states. `position_ids`: packed rows' own (default 0..T-1)."""
+    if position_ids is None:
+        batch, length = input_ids.shape
+        position_ids = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, -1)
     out, previous = [], hidden
     for k in range(1, depth + 1):
         shifted = F.pad(input_ids[:, k:], (0, k), value=0)
@@ -249,7 +243,7 @@ def mtp_loss(
     depth: int,
     num_tokens: torch.Tensor | float | None = None,
     depth_weights: Sequence[float] | None = None,
-    chunk_tokens: int = 2048,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """sum_k lambda_k CE_k over depths 1..depth of the masked cross-entropy (`loss_mask[:, j]` = train token j);
     `depth_weights` are the lambda_k (`MTPConfig.weights_per_depth()`), None the mean over depths. The head

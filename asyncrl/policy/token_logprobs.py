@@ -27,6 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+DEFAULT_CHUNK_TOKENS = 2048
+"""Most positions whose logits exist at once where no setting says otherwise (`learner.logits_chunk_tokens`'s
+default too): 2048 x 151,936 words is a 1.2 GB float32 buffer."""
+
 
 def trainable_logprobs(
     head: nn.Module,
