@@ -43,7 +43,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     config = _resolve(args)
     if config is None:
         return 0
-    from asyncrl.sched.sft import run_sft
+    from asyncrl.jobs.sft import run_sft
 
     result = run_sft(config)
     print(f"checkpoint: {result.checkpoint}")
@@ -72,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if config is None:
             return 0
     from asyncrl.envs.sandbox.base import SandboxError
-    from asyncrl.sched.run import RunExists, run
+    from asyncrl.jobs.run import RunExists, run
 
     try:
         summary = run(config, resume=args.resume, overrides=overrides)
@@ -88,8 +88,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if config is None:
         return 0
     from asyncrl.envs.sandbox.base import SandboxError
-    from asyncrl.sched.distill import NotADistillation, distill
-    from asyncrl.sched.run import RunExists
+    from asyncrl.jobs.distill import NotADistillation, distill
+    from asyncrl.jobs.run import RunExists
 
     try:
         summary = distill(config)
@@ -110,7 +110,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         print("asyncrl pipeline: give a CONFIG, or --resume PIPELINE_DIR", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     from asyncrl.envs.sandbox.base import SandboxError
-    from asyncrl.sched.pipeline import PipelineDir, PipelineExists, StageLearnedNothing, run_pipeline
+    from asyncrl.jobs.pipeline import PipelineDir, PipelineExists, StageLearnedNothing, run_pipeline
 
     # CONFIG is optional with --resume (the pipeline directory holds it); a KEY=VALUE there is an override.
     overrides = ([args.config] if args.resume is not None and args.config else []) + args.overrides
@@ -193,13 +193,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _resolve(args)
     if config is None:
         return 0
-    from asyncrl.sched.serve import serve
+    from asyncrl.jobs.serve import serve
 
     return serve(config)
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    from asyncrl.sched.serve import run_credentials, run_directory
+    from asyncrl.jobs.serve import run_credentials, run_directory
 
     # A run directory (what `asyncrl serve` prints) or the config the gateway was served with.
     given = Path(args.config)

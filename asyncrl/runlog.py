@@ -1,6 +1,6 @@
 """What every training job writes down: `metrics.jsonl`, an optional wandb run, PNG curves.
 
-Shared by the SFT warm start (`sched/sft.py`) and the RL loop (`sched/`). wandb is optional: it
+Shared by the SFT warm start (`asyncrl/jobs/sft.py`) and the RL loop (`sched/`). wandb is optional: it
 runs offline unless the config says online, and a missing install only costs the wandb copy.
 """
 

@@ -1,4 +1,4 @@
-"""The typed configuration of a post-training pipeline (`asyncrl pipeline`, sched/pipeline.py).
+"""The typed configuration of a post-training pipeline (`asyncrl pipeline`, asyncrl/jobs/pipeline.py).
 
 A pipeline file names a `base` run config (a mapping of RunConfig sections every stage starts from)
 and an ordered mapping of `stages`. Each stage has a kind, its own tasks (an RL stage's training

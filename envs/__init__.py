@@ -4,4 +4,4 @@ name or import path (`registry`), the episode runner that plays an episode throu
 lifecycle (`runner`), held-out evaluation through evaluation rollouts (`evaluation`), rewards
 (`rewards`) and the sandboxes tool code runs in (`sandbox`). envs imports no other component: the
 gateway is reached through `asyncrl.lifecycle.RolloutLifecycle` and the OpenAI client. How to
-write one: docs/ENVIRONMENTS.md; its contract test is `asyncrl.sched.contract.check_environment`."""
+write one: docs/ENVIRONMENTS.md; its contract test is `asyncrl.jobs.contract.check_environment`."""

@@ -12,7 +12,7 @@ is either.
 
 An environment may also offer demonstrations for the SFT warm start: `demonstration(rng)` returns one
 `Demonstration` (chat messages, with the tools they use) drawn from its training split. The SFT entry
-point (sched/sft.py) mixes the streams of the environments it is configured with; the learner only
+point (asyncrl/jobs/sft.py) mixes the streams of the environments it is configured with; the learner only
 renders them.
 """
 

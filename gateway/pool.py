@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
+from typing import Protocol
 
 from asyncrl.configs.schema import GatewayConfig
 from asyncrl.records import GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
@@ -49,6 +50,19 @@ class Abandoned(RuntimeError):
     """The caller gave the request up while it ran (its rollout ended)."""
 
 
+class Routing(Protocol):
+    """Where the engines a run supervises join and leave: an `EnginePool`, or every gateway of the run at
+    once (`FanOutRouting`, gateway/replica_actors.py). A worker group keeps it in step with its members."""
+
+    def add_local(self, handle: EngineHandle) -> None:
+        """Route new requests to this engine too (it already serves the current weights)."""
+        ...
+
+    def remove_local(self, engine_id: str, reason: str) -> None:
+        """Route nothing more to this engine; requests waiting on it fail over to another."""
+        ...
+
+
 class EnginePool:
     def __init__(self, config: GatewayConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -70,11 +84,11 @@ class EnginePool:
         self._polled[handle.engine_id] = (handle, capacity)
         self._holders[handle.engine_id] = info.holder
 
-    def remove_local(self, engine_id: str, reason: str = "removed") -> bool:
+    def remove_local(self, engine_id: str, reason: str = "removed") -> None:
         """Stop heartbeating an engine `add_local` added and take it out of routing (its id is free then)."""
         self._polled.pop(engine_id, None)
         self._holders.pop(engine_id, None)
-        return self.registry.deregister(engine_id, reason)
+        self.registry.deregister(engine_id, reason)
 
     def register(self, handle: EngineHandle, capacity: float = 1.0, health: dict | None = None, *, holder: str | None = None) -> str:
         """A remote engine that sends its own heartbeats; returns the holder secret of its registration

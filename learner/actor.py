@@ -188,7 +188,7 @@ class LearnerActor:
 
     def reads(self, path: str, token: str) -> list[str]:
         """The ranks, with their nodes, on which the file `path` does not hold `token`: a run directory that is
-        not the driver's (`sched/cluster.py`)."""
+        not the driver's (`asyncrl/jobs/cluster.py`)."""
         try:
             seen = Path(path).read_text() == token
         except OSError:

@@ -1,6 +1,6 @@
 """The SFT training step: the next-token loss (and the MTP layer's) over rendered conversations, padded or packed.
 
-The warm start's entry point (config, engine, evaluation, checkpoints, reporting) is `sched/sft.py`;
+The warm start's entry point (config, engine, evaluation, checkpoints, reporting) is `asyncrl/jobs/sft.py`;
 the conversations are rendered by `sft_data.py`.
 
 Packing (`sft.data.packing`) lays several conversations end to end in one row of a micro-batch

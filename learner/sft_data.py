@@ -11,7 +11,7 @@ them (the harness appends it, as `add_generation_prompt` does), nor are system, 
 tokens. This is the same rule as the RL sample's loss mask, so SFT and RL train the same positions.
 
 Text is text: rendering goes through a `ChatRenderer`. In a run that is the gateway's own
-(gateway/template.py, handed in by sched/sft.py, since a component does not import another), so a
+(gateway/template.py, handed in by asyncrl/jobs/sft.py, since a component does not import another), so a
 message that spells `<|assistant|>` is eight plain tokens in SFT exactly as in an RL prompt.
 """
 

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.gateway.engines import EngineHandle, LocalEngine, RayEngine
+from asyncrl.gateway.pool import Routing
 from asyncrl.records import Sample
 
-from .parts import LearnerDied, Routing, Weights
+from .parts import LearnerDied, Weights
 from .weight_push import DirectPush, DirectPusher
 
 if TYPE_CHECKING:
-    from asyncrl.gateway.pool import EnginePool
     from asyncrl.learner.rl import RLLearner
     from asyncrl.rollout.engine import EmbeddedEngine
     from asyncrl.rollout.worker import WorkerLauncher
@@ -84,7 +84,7 @@ class RayLearner:
         return await self._call(self.actor.usage)
 
     async def reads(self, path: str, token: str) -> list[str]:
-        """The learner ranks, with their nodes, that do not read `token` from the file `path` (`sched/cluster.py`)."""
+        """The learner ranks, with their nodes, that do not read `token` from the file `path` (`asyncrl/jobs/cluster.py`)."""
         return await self._call(self.actor.reads, path, token)
 
     async def restart(self, checkpoint: str | None) -> None:
@@ -104,19 +104,6 @@ class RayLearner:
             if not _died(error, self.actor):
                 raise
             raise LearnerDied(f"the learner actor died: {type(error).__name__}{_creation_failure(error)}") from error
-
-
-class PoolRouting:
-    """`Routing` over the in-process gateway's engine pool (`gateway/pool.py`)."""
-
-    def __init__(self, pool: EnginePool) -> None:
-        self.pool = pool
-
-    def join(self, handle: EngineHandle) -> None:
-        self.pool.add_local(handle)
-
-    def leave(self, engine_id: str, reason: str) -> None:
-        self.pool.remove_local(engine_id, reason)
 
 
 class RayWorkers:
@@ -240,7 +227,7 @@ class RayWorkers:
         self._watching.pop(engine_id, None)
         self.members.pop(engine_id, None)
         assert self._routing is not None
-        self._routing.leave(engine_id, reason)
+        self._routing.remove_local(engine_id, reason)
         with contextlib.suppress(Exception):
             ray.kill(actor)  # a worker that only looked dead must not serve on beside its replacement
         try:
@@ -297,7 +284,7 @@ class RayWorkers:
                 else:
                     self.members[engine_id] = actor
                     assert self._routing is not None
-                    self._routing.join(RayEngine(actor, engine_id))
+                    self._routing.add_local(RayEngine(actor, engine_id))
                     return version
             await next_push.wait()
 

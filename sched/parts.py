@@ -10,7 +10,7 @@ as the loop may use it, and `Parts`.
     ReclaimStore   the hand-off of the run's store opened to take back a dead learner's leases, and close
 
 `sched/clients.py` implements the two clients over Ray actors (`asyncrl run`) and over objects in this
-process (the same loop without Ray); `sched/run.py` builds the Parts.
+process (the same loop without Ray); `asyncrl/jobs/run.py` builds the Parts.
 
 A dead rollout worker is the group's own business: it leaves routing and pushes at once and a
 replacement joins routing once it serves the current weights; the loop only reads what happened
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from asyncrl.distill.teachers import Teachers
     from asyncrl.gateway.engines import EngineHandle
+    from asyncrl.gateway.pool import Routing
     from asyncrl.lifecycle import RolloutLifecycle
     from asyncrl.runlog import MetricsLog
 
@@ -71,18 +72,6 @@ class LearnerClient(Protocol):
 
     async def usage(self) -> dict:
         """The learner's process CPU time so far: {"process_cpu_s": seconds}."""
-        ...
-
-
-class Routing(Protocol):
-    """The gateway's side of the engines that serve: what a worker group keeps in step with its members."""
-
-    def join(self, handle: EngineHandle) -> None:
-        """Route new requests to this engine too (it already serves the current weights)."""
-        ...
-
-    def leave(self, engine_id: str, reason: str) -> None:
-        """Route nothing more to this engine; requests waiting on it fail over to another."""
         ...
 
 

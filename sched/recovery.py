@@ -11,7 +11,7 @@ lives here and not between the verbs.
                     (the run's commit point), at most `LEARNER_RESTARTS` times per process
 
 A learner restart drives the loop's own verbs, as `asyncrl run --resume` does at start-up
-(`sched/run.py`): it drops what the loop holds in flight, rewinds the books, pushes the new
+(`asyncrl/jobs/run.py`): it drops what the loop holds in flight, rewinds the books, pushes the new
 learner's weights and claims again what was not acknowledged. Each recovery is a record in the
 metrics (`event`) and in `records` (`summary.json` `recoveries`), with how long it took.
 """

@@ -61,7 +61,7 @@ def run_config(tmp_path, *overrides: str):
 
 
 async def run_in_process(config, env, *, resume: bool = False) -> dict:
-    """What `asyncrl run` does after start-up (sched/run.py), over in-process parts; with `resume`, it
+    """What `asyncrl run` does after start-up (asyncrl/jobs/run.py), over in-process parts; with `resume`, it
     continues the run in `config`'s run directory from its last checkpoint."""
     rundir = RunDir.for_config(config)
     checkpoint, state = rundir.latest_checkpoint() if resume else (None, LoopState())

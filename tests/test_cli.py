@@ -56,7 +56,7 @@ def test_sft_command_end_to_end(tmp_path, capsys):
 
 def test_token_prints_the_tokens_derived_from_the_served_runs_secret(tmp_path, capsys):
     from asyncrl.gateway.auth import Credentials
-    from asyncrl.sched.serve import SECRET_FILE, _secret
+    from asyncrl.jobs.serve import SECRET_FILE, _secret
 
     overrides = [f"runs_dir={tmp_path}", "name=demo"]
     assert main(["token", "quickstart", *overrides]) == 2  # nothing served yet: no secret to derive from

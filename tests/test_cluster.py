@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.configs import ConfigError, load_config
-from asyncrl.sched.cluster import check_shared_run_dir, resources_needed, shortfalls, start_ray, write_shared_check
+from asyncrl.jobs.cluster import check_shared_run_dir, resources_needed, shortfalls, start_ray, write_shared_check
 
 CLUSTER = ["cluster.address=auto", "store.type=redis"]
 
@@ -75,7 +75,7 @@ def test_the_run_command_takes_the_cluster_address_as_a_flag(capsys):
 
 
 def test_label_selectors_no_node_matches_are_named():
-    from asyncrl.sched.cluster import unlabelled
+    from asyncrl.jobs.cluster import unlabelled
 
     config = load_config("quickstart", [*CLUSTER, "cluster.engine_labels.role=rollout", "cluster.learner_labels.role=trainer",
                                         "cluster.teacher_labels.role=judge"])  # fmt: skip
@@ -88,7 +88,7 @@ def test_label_selectors_no_node_matches_are_named():
 
 def test_serve_takes_the_cluster_address_as_a_flag_and_puts_its_engines_there(capsys):
     from asyncrl.cli import EXIT_CONFIG_ERROR, main
-    from asyncrl.sched.serve import build_service
+    from asyncrl.jobs.serve import build_service
 
     assert main(["serve", "quickstart", "store.type=redis", "--address", "ray://head:10001", "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -71,7 +71,7 @@ def check_books(summary: dict, config) -> None:
 def test_a_run_spreads_its_engines_over_nodes_and_puts_the_learner_on_its_own(tmp_path, cluster):
     """The learner goes by its node label: an engine node has half a CPU to spare, which it would fit."""
     from asyncrl.configs import ConfigError
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     ray_cluster, nodes = cluster
     with pytest.raises(ConfigError, match=r"cluster.learner_labels: no node of the Ray cluster has the labels \{'role': 'judge'\}"):
@@ -91,7 +91,7 @@ def test_a_run_spreads_its_engines_over_nodes_and_puts_the_learner_on_its_own(tm
 def test_a_run_across_nodes_broadcasts_its_pushes_from_the_learners_node(tmp_path, cluster):
     """rollout.weight_transport=broadcast: the learner on node c serves the group's rendezvous at its node's
     address and the engines on nodes a and b join it; every push reaches both."""
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     ray_cluster, nodes = cluster
     config = cluster_config(tmp_path, ray_cluster, "broadcast", "loop.steps=2", "rollout.weight_transport=broadcast")
@@ -138,7 +138,7 @@ def test_a_run_whose_engine_node_dies_replaces_the_engine_elsewhere_and_finishes
     opened. The episodes after the kill wait until the replacement serves at their rollout's replica, so
     the steps after it are sampled by it as well, however long Ray takes to notice the death and start it."""
     from asyncrl.gateway.replicas import home_of
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     ray_cluster, nodes = cluster
     config = cluster_config(
@@ -171,7 +171,7 @@ def test_a_run_whose_engine_node_dies_replaces_the_engine_elsewhere_and_finishes
 def test_a_run_whose_learner_node_dies_restarts_the_learner_on_another_node(tmp_path, cluster):
     """A node with room for a learner joins, then the learner's node is killed: the learner restarts there
     from the last checkpoint, which it reads from the shared run directory, and the run finishes."""
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     ray_cluster, nodes = cluster
     config = cluster_config(tmp_path, ray_cluster, "trainer-lost", "loop.steps=6", "learner.checkpoint_every=2")
@@ -195,7 +195,7 @@ def test_a_run_whose_learner_node_dies_restarts_the_learner_on_another_node(tmp_
 def test_a_local_run_beside_a_running_cluster_starts_a_ray_of_its_own(cluster):
     """A cluster on this machine (which a bare `ray.init()` would join, then refuse num_cpus) is left alone."""
     from asyncrl.configs import load_config
-    from asyncrl.sched.cluster import start_ray
+    from asyncrl.jobs.cluster import start_ray
 
     ray_cluster, _ = cluster
     assert start_ray(load_config("quickstart", ["learner.num_cpus=0.5", "rollout.cpus_per_worker=0.5"])) is True

@@ -400,7 +400,7 @@ def test_a_row_with_tools_runs_its_python_calls_in_the_sandbox(tmp_path):
 
 
 def test_the_dataset_env_meets_the_environment_contract(files):
-    from asyncrl.sched.contract import check_environment
+    from asyncrl.jobs.contract import check_environment
 
     env = dataset(
         {"path": str(files["parquet"]), "prompt_template": "Add: {question}", "reward": "test_dataset_env:parity", "max_tokens": 4}

@@ -17,9 +17,9 @@ from test_learner_rl import make_learner, model_logprobs, sample
 from asyncrl.configs import ConfigError, load_config
 from asyncrl.configs.schema import RunConfig
 from asyncrl.distill.teachers import ScoredSample, Teachers, reverse_kl
+from asyncrl.jobs.distill import NotADistillation, check_distill_config, reverse_kl_over_time
 from asyncrl.learner.objectives import distill_advantages, icepop_grpo_loss
 from asyncrl.rollout.scoring import NativeScorer
-from asyncrl.sched.distill import NotADistillation, check_distill_config, reverse_kl_over_time
 from asyncrl.sched.tasks import distill_task_mix
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-4, on one thread

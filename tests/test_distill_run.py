@@ -11,8 +11,8 @@ from loop_helpers import TINY
 from test_loop import check_ledger
 
 from asyncrl.configs.loader import load_config
+from asyncrl.jobs.distill import distill
 from asyncrl.policy.checkpoint import build_policy, save_policy
-from asyncrl.sched.distill import distill
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # Ray plus a worker, a learner and two teacher processes

@@ -34,7 +34,7 @@ def site(tmp_path_factory) -> Path:
 
 def test_the_installed_plugin_is_found_by_name_and_meets_the_contract(site, monkeypatch):
     from asyncrl.envs.registry import load_environment, registered
-    from asyncrl.sched.contract import check_environment
+    from asyncrl.jobs.contract import check_environment
 
     monkeypatch.syspath_prepend(str(site))
     assert registered()["echo-digit"] == "asyncrl_plugin_demo.env:EchoDigitEnv"

@@ -17,9 +17,9 @@ from asyncrl.envs.evaluation import evaluate_env
 from asyncrl.envs.general import GeneralEnv, GeneralTask, Instruction
 from asyncrl.envs.registry import load_environment
 from asyncrl.gateway.serving import evaluation_gateway
+from asyncrl.jobs.contract import check_environment
+from asyncrl.jobs.sft import demo_stream
 from asyncrl.policy.tokenizer import ASSISTANT, EOS, USER, build_tokenizer
-from asyncrl.sched.contract import check_environment
-from asyncrl.sched.sft import demo_stream
 
 FULL = Instruction(("cat", "sun"), "upper", count=3, banned="dog", ending="!")
 TOKENIZER = build_tokenizer()

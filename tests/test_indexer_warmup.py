@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.configs.loader import load_config
 from asyncrl.configs.schema import IndexerWarmupConfig, LearnerConfig, RunConfig
+from asyncrl.jobs.sft import run_sft
 from asyncrl.learner.indexer_warmup import (
     DENSE,
     IndexerWarmup,
@@ -32,7 +33,6 @@ from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import build_mtp
 from asyncrl.policy.tokenizer import VOCAB_SIZE, build_tokenizer
 from asyncrl.records import UNSAMPLED_VERSION, Sample
-from asyncrl.sched.sft import run_sft
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),

@@ -283,7 +283,7 @@ def test_asyncrl_run_with_two_learner_ranks_then_resumed_with_one(tmp_path, shar
 
 def test_more_ranks_or_gpus_than_the_cluster_has_are_refused_before_any_actor_starts(ray_session):
     from asyncrl.configs import ConfigError, load_config
-    from asyncrl.sched.cluster import start_ray
+    from asyncrl.jobs.cluster import start_ray
 
     # The module's Ray has 2 CPUs and no GPU.
     with pytest.raises(ConfigError, match=r"need 5 CPUs \(rollout.num_workers x rollout.cpus_per_worker \+ learner.num_ranks x .*has 2"):

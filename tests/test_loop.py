@@ -32,7 +32,7 @@ def check_ledger(summary: dict) -> None:
 
 
 def test_async_run_pushes_weights_and_survives_a_crashing_environment(ray_session, tmp_path):
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     summary = run(config(tmp_path, "name=a", "loop.steps=3"), env=CoinEnv(crash_every=3))
     check_ledger(summary)
@@ -58,7 +58,7 @@ def test_a_run_with_gateway_replicas_opens_rollouts_on_each_and_records_them_all
     """gateway.replicas=2: the driver's gateway and a replica actor each open every other rollout and serve
     its calls (episodes call the replica over HTTP), over the one store and the same engine."""
     from asyncrl.gateway.replicas import home_of
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     summary = run(config(tmp_path, "name=r", "gateway.replicas=2", "loop.steps=2"), env=CoinEnv())
     check_ledger(summary)
@@ -90,7 +90,7 @@ class ReplicaLossEnv(CoinEnv):
 def test_a_run_whose_gateway_replica_dies_goes_on_through_the_others(ray_session, tmp_path):
     """The replica's rollouts in flight end in one account each (finished or aborted through the driver's
     gateway, which acts on the store alone), and rollouts are opened on the driver's gateway from then on."""
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     summary = run(config(tmp_path, "name=k", "gateway.replicas=2", "loop.steps=4"), env=ReplicaLossEnv("k-gateway-g1", at=40))
     check_ledger(summary)
@@ -105,7 +105,7 @@ def test_a_run_whose_gateway_replica_dies_goes_on_through_the_others(ray_session
 
 
 def test_sync_run_trains_on_policy(ray_session, tmp_path):
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     summary = run(config(tmp_path, "name=s", "loop.mode=sync", "loop.steps=2"), env=CoinEnv())
     check_ledger(summary)
@@ -117,7 +117,7 @@ def test_sync_run_trains_on_policy(ray_session, tmp_path):
 
 
 def test_a_killed_run_resumes_without_losing_or_retraining_trajectories(ray_session, tmp_path):
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     run_dir = tmp_path / "r"
     checkpointed = lambda: any((run_dir / "checkpoints").glob("step-*/loop_state.json"))  # noqa: E731
@@ -134,7 +134,7 @@ def test_a_killed_run_resumes_without_losing_or_retraining_trajectories(ray_sess
 
 
 def test_run_with_mtp_drafting_engines_trains_and_pushes(ray_session, tmp_path):
-    from asyncrl.sched.run import run
+    from asyncrl.jobs.run import run
 
     drafting = ("policy.mtp.enabled=true", "rollout.mtp_drafting=true", "rollout.mtp_draft_tokens=2", "learner.mtp_loss_weight=0.5")
     summary = run(config(tmp_path, "name=d", "loop.mode=sync", "loop.steps=2", *drafting), env=CoinEnv())

@@ -9,13 +9,13 @@ from conftest import make_tiny_model
 
 from asyncrl.configs.loader import ConfigError, load_config
 from asyncrl.configs.schema import LearnerConfig, MTPConfig, RunConfig, TinyModelConfig
+from asyncrl.jobs.sft import demo_stream
 from asyncrl.learner.rl import RLLearner
 from asyncrl.learner.sft import train_step
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import build_mtp, combine_depths, mtp_logits, mtp_loss, policy_hidden_and_logits
 from asyncrl.policy.tokenizer import build_tokenizer
 from asyncrl.records import UNSAMPLED_VERSION, Sample
-from asyncrl.sched.sft import demo_stream
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # losses compared to 1e-5, on one thread
 

@@ -14,6 +14,7 @@ from conftest import make_tiny_model
 
 from asyncrl.configs.loader import ConfigError, validate
 from asyncrl.configs.schema import LearnerConfig, OptimizerConfig, RunConfig, TinyModelConfig
+from asyncrl.jobs.sft import demo_stream
 from asyncrl.learner.optim import WHOLE, BlockMuon, CombinedOptimizer, Layout, blocks, build_optimizer, partition
 from asyncrl.learner.rl import RLLearner
 from asyncrl.learner.sft import sft_optimizer, train_step
@@ -21,7 +22,6 @@ from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import build_mtp
 from asyncrl.policy.tokenizer import build_tokenizer
 from asyncrl.records import UNSAMPLED_VERSION, Sample
-from asyncrl.sched.sft import demo_stream
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

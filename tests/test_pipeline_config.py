@@ -8,7 +8,7 @@ from asyncrl.cli import main
 from asyncrl.configs import ConfigError, load_config, preset_names
 from asyncrl.configs.loader import pipeline_preset_names
 from asyncrl.configs.pipeline import distill_tasks, load_pipeline, stage_config
-from asyncrl.sched.matrix import DISTILL_KEEP, format_matrix, matrix_checks, plot_matrix
+from asyncrl.jobs.matrix import DISTILL_KEEP, format_matrix, matrix_checks, plot_matrix
 
 
 def test_the_preset_resolves_every_stage_from_the_base():
@@ -140,7 +140,7 @@ def test_cli_dry_run_and_refusals(tmp_path, capsys):
 def test_an_rl_stage_that_learned_nothing_stops_the_pipeline(tmp_path):
     import json
 
-    from asyncrl.sched.pipeline import Pipeline, PipelineDir, StageLearnedNothing
+    from asyncrl.jobs.pipeline import Pipeline, PipelineDir, StageLearnedNothing
     from asyncrl.sched.rundir import RunDir
 
     pipeline = load_pipeline("pipeline")

@@ -13,7 +13,7 @@ from asyncrl.configs.context import EnvContext
 from asyncrl.envs.base import Environment, OffersDemonstrations
 from asyncrl.envs.procedural import GeneratorError, ReasoningGymEnv
 from asyncrl.envs.registry import load_environment
-from asyncrl.sched.contract import check_environment
+from asyncrl.jobs.contract import check_environment
 
 pytest.importorskip("reasoning_gym")
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], "allow_parentheses": False}
@@ -138,8 +138,8 @@ def test_the_env_meets_the_environment_contract():
 
 def test_sft_takes_its_demonstrations_and_held_out_split_from_the_task_sft_task_names():
     from asyncrl.configs import ConfigError, load_config
+    from asyncrl.jobs.sft import base_task, demo_stream
     from asyncrl.policy.tokenizer import build_tokenizer
-    from asyncrl.sched.sft import base_task, demo_stream
 
     config = load_config("reasoning_gym", ["sft.tool_demo_fraction=0.0"])
     assert base_task(config) == ("reasoning_gym", config.tasks.mix["simple_equations"].options)

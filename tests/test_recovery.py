@@ -59,7 +59,7 @@ class MortalLearner(LocalLearner):
 
 async def run_with_mortal_learner(run, dies: Callable[[RunDir, RLLearner], bool], times: int | None) -> dict:
     """The loop of `asyncrl run` over in-process parts, its learner a MortalLearner, and a reclaim store
-    (as `sched/run.py` gives it); the result holds the loop, the learner, the store's counts and the
+    (as `asyncrl/jobs/run.py` gives it); the result holds the loop, the learner, the store's counts and the
     metrics, or the error the run ended with."""
     rundir = RunDir.for_config(run)
     rundir.write_config(run)

@@ -22,8 +22,8 @@ from asyncrl.envs.general import GeneralEnv, Instruction
 from asyncrl.envs.registry import load_environment
 from asyncrl.envs.rewards import RewardError, RewardNotFound, RewardResult, load_reward, rule
 from asyncrl.envs.rewards.judge import UnparseableVerdict, parse_verdict
+from asyncrl.jobs.contract import check_environment
 from asyncrl.policy.tokenizer import ASSISTANT, EOS
-from asyncrl.sched.contract import check_environment
 
 TASK = Instruction(("cat", "sun"), "upper", count=3, banned="dog", ending="!")
 MESSAGES = TASK.messages()

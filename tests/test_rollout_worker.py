@@ -150,7 +150,7 @@ import ray
 from asyncrl.configs.loader import load_config
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.rollout.worker import create_workers
-from asyncrl.sched.cluster import start_ray
+from asyncrl.jobs.cluster import start_ray
 
 os.nice(3)  # neither 0 nor Ray's 15: the actor must take its driver's, whatever it is
 config = load_config("quickstart", sys.argv[1:])
@@ -188,11 +188,11 @@ def test_a_dead_worker_leaves_routing_and_its_replacement_joins_serving_the_late
             self.events: list[tuple[str, str]] = []
             self.joined = asyncio.Event()
 
-        def join(self, handle) -> None:
+        def add_local(self, handle) -> None:
             self.events.append(("join", handle.engine_id))
             self.joined.set()
 
-        def leave(self, engine_id: str, reason: str) -> None:
+        def remove_local(self, engine_id: str, reason: str) -> None:
             self.events.append(("leave", engine_id))
 
     @ray.remote

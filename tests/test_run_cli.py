@@ -48,14 +48,14 @@ def test_summary_prints_the_ledger():
 
 
 def test_a_run_that_learned_nothing_says_so_and_exits_1(monkeypatch, tmp_path, capsys):
-    import asyncrl.sched.run
+    import asyncrl.jobs.run
 
     ledger = {"trained": 24, "dropped_stale": 0, "dropped_crash": 0, "dropped_group": 0, "aborted": 0, "started": 24}
     summary = {"run_dir": "r", "mode": "sync", "version": 0, "wall_s": 9.0, "eval_before": 0.0, "eval_after": 0.0,
                "ledger": ledger, "balanced": True, "stop_reason": "no_signal"}  # fmt: skip
-    monkeypatch.setattr(asyncrl.sched.run, "run", lambda *args, **kwargs: summary)
+    monkeypatch.setattr(asyncrl.jobs.run, "run", lambda *args, **kwargs: summary)
     assert main(["run", "quickstart", f"runs_dir={tmp_path}", "loop.sft_first=false"]) == 1
     assert "stopped early: loop.max_batches_without_step" in capsys.readouterr().out
-    monkeypatch.setattr(asyncrl.sched.run, "run", lambda *args, **kwargs: {**summary, "stop_reason": "wall_budget"})
+    monkeypatch.setattr(asyncrl.jobs.run, "run", lambda *args, **kwargs: {**summary, "stop_reason": "wall_budget"})
     assert main(["run", "quickstart", f"runs_dir={tmp_path}", "loop.sft_first=false"]) == 0
     assert "stopped early" not in capsys.readouterr().out

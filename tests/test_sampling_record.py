@@ -21,12 +21,12 @@ from gateway_helpers import LiveGateway, make_engine, make_service
 from asyncrl.configs.schema import ArithmeticTaskConfig, LearnerConfig, SamplingConfig
 from asyncrl.envs.reasoning import ReasoningEnv
 from asyncrl.gateway.store import open_store
+from asyncrl.jobs.contract import ContractError, check_environment
 from asyncrl.learner.batch import micro_batches, to_rows
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
 from asyncrl.policy.tokenizer import build_tokenizer
 from asyncrl.records import Sample
 from asyncrl.samples import trajectory_to_samples
-from asyncrl.sched.contract import ContractError, check_environment
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-4, on one thread
 
@@ -157,7 +157,7 @@ def test_an_overriding_environment_breaks_the_contract_and_a_faithful_one_passes
 @pytest.mark.parametrize(("overrides", "expected"), [([], "allow"), (["gateway.sampling_overrides=refuse"], "refuse")])
 def test_asyncrl_serve_allows_overrides_unless_the_config_says(tmp_path, overrides, expected):
     from asyncrl.configs import load_config
-    from asyncrl.sched.serve import build_service
+    from asyncrl.jobs.serve import build_service
 
     config = load_config("quickstart", [f"runs_dir={tmp_path}", "rollout.device=cpu", *overrides])
     assert config.gateway.sampling_overrides == "refuse"  # what `asyncrl run` uses

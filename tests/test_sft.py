@@ -15,12 +15,12 @@ from asyncrl.configs.loader import load_config
 from asyncrl.configs.schema import RunConfig, TinyModelConfig
 from asyncrl.envs.arithmetic import ArithmeticTask
 from asyncrl.envs.tool_demos import PYTHON_TOOL, ToolProblem, sample_tool_problem
+from asyncrl.jobs.sft import HeldOut, demo_stream, run_sft
 from asyncrl.learner.sft import next_token_loss, train_step
 from asyncrl.learner.sft_data import DemoStream, collate, length_buckets, render_demo
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import mtp_loss, policy_hidden_and_logits
 from asyncrl.policy.tokenizer import ASSISTANT, EOS, build_tokenizer
-from asyncrl.sched.sft import HeldOut, demo_stream, run_sft
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, moe_intermediate_size=16)
 

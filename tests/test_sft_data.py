@@ -14,12 +14,12 @@ import torch
 from asyncrl.configs.loader import ConfigError, load_config
 from asyncrl.configs.schema import RunConfig, SFTDataConfig, TinyModelConfig
 from asyncrl.gateway.template import chat_template
+from asyncrl.jobs.sft import chat_rows, demo_stream, gateway_form, run_sft
 from asyncrl.learner.sft import evaluation_loss, pack, train_step
 from asyncrl.learner.sft_data import MixedStream, render_demo
 from asyncrl.learner.sft_rows import ChatDataError, ChatRows
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.tokenizer import ASSISTANT, build_tokenizer
-from asyncrl.sched.sft import chat_rows, demo_stream, gateway_form, run_sft
 
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, moe_intermediate_size=16)
 TOK = build_tokenizer()
@@ -269,7 +269,7 @@ def test_a_template_that_rewrites_old_turns_trains_each_assistant_turn_as_it_was
 
 
 def test_demonstrations_longer_than_the_models_positions_are_left_out_and_counted():
-    from asyncrl.sched.sft import demo_stream
+    from asyncrl.jobs.sft import demo_stream
 
     config = RunConfig(sft={"tool_demo_fraction": 0.5})
     lengths = [len(d.token_ids) for d in demo_stream(config, TOK, seed=2).batch(40)]

@@ -232,8 +232,8 @@ def test_serve_gives_drafting_engines_the_policys_mtp_layer(tmp_path):
     """`asyncrl serve` with rollout.mtp_drafting: engines draft with the checkpoint's MTP layer, and a
     checkpoint without one is refused at start-up (no fresh, untrained drafter in its place)."""
     from asyncrl.configs.schema import RunConfig
+    from asyncrl.jobs.serve import _engines, _policy
     from asyncrl.policy.checkpoint import build_tokenizer, save_policy
-    from asyncrl.sched.serve import _engines, _policy
 
     model = make_tiny_model("qwen3")
     mtp = build_mtp(model, seed=1).eval()

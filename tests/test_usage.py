@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncrl.sched import usage
+from asyncrl.jobs import usage
 
 
 class Workers:

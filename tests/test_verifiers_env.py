@@ -166,7 +166,7 @@ def test_an_installed_environment_module_loads_by_its_id(monkeypatch):
 
 
 def test_the_verifiers_env_meets_the_environment_contract():
-    from asyncrl.sched.contract import check_environment
+    from asyncrl.jobs.contract import check_environment
 
     report = check_environment(env_of("load_multi_turn"), episodes=3, eval_episodes=2)
     assert len(report.results) == 3 and all(r.status == "ok" for r in report.results)

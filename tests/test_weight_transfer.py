@@ -103,10 +103,10 @@ def test_a_gloo_broadcast_serves_what_the_object_store_serves_and_survives_a_dea
         def __init__(self) -> None:
             self.joined: asyncio.Queue[str] = asyncio.Queue()
 
-        def join(self, handle) -> None:
+        def add_local(self, handle) -> None:
             self.joined.put_nowait(handle.engine_id)
 
-        def leave(self, engine_id: str, reason: str) -> None:
+        def remove_local(self, engine_id: str, reason: str) -> None:
             pass
 
     async def step(learner) -> int:

@@ -50,7 +50,8 @@ from pydantic import Field
 from asyncrl.configs.schema import RunConfig, Section
 from asyncrl.envs.latency import LatencyConfig, LatencyDistribution
 from asyncrl.envs.sandbox import ToolResult
-from asyncrl.sched.gateway_replicas import SpreadLifecycle, replica_name
+from asyncrl.gateway.replica_actors import replica_name
+from asyncrl.gateway.spread import SpreadLifecycle
 
 from .stub_replica import stub_replica
 

@@ -67,7 +67,7 @@ def run(
     config: RunConfig, json_path: str | None = None, options: AsyncBenchOptions | None = None, *, env_factory: Callable | None = None
 ) -> dict:
     """Both modes, side by side; `env_factory(config)` builds the wrapped environment (default: reasoning)."""
-    from asyncrl.sched.run import run as run_loop
+    from asyncrl.jobs.run import run as run_loop
 
     options = options or AsyncBenchOptions()
     env_factory = env_factory or _reasoning_env
@@ -157,7 +157,7 @@ def _warm_start(config: RunConfig) -> tuple[RunConfig, dict | None]:
     is given. A policy with no reward signal (e.g. an untrained one on arithmetic) never steps."""
     if config.policy.path is not None or not config.loop.sft_first:
         return config, None
-    from asyncrl.sched.sft import run_sft
+    from asyncrl.jobs.sft import run_sft
 
     _say("bench async: SFT warm start (shared by both modes)")
     result = run_sft(config)
@@ -168,7 +168,7 @@ def _warm_start(config: RunConfig) -> tuple[RunConfig, dict | None]:
 def _reasoning_env(config: RunConfig):
     from asyncrl.envs.reasoning import ReasoningEnv
 
-    # Episodes sample at the temperature the learner scores them at (as sched/run.py's default env).
+    # Episodes sample at the temperature the learner scores them at (as asyncrl/jobs/run.py's default env).
     return ReasoningEnv(config.tasks.arithmetic, max_tokens=config.loop.episode_max_tokens, temperature=config.rollout.sampling.temperature)
 
 

@@ -121,7 +121,7 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnBenchOpti
 
 
 def _asyncrl_side(config: RunConfig) -> dict:
-    from asyncrl.sched.run import run as run_loop
+    from asyncrl.jobs.run import run as run_loop
 
     summary = run_loop(config)
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines() if line.strip()]

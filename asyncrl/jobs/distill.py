@@ -2,7 +2,7 @@
 
 A distillation run is an `asyncrl run` whose config lists `distill.teachers`: the same loop,
 engines, gateway, store, learner, checkpoints and ledger, with the teachers' stages as the task
-mix and a scoring actor per teacher (sched/run.py). What this entry adds is the refusals that make
+mix and a scoring actor per teacher (asyncrl/jobs/run.py). What this entry adds is the refusals that make
 such a run meaningful before anything starts; `asyncrl run --resume RUN_DIR` continues one.
 """
 
@@ -14,8 +14,9 @@ from pathlib import Path
 from asyncrl.configs.schema import RunConfig
 from asyncrl.distill.teachers import KL_PREFIX, check_checkpoints
 from asyncrl.runlog import Panel, plot_panels
-from asyncrl.sched.run import run
 from asyncrl.sched.rundir import RunDir
+
+from .run import run
 
 
 class NotADistillation(ValueError):

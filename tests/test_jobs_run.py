@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.sched.run import eval_by_task
+from asyncrl.jobs.run import eval_by_task
 
 
 def test_each_task_has_its_first_and_last_evaluation():

@@ -19,7 +19,7 @@ from typing import Any
 
 async def snapshot(workers: Any, learner: Any, replicas: Any = None) -> dict:
     """Figures a dead part cannot give are None: a report must not end a run that finished. `replicas`:
-    the run's gateway replica actors (`sched/gateway_replicas.py`), if any."""
+    the run's gateway replica actors (`gateway/replica_actors.py`), if any."""
     try:
         engines = {h.get("engine_id", str(i)): h for i, h in enumerate(await workers.health())}
     except Exception:

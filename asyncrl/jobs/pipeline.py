@@ -12,7 +12,7 @@ A stage is done once its final checkpoint is recorded in state.json (written ato
 that was stopped part-way is resumed, not redone: an RL or distill stage through its run
 directory's last checkpoint (`asyncrl run --resume`), so it continues at that step; an SFT stage,
 which keeps no intermediate checkpoints, starts over. After each stage its checkpoint is evaluated on
-every column of the matrix (sched/matrix.py), and the matrix is written and printed.
+every column of the matrix (asyncrl/jobs/matrix.py), and the matrix is written and printed.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import yaml
 from asyncrl.configs.loader import apply_override
 from asyncrl.configs.pipeline import PipelineConfig, distill_tasks, dump_pipeline, stage_config, validate_pipeline
 from asyncrl.configs.schema import RunConfig
+from asyncrl.sched.rundir import SUMMARY_FILE, RunDir
 
 from .matrix import Column, evaluate_checkpoint, format_checks, format_matrix, matrix_checks, plot_matrix
-from .rundir import SUMMARY_FILE, RunDir
 
 PIPELINE_FILE, STATE_FILE, MATRIX_FILE, MATRIX_PLOT = "pipeline.yaml", "state.json", "matrix.json", "matrix.png"
 START_ROW = "start"
@@ -144,7 +144,7 @@ class Pipeline:
     # -- stages ---------------------------------------------------------------------------------
 
     def run_sft(self, name: str, previous: str | None) -> tuple[Path, dict]:
-        from asyncrl.sched.sft import run_sft
+        from .sft import run_sft
 
         result = run_sft(self.stage_config(name, {}))  # no intermediate checkpoints: a stopped SFT starts over
         return result.checkpoint, {"accuracy": result.accuracy, "steps": result.steps, "stop_reason": result.stop_reason}
@@ -166,8 +166,8 @@ class Pipeline:
         return self._run(self.stage_config(name, sections), distilling=True)
 
     def _run(self, config: RunConfig, *, distilling: bool) -> tuple[Path, dict]:
-        from asyncrl.sched.distill import distill
-        from asyncrl.sched.run import run
+        from .distill import distill
+        from .run import run
 
         rundir = RunDir.for_config(config)
         if (rundir.path / SUMMARY_FILE).exists():

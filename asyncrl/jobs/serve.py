@@ -32,8 +32,7 @@ def run_directory(config: RunConfig) -> Path:
 def open_run_store(config: RunConfig):
     """The run's trajectory store: config.store, SQLite under the run directory by default."""
     from asyncrl.gateway.store import SQLITE_FILENAME, open_store
-
-    from .rundir import RunDir
+    from asyncrl.sched.rundir import RunDir
 
     store = config.store
     # The file, not the directory: open_store reads a path that does not exist yet as a file name.

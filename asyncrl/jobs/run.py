@@ -4,7 +4,7 @@ Start-up, in order:
 
 1. SFT warm start when `policy.path` is unset and `loop.sft_first` allows it; RL starts from its
    checkpoint (a resumed run starts from its own last checkpoint instead).
-2. Ray, local or the cluster of `cluster.address` (`sched/cluster.py`, docs/CLUSTER.md):
+2. Ray, local or the cluster of `cluster.address` (`asyncrl/jobs/cluster.py`, docs/CLUSTER.md):
    `rollout.num_workers` RolloutWorkers on `rollout.cpus_per_worker` CPUs each (one placement group)
    and the LearnerActor on `learner.num_cpus` CPUs, each with its own torch thread budget, so rollout and
    learner never share a core budget; the loop reaches them through `RayWorkers` and `RayLearner`
@@ -25,7 +25,7 @@ Ray starts its actors at niceness 15 unless told otherwise (`rollout/worker.py` 
 a run's actors run at the driver's niceness. A rollout worker or the learner that dies is replaced
 while the run goes on (`sched/clients.py`, `sched/recovery.py`); `summary.json` lists every such
 recovery (`recoveries`), for a resumed run how long the resume took (`resumed`), and each process's
-CPU and each engine's busy time over the RL phase (`usage`, sched/usage.py).
+CPU and each engine's busy time over the RL phase (`usage`, asyncrl/jobs/usage.py).
 """
 
 from __future__ import annotations
@@ -41,21 +41,21 @@ from asyncrl.configs.schema import RunConfig
 from asyncrl.distill.teachers import Teachers, check_checkpoints
 from asyncrl.envs.base import Environment
 from asyncrl.gateway.app import run_loop, settle_heap
+from asyncrl.gateway.replica_actors import start_gateways
 from asyncrl.gateway.serving import episode_http_client
 from asyncrl.gateway.store import open_store
 from asyncrl.policy.validate import resolve_policy
 from asyncrl.records import TERMINAL_STATUSES
+from asyncrl.sched.clients import RayLearner, RayWorkers
+from asyncrl.sched.display import Display
+from asyncrl.sched.loop import Loop
+from asyncrl.sched.parts import Parts
+from asyncrl.sched.rundir import LoopState, RunDir
+from asyncrl.sched.tasks import TaskMix, distill_task_mix
+from asyncrl.sched.weight_push import direct_transport
 
 from . import usage
-from .clients import RayLearner, RayWorkers
 from .cluster import check_shared_run_dir, start_ray, write_shared_check
-from .display import Display
-from .gateway_replicas import start_gateways
-from .loop import Loop
-from .parts import Parts
-from .rundir import LoopState, RunDir
-from .tasks import TaskMix, distill_task_mix
-from .weight_push import direct_transport
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -91,7 +91,7 @@ def run(
             raise RunExists(f"{rundir.path} already holds a run: continue it with `asyncrl run --resume {rundir.path}`, "
                             "or pick another name= (or delete the directory)")  # fmt: skip
         if config.policy.path is None and config.loop.sft_first:
-            from asyncrl.sched.sft import run_sft
+            from .sft import run_sft
 
             result = run_sft(config)
             sft = {"accuracy": result.accuracy, "steps": result.steps, "wall_s": result.wall_s, "checkpoint": str(result.checkpoint)}
@@ -147,7 +147,8 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         if learner.direct is not None:
             transport, backend = learner.direct
             display.say(f"weight pushes: {transport} from the learner to the engines" + (f" over {backend}" if backend else ""))
-        gateways = await start_gateways(stack, config, store, workers.engines, tokenizer)
+        store_at = rundir.store_address(config), rundir.store_namespace(config)
+        gateways = await start_gateways(stack, config, store, workers.engines, tokenizer, store_at=store_at)
         if gateways.replicas is not None:
             display.say(f"gateway replicas: {gateways.own.url} (this process), {', '.join(gateways.replicas.urls.values())}")
         metrics = rundir.metrics(config, resume=resumed)

@@ -13,32 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import itertools
-import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx2
-
 from asyncrl.configs.gateway import is_loopback
 from asyncrl.configs.schema import RunConfig
-from asyncrl.gateway.client import AsyncGatewayClient
-from asyncrl.gateway.lifecycle import InProcessLifecycle
-from asyncrl.gateway.replicas import ReplicaSet, home_of
-from asyncrl.lifecycle import LifecycleRefused, Rollout, RolloutLifecycle
+from asyncrl.lifecycle import RolloutLifecycle
 
-from .parts import Routing
-
-log = logging.getLogger(__name__)
+from .lifecycle import InProcessLifecycle
+from .pool import Routing
+from .spread import SpreadLifecycle
 
 START_TIMEOUT_S = 120.0
 """Longest a replica actor may take to start serving (it loads the tokenizer and the app)."""
-LIFECYCLE_TIMEOUT_S = 60.0
-"""Longest a lifecycle call to another replica may take before it is tried elsewhere."""
 
 
 def replica_name(index: int) -> str:
@@ -69,43 +59,45 @@ class Gateways:
             self.episodes.on_lost = on_lost
 
 
-async def start_gateways(stack: contextlib.AsyncExitStack, config: RunConfig, store: Any, engines: list, tokenizer: Any) -> Gateways:
-    """The driver's gateway over `engines`, and with `gateway.replicas` > 1 the replica actors beside it;
-    `stack` stops them all."""
-    from asyncrl.gateway.serving import InProcessGateway
-
-    from .clients import PoolRouting
+async def start_gateways(
+    stack: contextlib.AsyncExitStack, config: RunConfig, store: Any, engines: list, tokenizer: Any, *, store_at: tuple[str, str]
+) -> Gateways:
+    """The driver's gateway over `engines`, and with `gateway.replicas` > 1 the replica actors beside it,
+    which open the same store (`store_at`: its address and namespace); `stack` stops them all."""
+    from .serving import InProcessGateway
 
     if config.gateway.replicas == 1:
         served = InProcessGateway(config, store, engines, tokenizer)
         own = await stack.enter_async_context(served)
-        return Gateways(own, own, PoolRouting(served.service.pool))
+        return Gateways(own, own, served.service.pool)
     secret = secrets.token_bytes(32)
     served = InProcessGateway(config, store, engines, tokenizer, replica_id=replica_name(0), secret=secret)
     own = await stack.enter_async_context(served)
-    replicas = GatewayReplicas(config, tokenizer, engines, secret)
+    replicas = GatewayReplicas(config, store_at, tokenizer, engines, secret)
     stack.push_async_callback(replicas.stop)
     urls = await replicas.start()
     assert served.service.replicas is not None
     spread = SpreadLifecycle(own, served.service.replicas, urls, served.service.credentials.run_token, config.loop.max_inflight)
     stack.push_async_callback(spread.aclose)
     replicas.watch(spread.lose)
-    return Gateways(own, spread, FanOutRouting(PoolRouting(served.service.pool), replicas.actors), replicas)
+    return Gateways(own, spread, FanOutRouting(served.service.pool, replicas.actors), replicas)
 
 
 class GatewayReplica:
     """A Ray actor serving one more gateway over the run's store and engines (`start` returns its URL)."""
 
-    def __init__(self, config: RunConfig, tokenizer: Any, engines: list[tuple[Any, str]], secret: bytes, replica_id: str) -> None:
-        from asyncrl.gateway.engines import RayEngine
-        from asyncrl.gateway.pool import EnginePool
-        from asyncrl.gateway.replicas import ReplicaSet
-        from asyncrl.gateway.service import GatewayService
-
-        from .serve import open_run_store
+    def __init__(
+        self, config: RunConfig, store_at: tuple[str, str], tokenizer: Any, engines: list[tuple[Any, str]], secret: bytes, replica_id: str
+    ) -> None:
+        from .engines import RayEngine
+        from .pool import EnginePool
+        from .replicas import ReplicaSet
+        from .service import GatewayService
+        from .store import open_store
 
         self.config = config
-        self.store = store = open_run_store(config)
+        address, namespace = store_at
+        self.store = store = open_store(address, namespace=namespace, visibility_timeout_s=config.store.visibility_timeout_s)
         pool = EnginePool(config.gateway)
         for actor, engine_id in engines:
             pool.add_local(RayEngine(actor, engine_id))
@@ -119,8 +111,8 @@ class GatewayReplica:
     async def start(self) -> str:
         import ray
 
-        from asyncrl.gateway.app import create_app, gateway_server
-        from asyncrl.gateway.replicas import advertised_url, announced
+        from .app import create_app, gateway_server
+        from .replicas import advertised_url, announced
 
         host = self.config.gateway.host
         if not self.config.cluster.is_local and is_loopback(host):
@@ -138,12 +130,12 @@ class GatewayReplica:
         await self._stack.enter_async_context(announced(self.service.replicas, url, self.service.io))
         return url
 
-    def join(self, actor: Any, engine_id: str) -> None:
-        from asyncrl.gateway.engines import RayEngine
+    def add_local(self, actor: Any, engine_id: str) -> None:
+        from .engines import RayEngine
 
         self.service.pool.add_local(RayEngine(actor, engine_id))
 
-    def leave(self, engine_id: str, reason: str) -> None:
+    def remove_local(self, engine_id: str, reason: str) -> None:
         self.service.pool.remove_local(engine_id, reason)
 
     def health(self) -> dict:
@@ -155,7 +147,7 @@ class GatewayReplica:
         await asyncio.Event().wait()
 
     def usage(self) -> dict:
-        """This replica's process CPU time so far and its Ray node (`sched/usage.py`)."""
+        """This replica's process CPU time so far and its Ray node (`asyncrl/jobs/usage.py`)."""
         import ray
 
         return {"process_cpu_s": time.process_time(), "node_id": ray.get_runtime_context().get_node_id()}
@@ -172,7 +164,7 @@ class GatewayReplica:
 class GatewayReplicas:
     """The replica actors beside the driver's gateway: started, told of engine changes, stopped."""
 
-    def __init__(self, config: RunConfig, tokenizer: Any, engines: list, secret: bytes) -> None:
+    def __init__(self, config: RunConfig, store_at: tuple[str, str], tokenizer: Any, engines: list, secret: bytes) -> None:
         import ray
 
         actor_class = ray.remote(GatewayReplica)
@@ -184,7 +176,7 @@ class GatewayReplicas:
             options["label_selector"] = dict(config.cluster.gateway_labels)
         self.ids = [replica_name(i) for i in range(1, config.gateway.replicas)]
         self.actors: list[Any] = [
-            actor_class.options(name=f"{config.name}-gateway-{rid}", **options).remote(config, tokenizer, handles, secret, rid)
+            actor_class.options(name=f"{config.name}-gateway-{rid}", **options).remote(config, store_at, tokenizer, handles, secret, rid)
             for rid in self.ids
         ]  # named, so `ray list actors` and the dashboard show which run's replica each is
         self.urls: dict[str, str] = {}
@@ -231,109 +223,12 @@ class FanOutRouting:
     def __init__(self, own: Routing, actors: list) -> None:
         self.own, self.actors = own, actors
 
-    def join(self, handle: Any) -> None:
-        self.own.join(handle)
+    def add_local(self, handle: Any) -> None:
+        self.own.add_local(handle)
         for actor in self.actors:
-            actor.join.remote(handle.actor, handle.engine_id)  # in order per actor; a dead replica just misses it
+            actor.add_local.remote(handle.actor, handle.engine_id)  # in order per actor; a dead replica just misses it
 
-    def leave(self, engine_id: str, reason: str) -> None:
-        self.own.leave(engine_id, reason)
+    def remove_local(self, engine_id: str, reason: str) -> None:
+        self.own.remove_local(engine_id, reason)
         for actor in self.actors:
-            actor.leave.remote(engine_id, reason)
-
-
-class SpreadLifecycle:
-    """A `RolloutLifecycle` that opens rollouts on the replicas in turn and ends each at its home.
-
-    A replica that refuses connections (its actor died) is skipped for openings from then on, and its
-    rollouts are finished or aborted through the driver's own replica, which acts on the store alone. One
-    that is only slow (a timeout) opens this rollout elsewhere and keeps its turn. `connections`: the most
-    lifecycle calls in flight to one replica (an episode holds at most one), so none waits for a connection."""
-
-    def __init__(
-        self, own: RolloutLifecycle, own_replicas: ReplicaSet, others: dict[str, str], token: str | None, connections: int
-    ) -> None:
-        """`own`, `own_replicas`: the driver's gateway's lifecycle and replica set; `others`: replica id -> URL."""
-        import openai
-
-        self.own, self.own_replicas = own, own_replicas
-        self.lifecycles: dict[str, Any] = {own_replicas.id: own}
-        # aiohttp's pool, as the episodes' OpenAI clients use: httpx's own polled every pooled socket per request.
-        limits = httpx2.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
-        self._http = openai.DefaultAioHttpClient(timeout=LIFECYCLE_TIMEOUT_S, limits=limits)
-        for replica_id, url in others.items():
-            self.lifecycles[replica_id] = AsyncGatewayClient(url, token=token, timeout=LIFECYCLE_TIMEOUT_S, client=self._http)
-        self._turn = itertools.count()
-        self.lost: set[str] = set()
-        self.opened = dict.fromkeys(self.lifecycles, 0)
-        """Rollouts opened on each replica."""
-        self.on_lost: Callable[[str, str], None] | None = None
-        """Told of each replica taken out of the rotation (`Gateways.watch`)."""
-
-    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
-        order = list(self.lifecycles)
-        start = next(self._turn) % len(order)
-        for replica in order[start:] + order[:start]:  # each replica once, from this opening's turn on
-            if replica in self.lost:
-                continue
-            try:
-                rollout = await self.lifecycles[replica].open_rollout(task, group_id, metadata, evaluation=evaluation)
-            except (httpx2.TransportError, LifecycleRefused) as error:
-                if isinstance(error, LifecycleRefused) and error.status < 500:
-                    raise
-                if _refused(error):
-                    log.warning("gateway replica %s refused a connection (%s); opening elsewhere from now on", replica, _described(error))
-                    self.lose(replica, error)
-                else:
-                    log.info("gateway replica %s did not open a rollout (%s); opening it on the next one", replica, _described(error))
-                continue
-            self.opened[replica] += 1
-            return rollout
-        raise LifecycleRefused(503, "no gateway replica could open a rollout")
-
-    async def _at_home(self, rollout_id: str, verb: str, *args: Any) -> Any:
-        home = home_of(rollout_id) or ""
-        own = self.own
-        lifecycle = self.lifecycles.get(home, own) if home not in self.lost else own
-        try:
-            return await getattr(lifecycle, verb)(rollout_id, *args)
-        except httpx2.TransportError as error:
-            if _refused(error):
-                self.lose(home, error)
-            log.warning("gateway replica %s did not answer (%s); ending rollout %s here", home, _described(error), rollout_id)
-            return await getattr(own, verb)(rollout_id, *args)
-
-    def lose(self, replica: str, error: BaseException) -> None:
-        """`replica` is gone (it refused a connection, or Ray found its actor dead): open nothing more there,
-        and let the driver's gateway serve its rollouts."""
-        if replica in self.lost:
-            return
-        self.lost.add(replica)
-        if self.on_lost is not None:
-            self.on_lost(replica, _described(error))
-        self.own_replicas.lost(replica)  # else the driver's gateway would forward to the dead one until its announcement lapses
-
-    async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> Any:
-        return await self._at_home(rollout_id, "finish", reward, status, metrics, reason)
-
-    async def abort(self, rollout_id: str, reason: str = "") -> Any:
-        return await self._at_home(rollout_id, "abort", reason)
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-
-def _refused(error: BaseException) -> bool:
-    """Whether a call failed because nothing listens at the replica's address (it died): the aiohttp
-    transport reports a refused connection as a ConnectTimeout, so the cause chain is read, not the class."""
-    cause: BaseException | None = error
-    while cause is not None:
-        os_error = getattr(cause, "os_error", cause)  # aiohttp's ClientConnectorError wraps the OSError
-        if isinstance(cause, httpx2.ConnectError) or (isinstance(os_error, OSError) and os_error.errno == errno.ECONNREFUSED):
-            return True
-        cause = cause.__cause__
-    return False
-
-
-def _described(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            actor.remove_local.remote(engine_id, reason)
