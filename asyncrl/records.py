@@ -17,7 +17,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 # --- engine requests and results ---------------------------------------------------------
 
@@ -310,3 +310,68 @@ def oldest_version(versions: Sequence[int], loss_mask: Sequence[int]) -> int | N
     if none was sampled."""
     sampled = [v for v, m in zip(versions, loss_mask, strict=True) if m]
     return min(sampled) if sampled else None
+
+
+# --- one learner step: what it is handed, what it reports, what it makes due --------------
+
+
+@dataclass
+class Batch:
+    """What one learner step is handed: whole GRPO groups, in the order they were taken.
+
+    Each group holds the samples of every rollout in it (a forked rollout has several, one that gave
+    nothing to train on a placeholder with no tokens), so every rollout the step is handed gets an account.
+    """
+
+    groups: list[list[Sample]]
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample, group after group."""
+        return [sample for group in self.groups for sample in group]
+
+    @property
+    def rollout_ids(self) -> list[str]:
+        """Each rollout once, in order."""
+        return list(dict.fromkeys(sample.rollout_id for sample in self.samples))
+
+
+@dataclass
+class StepResult:
+    """What one learner step reports: the figures the loop acts on, typed, and the rest by name."""
+
+    version: int
+    """The policy version after the step (one more than before it, when it stepped)."""
+    stepped: bool
+    """Whether an optimizer step was taken (none when no rollout had an advantage)."""
+    ledger: dict[str, int]
+    """Rollouts per `Account`: one account for each rollout the step was handed."""
+    loss: float
+    grad_norm: float | None
+    """None when the step took no optimizer step."""
+    padded: int
+    """Samples repeated to fill GRPO groups."""
+    staleness: dict[int, int]
+    """Rollouts per version lag (the step's version before it - the oldest sampled version), before any drop."""
+    consistency_warnings: list[dict] = field(default_factory=list)
+    """The (task, turn) pairs whose learner-vs-rollout log-prob gap passed `learner.logprob_gap_warning`."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """Everything else the step measured (log-prob gaps, ratios, tokens, time, teachers' KL), by name."""
+
+    def record(self) -> dict[str, Any]:
+        """The step's figures as one flat mapping, the columns of the metrics log."""
+        typed = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "metrics"}
+        return {**typed, **self.metrics}
+
+
+class Due(NamedTuple):
+    push: bool
+    checkpoint: bool
+
+
+def due_after_step(before: int, after: int, *, push_every: int, checkpoint_every: int) -> Due:
+    """What a learner step that took the policy from version `before` to `after` makes due: a weight push
+    when it reached a multiple of `push_every`, a checkpoint when it reached one of `checkpoint_every`. A
+    step that took no optimizer step (`after == before`) makes nothing due. The one rule the loop pushes and
+    checkpoints by, and the learner resets its optimizer by (`learner.reset_optimizer_on_push`)."""
+    return Due(push=after // push_every > before // push_every, checkpoint=after // checkpoint_every > before // checkpoint_every)

@@ -1,4 +1,4 @@
-"""From a completed trajectory to the samples the learner trains on.
+"""From completed trajectories to the samples the learner trains on, and from GRPO groups of them to a `Batch`.
 
 A multi-turn rollout is one token sequence as long as every turn's prompt starts with the exact
 tokens of what came before (earlier prompt plus sampled completion, bit for bit): the new tokens
@@ -14,7 +14,9 @@ temperatures is still scored exactly, token by token.
 
 from __future__ import annotations
 
-from asyncrl.records import UNSAMPLED_VERSION, Sample, Trajectory
+from collections.abc import Sequence
+
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample, Trajectory
 
 
 def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
@@ -67,3 +69,22 @@ def _longest_extended(samples: list[Sample], prompt: list[int]) -> Sample | None
         if n <= len(prompt) and prompt[:n] == sample.token_ids and (best is None or n >= len(best.token_ids)):
             best = sample
     return best
+
+
+def batch_of(groups: Sequence[Sequence[Trajectory]], crash_statuses: Sequence[str]) -> Batch:
+    """The learner's batch for whole groups of finished trajectories: every rollout appears, so every
+    rollout gets an account.
+
+    A trajectory that gives no sample has nothing to train on (aborted, or the episode ended before
+    its first model call); it goes in as an empty placeholder that selection drops: as a crash when
+    its status says so, otherwise as aborted.
+    """
+    return Batch([[s for t in group for s in trajectory_to_samples(t) or [_placeholder(t, crash_statuses)]] for group in groups])
+
+
+def _placeholder(trajectory: Trajectory, crash_statuses: Sequence[str]) -> Sample:
+    status = trajectory.status if trajectory.status in crash_statuses else "aborted"
+    return Sample(
+        token_ids=[], loss_mask=[], logprobs=[], versions=[], reward=trajectory.reward or 0.0,
+        group_id=trajectory.group_id, rollout_id=trajectory.rollout_id, status=status, task=trajectory.task,
+    )  # fmt: skip

@@ -5,7 +5,7 @@ A teacher given as a checkpoint is that stage's final checkpoint behind a `Nativ
 gateway serving that checkpoint elsewhere (`asyncrl serve`), scored through its token-level
 endpoint `POST /v1/tokens/score`, with no actor here. Either way it scores the student's token IDs
 prefill-only and never samples.
-`Teachers.score` routes every finished sample to the teacher of its stage (the sample's task
+`Teachers.score` routes every finished sample of a batch to the teacher of its stage (the sample's task
 name), attaches the teacher's log-probs and measures the reverse KL per teacher. It is the one
 verb the loop calls between collecting samples and handing them to the learner.
 
@@ -27,7 +27,7 @@ from typing import Protocol
 import httpx
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.records import MAX_SCORE_SEQUENCES, Sample
+from asyncrl.records import MAX_SCORE_SEQUENCES, Batch, Sample
 
 KL_PREFIX = "reverse_kl/"
 """Metric key of a teacher's reverse KL (`reverse_kl/<teacher>`), one value per learner step."""
@@ -139,12 +139,13 @@ class Teachers:
         remote = {name: HttpTeacher(name, spec.url, _teacher_token(name, spec)) for name, spec in teachers if spec.url}
         return cls({**handles, **remote}, config.rollout.sampling.temperature, skipped)
 
-    async def score(self, samples: Sequence[Sample]) -> tuple[list[Sample], dict[str, float]]:
-        """The samples with teacher log-probs attached, and `reverse_kl/<teacher>` per teacher.
+    async def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """The batch with teacher log-probs attached to its samples, and `reverse_kl/<teacher>` per teacher.
 
         Samples the learner will drop anyway (aborted, crashed, nothing sampled) pass through
         unscored. A sample whose task has no teacher is an error: its advantage would be undefined.
         """
+        samples = batch.samples
         wanted: dict[str, list[int]] = {}
         for i, sample in enumerate(samples):
             if sample.status in self.skip_statuses or not any(sample.loss_mask):
@@ -164,7 +165,8 @@ class Teachers:
                 total, count = total + kl, count + n
             if count:
                 metrics[KL_PREFIX + name] = total / count
-        return out, metrics
+        scored_samples = iter(out)
+        return Batch([[next(scored_samples) for _ in group] for group in batch.groups]), metrics
 
     async def _score(self, name: str, samples: list[Sample]) -> list[list[float]]:
         """Teacher `name`'s log-prob of every token of each sample, each at its scoring temperature: one

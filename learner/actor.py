@@ -2,13 +2,13 @@
 
 The scheduler drives it with a handful of verbs; weights leave it as an ObjectRef:
 
-    metrics = ray.get(learner.train_step.remote(samples))
-    if metrics["push_due"]:
-        push_weights(workers, learner.state.remote(), metrics["version"])
+    result = ray.get(learner.train_step.remote(batch))  # a StepResult
+    weights = learner.state.remote()  # when the step made a push due (`asyncrl.records.due_after_step`)
+    ray.get([worker.update_weights.remote(weights, result.version) for worker in workers])
 
-`state.remote()` returns the state dict's ObjectRef, which `push_weights` hands to every worker as
-it is: the weights are serialized once, by the learner, and never pass through the driver. The
-scheduler's loop makes these calls through its learner client (`sched/clients.py` RayLearner).
+`state.remote()` returns the state dict's ObjectRef, which every worker is handed as it is: the weights
+are serialized once, by the learner, and never pass through the driver. The scheduler's loop makes
+these calls through its learner client (`sched/clients.py` RayLearner).
 
 With `learner.num_ranks` > 1 the actor the scheduler holds is rank 0 of a data-parallel learner
 (learner/distributed.py): it starts the other ranks as actors of its own, so they live and die with
@@ -35,7 +35,7 @@ import torch
 from ray.actor import ActorClass
 
 from asyncrl.configs.schema import RunConfig
-from asyncrl.records import Sample
+from asyncrl.records import Batch, StepResult
 from asyncrl.weight_transfer import Layout, WeightGroup, device_identity, host_store, pack, share
 
 from .consistency import LogprobGapWarning
@@ -77,17 +77,17 @@ class LearnerActor:
         if resume_from is not None:
             self.learner.load(resume_from)
 
-    def train_step(self, samples: list[Sample], current_version: int | None = None) -> dict:
+    def train_step(self, batch: Batch, current_version: int | None = None) -> StepResult:
         if self.rank > 0:
             with warnings.catch_warnings():  # rank 0 warns for the step
                 warnings.simplefilter("ignore", LogprobGapWarning)
-                return self.learner.train_step(samples, current_version)
+                return self.learner.train_step(batch, current_version)
         if not self.peers:
-            return self.learner.train_step(samples, current_version)
-        shared = ray.put(samples)  # serialized once for all the other ranks
+            return self.learner.train_step(batch, current_version)
+        shared = ray.put(batch)  # serialized once for all the other ranks
         pending = [peer.train_step.remote(shared, current_version) for peer in self.peers]
         try:
-            metrics = self.learner.train_step(samples, current_version)
+            result = self.learner.train_step(batch, current_version)
         except RuntimeError as error:  # a collective failed (a rank left mid-step): the group is broken
             self._peer_failed(error)
         except Exception:
@@ -99,7 +99,7 @@ class LearnerActor:
             ray.get(pending)
         except ray.exceptions.RayActorError as error:  # a rank's process died
             self._peer_failed(error)
-        return metrics
+        return result
 
     def version(self) -> int:
         return self.learner.version

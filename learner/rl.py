@@ -32,9 +32,9 @@ rollouts' on the sampled tokens of the computed rows (mean and max, per task and
 ratio quantiles and the masked fraction per side of the band; a (task, turn) whose mean gap passes
 `learner.logprob_gap_warning` raises a `LogprobGapWarning` and is listed in `consistency_warnings`.
 
-This module knows nothing of Ray or the loop: the scheduler calls `train_step`, pushes
-`state_dict_for_push()` when a step reports `push_due`, and calls `save` every
-`checkpoint_every` steps.
+This module knows nothing of Ray or the loop: the scheduler hands `train_step` a `Batch` and gets a
+`StepResult` back; it pushes `state_dict_for_push()` and calls `save` when the step made them due
+(`asyncrl.records.due_after_step`, the rule the learner's optimizer reset on push follows too).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from asyncrl.configs.schema import LearnerConfig, RunConfig
 from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
 from asyncrl.policy.mtp import MTPLayer, check_plain_head
 from asyncrl.policy.routing import use_shared_selection
-from asyncrl.records import Account, Sample
+from asyncrl.records import Account, Batch, StepResult, due_after_step
 
 from .batch import MicroBatch, Row, micro_batches, staleness_histogram, to_rows
 from .consistency import ConsistencyStats, warn_gaps
@@ -311,18 +311,18 @@ class RLLearner:
 
     # -- one optimizer step -------------------------------------------------------------------
 
-    def train_step(self, samples: Sequence[Sample], current_version: int | None = None) -> dict:
-        """Select, compute advantages, accumulate gradients, step; returns the step's metrics.
+    def train_step(self, batch: Batch, current_version: int | None = None) -> StepResult:
+        """Select, compute advantages, accumulate gradients, step; returns what the step did.
 
-        `samples` must hold complete GRPO groups (every rollout of a group, aborted ones too).
+        `batch` holds complete GRPO groups (every rollout of a group, aborted ones too).
         `current_version` is the version staleness is measured against (default: this learner's).
         With nothing to learn from (every group dropped or all-equal) no optimizer step is taken
-        and the version stays; the rollouts are still accounted for in the returned ledger.
+        and the version stays; the rollouts are still accounted for in the result's ledger.
         """
         start = time.perf_counter()
         current = self.version if current_version is None else current_version
         selection = select(
-            samples, current_version=current, max_staleness=self.config.max_staleness,
+            batch.groups, current_version=current, max_staleness=self.config.max_staleness,
             group_size=self.config.group_size, crash_statuses=self.config.crash_statuses,
         )  # fmt: skip
         advantages = advantages_for(selection, self.config.normalize_adv_std)
@@ -335,20 +335,26 @@ class RLLearner:
             if computed and not self.fsdp:  # FSDP has reduced them already, layer by layer
                 all_reduce_gradients(self.params)
             stats = _StepStats.combined(gather_objects(stats.portable()))  # every rank's, in rank order
+        before = self.version
         grad_norm = self._step() if computed else None
         gaps = warn_gaps(stats.consistency, self.config.logprob_gap_warning, self.version)
-        push_due = grad_norm is not None and self.version % self.config.push_every == 0
-        if push_due and self.config.reset_optimizer_on_push:
+        config = self.config
+        due = due_after_step(before, self.version, push_every=config.push_every, checkpoint_every=config.checkpoint_every)
+        if due.push and config.reset_optimizer_on_push:
             self.reset_optimizer()  # fresh moments for the policy the engines are about to serve
+        ledger = selection.ledger()
         metrics = {
-            "version": self.version, "stepped": grad_norm is not None, "push_due": push_due,
-            "loss": stats.loss, "grad_norm": grad_norm,
             "mtp_loss": stats.mtp_loss if self._trained_mtp is not None else None,
             **stats.metrics(),
             "trainable_tokens": trainable, "samples": len(rows), "skipped_zero_adv": len(rows) - len(computed),
-            "consistency_warnings": gaps,
+            "rollouts": len(selection.accounts), "groups": len(set(selection.group_of)),
+            "step_s": time.perf_counter() - start,
         }  # fmt: skip
-        return {**metrics, **_selection_metrics(samples, selection, current), "step_s": time.perf_counter() - start}
+        return StepResult(
+            version=self.version, stepped=grad_norm is not None, loss=stats.loss, grad_norm=grad_norm,
+            ledger={account.value: ledger.get(account.value, 0) for account in Account}, padded=selection.padded,
+            staleness=staleness_histogram(batch.samples, current), consistency_warnings=gaps, metrics=metrics,
+        )  # fmt: skip
 
     @property
     def _trained_mtp(self) -> MTPLayer | None:
@@ -490,15 +496,3 @@ def _advantages(batch: MicroBatch, logp: torch.Tensor, mask: torch.Tensor) -> to
         return batch.advantages
     per_token = distill_advantages(batch.teacher_logprobs[:, 1:], logp, mask)
     return torch.where(batch.distill[:, None], per_token, batch.advantages[:, None].expand_as(per_token))
-
-
-def _selection_metrics(samples: Sequence[Sample], selection: Selection, current_version: int) -> dict:
-    """What happened to the rollouts: the ledger (all five accounts), groups, padding, staleness."""
-    ledger = selection.ledger()
-    return {
-        "ledger": {account.value: ledger.get(account.value, 0) for account in Account},
-        "rollouts": len(selection.accounts),
-        "groups": len(set(selection.group_of)),
-        "padded": selection.padded,
-        "staleness": staleness_histogram(samples, current_version),
-    }

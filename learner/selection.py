@@ -19,33 +19,13 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from asyncrl.records import Account, oldest_version
-
-
-class Candidate(Protocol):
-    """What selection reads of a learner sample (read-only, so a sample's lists qualify as sequences)."""
-
-    @property
-    def rollout_id(self) -> str: ...
-
-    @property
-    def group_id(self) -> str: ...
-
-    @property
-    def status(self) -> str: ...
-
-    @property
-    def versions(self) -> Sequence[int]: ...
-
-    @property
-    def loss_mask(self) -> Sequence[int]: ...
+from asyncrl.records import Account, Sample, oldest_version
 
 
 @dataclass
 class Selection:
-    batch: list = field(default_factory=list)
+    batch: list[Sample] = field(default_factory=list)
     """Samples to train on, padding repeats included, grouped by group in input order."""
     group_of: list[int] = field(default_factory=list)
     """Dense group index of each batch entry (for group-relative advantages)."""
@@ -59,30 +39,26 @@ class Selection:
 
 
 def select(
-    samples: Sequence[Candidate],
+    groups: Sequence[Sequence[Sample]],
     *,
     current_version: int,
     max_staleness: int,
     group_size: int,
     crash_statuses: Sequence[str] = ("env_crash", "error"),
 ) -> Selection:
-    """Apply the drop and group-fill rules to the samples of complete groups."""
+    """Apply the drop and group-fill rules to complete groups (a `Batch`'s), each the samples of its rollouts."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    by_rollout: dict[str, list[Candidate]] = defaultdict(list)
-    groups: dict[str, list[str]] = defaultdict(list)
-    for sample in samples:
-        if sample.rollout_id not in by_rollout:
-            groups[sample.group_id].append(sample.rollout_id)
-        by_rollout[sample.rollout_id].append(sample)
-
     selection = Selection()
-    for group_id, rollout_ids in groups.items():
-        if len(rollout_ids) > group_size:
-            raise ValueError(f"group {group_id!r} has {len(rollout_ids)} rollouts, more than group_size={group_size}")
+    for group in groups:
+        by_rollout: dict[str, list[Sample]] = defaultdict(list)  # insertion order: the group's rollouts in order
+        for sample in group:
+            by_rollout[sample.rollout_id].append(sample)
+        if len(by_rollout) > group_size:
+            raise ValueError(f"group {group[0].group_id!r} has {len(by_rollout)} rollouts, more than group_size={group_size}")
         survivors = []
-        for rollout_id in rollout_ids:
-            account = _individual_account(by_rollout[rollout_id], current_version, max_staleness, crash_statuses)
+        for rollout_id, samples in by_rollout.items():
+            account = _individual_account(samples, current_version, max_staleness, crash_statuses)
             if account is None:
                 survivors.append(rollout_id)
             else:
@@ -101,9 +77,7 @@ def select(
     return selection
 
 
-def _individual_account(
-    samples: list[Candidate], current_version: int, max_staleness: int, crash_statuses: Sequence[str]
-) -> Account | None:
+def _individual_account(samples: list[Sample], current_version: int, max_staleness: int, crash_statuses: Sequence[str]) -> Account | None:
     status = samples[0].status
     if status == "aborted":
         return Account.ABORTED

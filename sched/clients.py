@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.gateway.engines import EngineHandle, LocalEngine, RayEngine
 from asyncrl.gateway.pool import Routing
-from asyncrl.records import Sample
+from asyncrl.records import Batch, StepResult
 
 from .parts import LearnerDied, Weights
 from .weight_push import DirectPush, DirectPusher
@@ -66,8 +66,8 @@ class RayLearner:
         self.direct: tuple[str, str | None] | None = None
         """Set when the learner pushes its weights itself (`sched/weight_push.py`): transport and backend."""
 
-    async def train_step(self, samples: list[Sample]) -> dict:
-        return await self._call(self.actor.train_step, samples)
+    async def train_step(self, batch: Batch) -> StepResult:
+        return await self._call(self.actor.train_step, batch)
 
     async def weights(self) -> Weights:
         if self.direct is not None:
@@ -293,8 +293,8 @@ class LocalLearner:
     def __init__(self, learner: RLLearner) -> None:
         self.learner = learner
 
-    async def train_step(self, samples: list[Sample]) -> dict:
-        return await asyncio.to_thread(self.learner.train_step, samples)
+    async def train_step(self, batch: Batch) -> StepResult:
+        return await asyncio.to_thread(self.learner.train_step, batch)
 
     async def weights(self) -> Weights:
         return await asyncio.to_thread(self.learner.state_dict_for_push)

@@ -8,11 +8,9 @@ the learner: admission control counts it to bound how stale the next samples can
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from asyncrl.records import Sample, Trajectory
-from asyncrl.samples import trajectory_to_samples
+from asyncrl.records import Trajectory
 
 
 @dataclass
@@ -63,25 +61,3 @@ class GroupBuffer:
         held = [t for group in self._groups.values() for t in group.trajectories]
         self._groups.clear()
         return held
-
-
-def group_samples(groups: Sequence[Group], crash_statuses: Sequence[str]) -> list[Sample]:
-    """The learner's samples for whole groups: every rollout appears, so every rollout gets an account.
-
-    A trajectory that gives no sample has nothing to train on (aborted, or the episode ended before
-    its first model call); it goes in as an empty placeholder that selection drops: as a
-    crash when its status says so, otherwise as aborted.
-    """
-    samples = []
-    for group in groups:
-        for trajectory in group.trajectories:
-            samples += trajectory_to_samples(trajectory) or [_placeholder(trajectory, crash_statuses)]
-    return samples
-
-
-def _placeholder(trajectory: Trajectory, crash_statuses: Sequence[str]) -> Sample:
-    status = trajectory.status if trajectory.status in crash_statuses else "aborted"
-    return Sample(
-        token_ids=[], loss_mask=[], logprobs=[], versions=[], reward=trajectory.reward or 0.0,
-        group_id=trajectory.group_id, rollout_id=trajectory.rollout_id, status=status, task=trajectory.task,
-    )  # fmt: skip

@@ -27,12 +27,14 @@ import uuid
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.gateway.store import TrajectoryHandOff
+from asyncrl.records import StepResult, due_after_step
+from asyncrl.samples import batch_of
 
 from . import shutdown
 from .admission import groups_to_admit
 from .episodes import Episodes
 from .evaluation import heldout_scores, record_evaluation
-from .groups import Group, GroupBuffer, group_samples
+from .groups import Group, GroupBuffer
 from .parts import LearnerDied, Parts, Weights
 from .recovery import Recovery
 from .resume import CONSUMER, Books
@@ -148,37 +150,38 @@ class Loop:
     def start_step(self) -> None:
         if self.pending is None and self.groups.ready >= self.batch_groups and not self.finished():
             groups = self.groups.take(self.batch_groups)
-            samples = group_samples(groups, self.config.learner.crash_statuses)
-            self.pending = asyncio.ensure_future(learn(self.p, samples)), groups
+            batch = batch_of([group.trajectories for group in groups], self.config.learner.crash_statuses)
+            self.pending = asyncio.ensure_future(learn(self.p, batch)), groups
 
     async def finish_step(self) -> None:
         """Book the step in flight once it returns: its ledger, a push and a checkpoint when due, its records."""
         assert self.pending is not None
         (future, groups), self.pending = self.pending, None
-        metrics = await future
-        self.books.book(metrics["ledger"], [t.rollout_id for group in groups for t in group.trajectories])
-        before, self.state.version = self.state.version, metrics["version"]
-        if self.config.loop.record_batches and metrics["stepped"]:
-            self.p.rundir.write_batch(batch_record(metrics, groups, learner_version=before, distilled=self.p.teachers is not None))
-        checkpoint_due = self.state.version // self.config.learner.checkpoint_every > before // self.config.learner.checkpoint_every
-        if metrics["push_due"]:
+        result: StepResult = await future
+        self.books.book(result.ledger, [t.rollout_id for group in groups for t in group.trajectories])
+        before, self.state.version = self.state.version, result.version
+        if self.config.loop.record_batches and result.stepped:
+            self.p.rundir.write_batch(batch_record(result, groups, learner_version=before, distilled=self.p.teachers is not None))
+        learner = self.config.learner
+        due = due_after_step(before, result.version, push_every=learner.push_every, checkpoint_every=learner.checkpoint_every)
+        if due.push:
             weights = await self.p.learner.weights()  # taken before the next step is sent, so of this version
-            if not checkpoint_due and not isinstance(weights, DirectPush):  # a learner that sends them itself waits
+            if not due.checkpoint and not isinstance(weights, DirectPush):  # a learner that sends them itself waits
                 # The learner trains the next batch while the engines load these weights (they were
                 # idle meanwhile: staleness holds admission until the push). Not before a checkpoint,
                 # which saves the learner at the version the books record.
                 self.start_step()
             await self.push(weights)
-        if checkpoint_due:
+        if due.checkpoint:
             await self.books.checkpoint()
         self.last = step_record(
-            metrics, groups, elapsed_s=self.books.elapsed(), pushed_version=self.pushed,
+            result, groups, elapsed_s=self.books.elapsed(), push_due=due.push, pushed_version=self.pushed,
             in_flight=len(self.episodes), ahead=self.groups.rollouts,
         )  # fmt: skip
         self.p.metrics.record(self.last)
-        for warning in consistency_warnings(metrics):
+        for warning in consistency_warnings(result):
             self.p.display.say(warning)
-        self.unstepped = 0 if metrics["stepped"] else self.unstepped + 1
+        self.unstepped = 0 if result.stepped else self.unstepped + 1
         if notice := no_signal_notice(self.unstepped, self.last):
             self.p.display.say(notice)
 

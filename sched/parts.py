@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.gateway.store import TrajectoryHandOff
-from asyncrl.records import Sample, Trajectory
+from asyncrl.records import Batch, StepResult, Trajectory
 
 if TYPE_CHECKING:
     from openai import DefaultAioHttpClient
@@ -50,8 +50,8 @@ class LearnerDied(RuntimeError):
 
 
 class LearnerClient(Protocol):
-    async def train_step(self, samples: list[Sample]) -> dict:
-        """One optimizer step on complete groups; its metrics, with `version`, `push_due` and `ledger`."""
+    async def train_step(self, batch: Batch) -> StepResult:
+        """One optimizer step on complete groups; what it did."""
         ...
 
     async def weights(self) -> Weights:

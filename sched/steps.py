@@ -3,14 +3,14 @@
 
 Kept apart from the loop so its train verb reads as what it does (take a step; when it returns,
 book it, push, checkpoint, record) while the arithmetic of a record is a pure function of the step's
-metrics and groups, and checked on its own (`tests/test_steps.py`).
+result and groups, and checked on its own (`tests/test_steps.py`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asyncrl.records import Sample
+from asyncrl.records import Batch, StepResult
 
 from .groups import Group
 from .rundir import BatchRecord
@@ -19,47 +19,51 @@ if TYPE_CHECKING:
     from .parts import Parts
 
 
-async def learn(parts: Parts, samples: list[Sample]) -> dict:
-    """One learner step; in distillation the teachers score the samples first (their metrics join the step's)."""
+async def learn(parts: Parts, batch: Batch) -> StepResult:
+    """One learner step; in distillation the teachers score the batch first (their metrics join the step's)."""
     scored: dict = {}
     if parts.teachers is not None:
-        samples, scored = await parts.teachers.score(samples)
-    return {**await parts.learner.train_step(samples), **scored}
+        batch, scored = await parts.teachers.score(batch)
+    result = await parts.learner.train_step(batch)
+    result.metrics.update(scored)
+    return result
 
 
-def step_record(metrics: dict, groups: list[Group], *, elapsed_s: float, pushed_version: int, in_flight: int, ahead: int) -> dict:
+def step_record(
+    result: StepResult, groups: list[Group], *, elapsed_s: float, push_due: bool, pushed_version: int, in_flight: int, ahead: int
+) -> dict:
     """The step's line in `metrics.jsonl` (and the display's last step): the mean reward of its groups'
-    rollouts that have one, the staleness of its tokens (the learner's `staleness` histogram, version
-    lag -> tokens, as its mean and max), the loop's numbers, then the learner's own metrics."""
+    rollouts that have one, the staleness of its rollouts (the learner's histogram, version lag ->
+    rollouts, as its mean and max), the loop's numbers, then the learner's own figures."""
     rewards = [t.reward for group in groups for t in group.trajectories if t.status != "aborted" and t.reward is not None]
-    lags = metrics["staleness"]
+    lags = result.staleness
+    learner = {key: value for key, value in result.record().items() if key != "staleness"}
     return {
-        "step": metrics["version"], "elapsed_s": elapsed_s, "reward": sum(rewards) / max(len(rewards), 1),
+        "step": result.version, "elapsed_s": elapsed_s, "reward": sum(rewards) / max(len(rewards), 1),
         "staleness_mean": sum(int(k) * v for k, v in lags.items()) / max(sum(lags.values()), 1),
-        "staleness_max": max(map(int, lags), default=0), "pushed_version": pushed_version,
-        "in_flight": in_flight, "ahead": ahead, **{key: value for key, value in metrics.items() if key != "staleness"},
+        "staleness_max": max(map(int, lags), default=0), "push_due": push_due, "pushed_version": pushed_version,
+        "in_flight": in_flight, "ahead": ahead, **learner,
     }  # fmt: skip
 
 
-def batch_record(metrics: dict, groups: list[Group], *, learner_version: int, distilled: bool) -> BatchRecord:
+def batch_record(result: StepResult, groups: list[Group], *, learner_version: int, distilled: bool) -> BatchRecord:
     """What the step trained, by reference (`asyncrl replay train` re-runs it); `learner_version` is the
     version it started from. Only for a step that stepped: one that did not leaves the version, and so
     the record of the step that made it, alone."""
     return BatchRecord(
-        step=metrics["version"], learner_version=learner_version,
+        step=result.version, learner_version=learner_version,
         groups=[[t.rollout_id for t in group.trajectories] for group in groups],
-        ledger=dict(metrics["ledger"]), padded=metrics["padded"], loss=metrics["loss"],
-        grad_norm=metrics["grad_norm"], distilled=distilled,
+        ledger=dict(result.ledger), padded=result.padded, loss=result.loss, grad_norm=result.grad_norm, distilled=distilled,
     )  # fmt: skip
 
 
-def consistency_warnings(metrics: dict) -> list[str]:
+def consistency_warnings(result: StepResult) -> list[str]:
     """One line per task and turn whose learner log-probs drifted from the rollout's past
     `learner.logprob_gap_warning`."""
     return [
-        f"step {metrics['version']}: task {gap['task']!r} turn {gap['turn']}: mean |learner - rollout| "
+        f"step {result.version}: task {gap['task']!r} turn {gap['turn']}: mean |learner - rollout| "
         f"log-prob {gap['gap']:.3f} over {gap['tokens']} tokens > learner.logprob_gap_warning"
-        for gap in metrics.get("consistency_warnings", ())
+        for gap in result.consistency_warnings
     ]
 
 

@@ -104,7 +104,7 @@ def learner_checks(device: str, results: dict, size: int, scale: dict) -> None:
         float((a - b.cpu()).abs().max())
         for a, b in zip(on_cpu.model.state_dict().values(), on_device.model.state_dict().values(), strict=True)
     )
-    say(results, "learner_step_loss_cpu_vs_device", [one["loss"], two["loss"]])
+    say(results, "learner_step_loss_cpu_vs_device", [one.loss, two.loss])
     say(results, "learner_step_max_weight_gap", gap)
 
     shape = ["policy.tiny.arch=qwen3", f"policy.tiny.hidden_size={size}", "policy.tiny.num_layers=8", f"policy.tiny.num_heads={size // 64}",
@@ -156,11 +156,11 @@ def time_steps(trainer, run, options, device: str, results: dict, prefix: str) -
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    for samples in batches[1:]:
-        trainer.train_step(samples)
+    for batch in batches[1:]:
+        trainer.train_step(batch)
     if device == "cuda":
         torch.cuda.synchronize()
-    say(results, f"{prefix}_samples_per_s", round(sum(len(b) for b in batches[1:]) / (time.perf_counter() - start), 1))
+    say(results, f"{prefix}_samples_per_s", round(sum(len(b.samples) for b in batches[1:]) / (time.perf_counter() - start), 1))
     if device == "cuda":
         say(results, f"{prefix}_peak_memory_gib", round(torch.cuda.max_memory_allocated() / 2**30, 2))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
-from asyncrl.records import UNSAMPLED_VERSION, Sample
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample
 
 
 def sample(model_learner: RLLearner, rollout: str, group: str, reward: float, prompt: list[int], completion: list[int], **turns) -> Sample:
@@ -22,20 +22,24 @@ def sample(model_learner: RLLearner, rollout: str, group: str, reward: float, pr
     return Sample(tokens, mask, logprobs, versions, reward, group, rollout, "ok")
 
 
-def batch_for(learner: RLLearner) -> list[Sample]:
+def batch_for(learner: RLLearner) -> Batch:
     """Two GRPO groups of four, each over its own prompt, completions of different lengths, one of them
     a second turn after environment tokens."""
     p, q = [3, 4, 5, 6, 7, 8, 9], [12, 13, 14, 15, 16]
-    return [
-        sample(learner, "a", "g", 1.0, p, [20, 21, 22]),
-        sample(learner, "b", "g", 0.0, p, [20, 23]),
-        sample(learner, "c", "g", 0.5, p, [24, 25, 26, 27, 28]),
-        sample(learner, "d", "g", 0.0, p, [29], env=[40, 41], more=[30, 31]),
-        sample(learner, "e", "h", 1.0, q, [20]),
-        sample(learner, "f", "h", 0.0, q, [21, 22, 23, 24]),
-        sample(learner, "g", "h", 0.2, q, [25, 26]),
-        sample(learner, "h", "h", 0.0, q, [27, 28, 29]),
-    ]
+    return Batch([
+        [
+            sample(learner, "a", "g", 1.0, p, [20, 21, 22]),
+            sample(learner, "b", "g", 0.0, p, [20, 23]),
+            sample(learner, "c", "g", 0.5, p, [24, 25, 26, 27, 28]),
+            sample(learner, "d", "g", 0.0, p, [29], env=[40, 41], more=[30, 31]),
+        ],
+        [
+            sample(learner, "e", "h", 1.0, q, [20]),
+            sample(learner, "f", "h", 0.0, q, [21, 22, 23, 24]),
+            sample(learner, "g", "h", 0.2, q, [25, 26]),
+            sample(learner, "h", "h", 0.0, q, [27, 28, 29]),
+        ],
+    ])  # fmt: skip
 
 
 def record_gradients(learner: RLLearner) -> list[dict[str, torch.Tensor]]:

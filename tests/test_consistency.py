@@ -21,7 +21,7 @@ from asyncrl.learner.consistency import QUANTILES, ConsistencyStats, LogprobGapW
 from asyncrl.learner.objectives import double_sided_is_loss, icepop_grpo_loss
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
 from asyncrl.policy.tokenizer import build_tokenizer
-from asyncrl.records import UNSAMPLED_VERSION, Sample
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample
 
 # -- the accumulator ---------------------------------------------------------------------------
 
@@ -125,22 +125,23 @@ def two_turn_sample(learner: RLLearner, rollout: str, task: str, reward: float, 
     return Sample(token_ids, loss_mask, logprobs, versions, reward, f"g-{task}", rollout, "ok", task=task, token_turns=turns)
 
 
-def batch(learner: RLLearner, offset: float) -> list[Sample]:
+def batch(learner: RLLearner, offset: float) -> Batch:
     """Two tasks of one group each (rewards differ: both computed), and a zero-advantage group (skipped)."""
-    return [
-        two_turn_sample(learner, "a1", "add", 1.0), two_turn_sample(learner, "a2", "add", 0.0),
-        two_turn_sample(learner, "t1", "tool", 1.0, offset), two_turn_sample(learner, "t2", "tool", 0.0, offset),
-        two_turn_sample(learner, "s1", "same", 1.0, 5.0), two_turn_sample(learner, "s2", "same", 1.0, 5.0),
-    ]  # fmt: skip
+    return Batch([
+        [two_turn_sample(learner, "a1", "add", 1.0), two_turn_sample(learner, "a2", "add", 0.0)],
+        [two_turn_sample(learner, "t1", "tool", 1.0, offset), two_turn_sample(learner, "t2", "tool", 0.0, offset)],
+        [two_turn_sample(learner, "s1", "same", 1.0, 5.0), two_turn_sample(learner, "s2", "same", 1.0, 5.0)],
+    ])  # fmt: skip
 
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_the_learner_reports_and_warns_on_the_task_and_turn_that_drifted():
     learner = make_learner()  # IcePop, beta 2: a ratio of e^1.5 is masked above the band
     with pytest.warns(LogprobGapWarning, match=r"task 'tool' turn 1: mean \|learner - rollout\| log-prob 1\.500") as caught:
-        metrics = learner.train_step(batch(learner, 1.5))
+        step = learner.train_step(batch(learner, 1.5))
     assert len(caught) == 1
-    assert metrics["consistency_warnings"] == [{"task": "tool", "turn": 1, "gap": pytest.approx(1.5, abs=1e-4), "tokens": 8}]
+    assert step.consistency_warnings == [{"task": "tool", "turn": 1, "gap": pytest.approx(1.5, abs=1e-4), "tokens": 8}]
+    metrics = step.metrics
     by_task, by_turn = metrics["logprob_gap_by_task"], metrics["logprob_gap_by_turn"]
     # Only computed rows count: the zero-advantage group ("same", offset 5) never ran through the model.
     assert set(by_task) == {"add", "tool"} and metrics["skipped_zero_adv"] == 2
@@ -158,8 +159,9 @@ def test_a_gap_below_the_threshold_raises_no_warning_and_the_other_side_is_maske
     learner = make_learner(objective="double_sided_is", logprob_gap_warning=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error", LogprobGapWarning)
-        metrics = learner.train_step(batch(learner, -0.4))  # ratio e^-0.4 = 0.67: below the band, under the threshold
-    assert metrics["consistency_warnings"] == [] and metrics["logprob_gap_by_task"]["tool"]["max"] == pytest.approx(0.4, abs=1e-4)
+        step = learner.train_step(batch(learner, -0.4))  # ratio e^-0.4 = 0.67: below the band, under the threshold
+    metrics = step.metrics
+    assert step.consistency_warnings == [] and metrics["logprob_gap_by_task"]["tool"]["max"] == pytest.approx(0.4, abs=1e-4)
     assert metrics["masked_below_frac"] == pytest.approx(8 / 28) and metrics["masked_above_frac"] == 0.0
 
 
@@ -167,7 +169,7 @@ def test_a_gap_below_the_threshold_raises_no_warning_and_the_other_side_is_maske
 def test_micro_batching_does_not_change_the_figures():
     one, many = make_learner(), make_learner(micro_batch_tokens=16)  # 16 tokens: one row per micro-batch
     with pytest.warns(LogprobGapWarning):
-        a, b = one.train_step(batch(one, 1.5)), many.train_step(batch(many, 1.5))
+        a, b = one.train_step(batch(one, 1.5)).metrics, many.train_step(batch(many, 1.5)).metrics
     assert a["micro_batches"] == 1 and b["micro_batches"] == 4
     for key in ("logprob_gap_by_task", "logprob_gap_by_turn"):
         for name, figures in a[key].items():

@@ -19,6 +19,7 @@ from asyncrl.configs.schema import RunConfig
 from asyncrl.distill.teachers import ScoredSample, Teachers, reverse_kl
 from asyncrl.jobs.distill import NotADistillation, check_distill_config, reverse_kl_over_time
 from asyncrl.learner.objectives import distill_advantages, icepop_grpo_loss
+from asyncrl.records import Batch
 from asyncrl.rollout.scoring import NativeScorer
 from asyncrl.sched.tasks import distill_task_mix
 
@@ -98,8 +99,8 @@ def test_learner_trains_distillation_samples_on_per_token_teacher_minus_current_
         expected.append([t - c if m else 0.0 for t, c, m in zip(s.teacher_logprobs, current, s.loss_mask, strict=True)][1:])
     seen = capture_advantages(learner)
     before = [model_logprobs(learner, s.token_ids) for s in samples]
-    metrics = learner.train_step(samples)
-    assert metrics["stepped"] and metrics["skipped_zero_adv"] == 0 and metrics["ledger"]["trained"] == 2
+    step = learner.train_step(Batch([[s] for s in samples]))  # group size 1: each its own group
+    assert step.stepped and step.metrics["skipped_zero_adv"] == 0 and step.ledger["trained"] == 2
     rows = [row.tolist() for batch in seen for row in batch]  # padded to their micro-batch's width
     for e in expected:
         # strict=False: a padded row is longer than the advantages it carries; the padding is checked to be zero.
@@ -119,8 +120,8 @@ def test_distillation_samples_follow_the_staleness_and_crash_rules():
     fresh = scored(learner, teacher, "fresh", [10, 11], version=4)
     stale = scored(learner, teacher, "stale", [10, 11], version=3)
     crashed = scored(learner, teacher, "crashed", [10, 11], version=5, status="env_crash")
-    metrics = learner.train_step([fresh, stale, crashed])
-    assert metrics["ledger"] == {"trained": 1, "dropped_stale": 1, "dropped_crash": 1, "dropped_group": 0, "aborted": 0}
+    step = learner.train_step(Batch([[fresh], [stale], [crashed]]))
+    assert step.ledger == {"trained": 1, "dropped_stale": 1, "dropped_crash": 1, "dropped_group": 0, "aborted": 0}
 
 
 def test_a_distillation_sample_whose_teacher_logprobs_do_not_line_up_is_refused():
@@ -128,7 +129,7 @@ def test_a_distillation_sample_whose_teacher_logprobs_do_not_line_up_is_refused(
     bad = scored(learner, make_tiny_model("qwen3", seed=7), "a", [10, 11])
     bad.teacher_logprobs = bad.teacher_logprobs[:-1]
     with pytest.raises(ValueError, match="teacher_logprobs"):
-        learner.train_step([bad])
+        learner.train_step(Batch([[bad]]))
 
 
 # -- teacher routing -------------------------------------------------------------------------------
@@ -153,7 +154,9 @@ def test_samples_are_scored_by_their_stages_teacher_at_the_sampling_temperature(
     for s, task in zip(samples, ["math", "tools", "math", "tools"], strict=True):
         s.task = task
     samples[2].status = "env_crash"
-    out, metrics = asyncio.run(Teachers(handles, temperature=0.5).score(samples))
+    batch, metrics = asyncio.run(Teachers(handles, temperature=0.5).score(Batch([[s] for s in samples])))
+    assert [[s.rollout_id for s in group] for group in batch.groups] == [["r0"], ["r1"], ["r2"], ["r3"]]  # the groups as handed in
+    out = batch.samples
     assert out[2] is samples[2]  # the learner drops it: not worth a teacher forward
     assert [len(h.calls[0][0]) for h in handles.values()] == [1, 2] and all(h.calls[0][1] == 0.5 for h in handles.values())
     for s, o in zip(samples, out, strict=True):
@@ -176,7 +179,8 @@ def test_a_teacher_scores_each_token_at_its_turns_temperature():
     plain = sample(learner, "b", "b", 0.0, [20, 21])  # no temperature on record: the run's
     for s in (mixed, plain):
         s.task = "math"
-    out, _ = asyncio.run(Teachers({"math": teacher}, temperature=0.7).score([mixed, plain]))
+    batch, _ = asyncio.run(Teachers({"math": teacher}, temperature=0.7).score(Batch([[mixed], [plain]])))
+    out = batch.samples
     # One call per temperature among the sampled tokens: 0.5, 1 (greedy), 0.7 (the run's).
     assert [(len(sequences), temperature) for sequences, temperature in teacher.calls] == [(1, 0.5), (1, 1.0), (1, 0.7)]
     scorer = NativeScorer(model)
@@ -191,7 +195,7 @@ def test_a_sample_of_a_task_without_a_teacher_is_an_error():
     stray = sample(learner, "r", "r", 0.0, [10, 11])
     stray.task = "unknown"
     with pytest.raises(ValueError, match="has no teacher"):
-        asyncio.run(Teachers({"math": LoopbackTeacher(make_tiny_model("qwen3"))}, temperature=1.0).score([stray]))
+        asyncio.run(Teachers({"math": LoopbackTeacher(make_tiny_model("qwen3"))}, temperature=1.0).score(Batch([[stray]])))
 
 
 # -- the prompt mix and the config ------------------------------------------------------------------

@@ -22,7 +22,7 @@ def test_the_learner_on_cuda_takes_the_cpu_learners_step():
     cpu, gpu = RLLearner.from_config(config(1, device="cpu")), RLLearner.from_config(config(1, device="cuda"))
     assert gpu.device.type == "cuda"
     one, two = cpu.train_step(batch()), gpu.train_step(batch())
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-3)
+    assert two.loss == pytest.approx(one.loss, rel=1e-3)
     gap = max(
         float((a - b.cpu()).abs().max()) for a, b in zip(cpu.model.state_dict().values(), gpu.model.state_dict().values(), strict=True)
     )
@@ -64,12 +64,12 @@ def _fsdp_rank(rank: int, port: int, device: str, results) -> None:
         os.environ["NCCL_HOSTID"] = f"asyncrl-fsdp-rank{rank}"
     join_group(("127.0.0.1", port), rank, 2, torch.device(device))
     learner = RLLearner.from_config(config(2, "fsdp", device=device))
-    metrics = learner.train_step(batch())
+    step = learner.train_step(batch())
     learner.gather_weights()  # every rank: a collective
     if rank == 0:  # the weights as bytes: a queued tensor is shared through this process, which is about to exit
         weights = io.BytesIO()
         torch.save(learner.state_dict_for_push(), weights)
-        results.put((metrics["loss"], metrics["grad_norm"], weights.getvalue(), learner.held_bytes()))
+        results.put((step.loss, step.grad_norm, weights.getvalue(), learner.held_bytes()))
     dist.destroy_process_group()
 
 
@@ -100,7 +100,7 @@ def test_two_fsdp_ranks_take_the_one_rank_step_on_the_device(device):
     for process in ranks:
         process.join(timeout=60)
     assert [process.exitcode for process in ranks] == [0, 0]
-    assert loss == pytest.approx(one["loss"], rel=1e-5) and grad_norm == pytest.approx(one["grad_norm"], rel=1e-4)
+    assert loss == pytest.approx(one.loss, rel=1e-5) and grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
     expected = alone.state_dict_for_push()
     assert weights.keys() == expected.keys()
     assert max(float((weights[n] - expected[n]).abs().max()) for n in expected) < (1e-5 if device == "cpu" else 1e-4)
@@ -146,7 +146,7 @@ def test_a_cuda_ipc_push_serves_what_the_object_store_serves(ray_session):
     from asyncrl.learner.actor import create_learner
     from asyncrl.learner.publish import push_weights
     from asyncrl.policy.checkpoint import build_policy
-    from asyncrl.records import SamplingParams
+    from asyncrl.records import Batch, SamplingParams
     from asyncrl.rollout.worker import WorkerLauncher, create_workers
     from asyncrl.sched.clients import RayWorkers
     from asyncrl.sched.weight_push import DirectPush, direct_transport
@@ -169,8 +169,8 @@ def test_a_cuda_ipc_push_serves_what_the_object_store_serves(ray_session):
         await workers.ready()
         assert await direct_transport("auto", learner, workers.actors) == ("cuda_ipc", None)
         results = [ray.get(witness[0].generate.remote(prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=s))) for s in (1, 2)]
-        metrics = ray.get(learner.train_step.remote([to_sample(results[0], "a", 1.0), to_sample(results[1], "b", 0.0)]))
-        version = metrics["version"]
+        step = ray.get(learner.train_step.remote(Batch([[to_sample(results[0], "a", 1.0), to_sample(results[1], "b", 0.0)]])))
+        version = step.version
         assert await workers.update_weights(DirectPush(learner, "cuda_ipc"), version) == [version]
         push_weights(witness, learner.state.remote(), version)
         served = [ray.get(w.generate.remote(prompt, params)) for w in [*workers.actors, *witness]]

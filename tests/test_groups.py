@@ -1,5 +1,5 @@
-"""GRPO groups between admission and the learner, and the samples they become: every rollout of a
-group reaches the learner, so every rollout gets an account, even those with nothing to train on."""
+"""GRPO groups between admission and the learner, and the batch they become (`asyncrl.samples.batch_of`):
+every rollout of a group reaches the learner, so every rollout gets an account, even those with nothing to train on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 
 from asyncrl.learner.selection import select
 from asyncrl.records import Trajectory, Turn
-from asyncrl.sched.groups import GroupBuffer, group_samples
+from asyncrl.samples import batch_of
+from asyncrl.sched.groups import GroupBuffer
 
 
 def trajectory(rollout_id: str, group_id: str, status: str = "ok", reward: float | None = 1.0, turns: int = 1) -> Trajectory:
@@ -41,9 +42,9 @@ def test_rollouts_without_samples_still_get_one_account_each():
     for t in [trajectory("ok1", "g"), trajectory("ok2", "g", reward=0.0), trajectory("gone", "g", status="aborted"),
               trajectory("crash", "g", status="env_crash", reward=0.0, turns=0)]:  # fmt: skip
         buffer.add(t)
-    samples = group_samples(buffer.take(1), crash_statuses=("env_crash", "error"))
-    assert [s.rollout_id for s in samples] == ["ok1", "ok2", "gone", "crash"]
-    selection = select(samples, current_version=0, max_staleness=1, group_size=4, crash_statuses=("env_crash", "error"))
+    batch = batch_of([group.trajectories for group in buffer.take(1)], crash_statuses=("env_crash", "error"))
+    assert [[s.rollout_id for s in group] for group in batch.groups] == [["ok1", "ok2", "gone", "crash"]]
+    selection = select(batch.groups, current_version=0, max_staleness=1, group_size=4, crash_statuses=("env_crash", "error"))
     assert selection.ledger() == {"aborted": 1, "dropped_crash": 1, "dropped_group": 2}  # 2 of 4 valid is not > half
 
 
@@ -51,5 +52,15 @@ def test_an_ok_episode_that_never_called_the_model_is_counted_as_aborted():
     buffer = GroupBuffer()
     buffer.open("g", 1)
     buffer.add(trajectory("silent", "g", turns=0))
-    (sample,) = group_samples(buffer.take(1), crash_statuses=("env_crash",))
+    ((sample,),) = batch_of([group.trajectories for group in buffer.take(1)], crash_statuses=("env_crash",)).groups
     assert sample.status == "aborted" and sample.token_ids == []
+
+
+def test_a_batch_keeps_its_groups_apart_and_in_order_with_a_forked_rollouts_samples_together():
+    # a1's second turn does not extend its first (the same prompt again): a fork, two samples of one rollout
+    first = [trajectory("a1", "g1", turns=2), trajectory("a2", "g1", status="aborted", turns=0)]
+    batch = batch_of([first, [trajectory("b1", "g2")]], crash_statuses=("env_crash",))
+    assert [[s.rollout_id for s in group] for group in batch.groups] == [["a1", "a1", "a2"], ["b1"]]
+    assert [s.rollout_id for s in batch.samples] == ["a1", "a1", "a2", "b1"] and batch.rollout_ids == ["a1", "a2", "b1"]
+    placeholder = batch.groups[0][2]
+    assert placeholder.status == "aborted" and placeholder.token_ids == [] and placeholder.group_id == "g1"

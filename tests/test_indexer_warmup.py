@@ -32,7 +32,7 @@ from asyncrl.learner.sft_data import Demo
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import build_mtp
 from asyncrl.policy.tokenizer import VOCAB_SIZE, build_tokenizer
-from asyncrl.records import UNSAMPLED_VERSION, Sample
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -150,7 +150,7 @@ def test_a_warmed_up_frozen_indexer_stays_bit_identical_through_rl_and_its_push(
     assert not any(id(p) in optimized for p in indexer_parameters(learner.model))
     pushed_before = learner.state_dict_for_push()
     a, b = contexts(7, 2, 40, 48)  # 40+ tokens against index_topk 8: the selection shapes most queries
-    assert learner.train_step([_sample("a", 1.0, a.token_ids, 20), _sample("b", 0.0, b.token_ids, 20)])["stepped"]
+    assert learner.train_step(Batch([[_sample("a", 1.0, a.token_ids, 20), _sample("b", 0.0, b.token_ids, 20)]])).stepped
     pushed = learner.state_dict_for_push()
     for name, value in warmed_indexer.items():
         assert torch.equal(dict(learner.model.named_parameters())[name], value), f"{name} moved in RL"

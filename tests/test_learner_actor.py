@@ -9,7 +9,7 @@ from conftest import SMALL_SHAPE
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, LearnerConfig, MTPConfig, PolicyConfig, RunConfig, TinyModelConfig
 from asyncrl.policy.checkpoint import build_policy
-from asyncrl.records import UNSAMPLED_VERSION, Sample, SamplingParams
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample, SamplingParams, due_after_step
 
 ray = pytest.importorskip("ray")
 
@@ -44,12 +44,13 @@ def test_learner_actor_trains_and_pushes_to_rollout_workers(ray_session):
     params = [SamplingParams(temperature=1.0, max_tokens=5, seed=s) for s in (1, 2)]
     first = ray.get([w.generate.remote(PROMPT, p) for w, p in zip(workers, params, strict=True)])
     assert all(r.versions == [0] * len(r.token_ids) for r in first)
-    metrics = ray.get(learner.train_step.remote([to_sample(first[0], "a", 1.0), to_sample(first[1], "b", 0.0)]))
-    assert metrics["version"] == 1 and metrics["push_due"] and metrics["ledger"]["trained"] == 2
+    step = ray.get(learner.train_step.remote(Batch([[to_sample(first[0], "a", 1.0), to_sample(first[1], "b", 0.0)]])))
+    due = due_after_step(0, step.version, push_every=config.learner.push_every, checkpoint_every=config.learner.checkpoint_every)
+    assert step.version == 1 and due.push and step.ledger["trained"] == 2
     # The engine's log-probs are the learner's own: every ratio 1, nothing masked.
-    assert metrics["masked_token_frac"] == 0.0 and metrics["abs_logp_diff"] < 1e-4
+    assert step.metrics["masked_token_frac"] == 0.0 and step.metrics["abs_logp_diff"] < 1e-4
 
-    assert push_weights(workers, learner.state.remote(), metrics["version"]) == [1, 1]
+    assert push_weights(workers, learner.state.remote(), step.version) == [1, 1]
     after = ray.get([w.generate.remote(PROMPT, p) for w, p in zip(workers, params, strict=True)])
     assert all(r.versions == [1] * len(r.token_ids) for r in after)
 

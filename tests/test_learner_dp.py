@@ -12,7 +12,7 @@ from conftest import SMALL_SHAPE
 from asyncrl.configs.schema import LearnerConfig, MTPConfig, OptimizerConfig, PolicyConfig, RunConfig, TinyModelConfig
 from asyncrl.learner.distributed import shard_rows
 from asyncrl.learner.rl import Row
-from asyncrl.records import UNSAMPLED_VERSION, Sample
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample
 
 pytestmark = pytest.mark.slow  # a Ray start plus five learner processes importing torch
 
@@ -28,19 +28,20 @@ def config(
     return RunConfig(policy=policy, learner=LearnerConfig(**fields))
 
 
-def batch() -> list[Sample]:
+def batch() -> Batch:
     """Three groups of four with spread rewards and ragged lengths (rollout log-probs near the policy's)."""
     rng = random.Random(0)
-    samples = []
+    groups: list[list[Sample]] = []
     for group in range(3):
+        groups.append([])
         for member in range(4):
             prompt, reply = [rng.randrange(3, 60) for _ in range(4)], [rng.randrange(3, 60) for _ in range(rng.randrange(3, 12))]
-            samples.append(Sample(
+            groups[-1].append(Sample(
                 token_ids=prompt + reply, loss_mask=[0] * len(prompt) + [1] * len(reply),
                 logprobs=[0.0] * len(prompt) + [-4.0] * len(reply), versions=[UNSAMPLED_VERSION] * len(prompt) + [0] * len(reply),
                 reward=float(member % 2 + group), group_id=f"g{group}", rollout_id=f"r{group}-{member}", status="ok", task="t",
             ))  # fmt: skip
-    return samples
+    return Batch(groups)
 
 
 def gap(a: dict, b: dict, prefix: str = "") -> float:
@@ -77,19 +78,20 @@ def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_
 
     from asyncrl.learner.actor import create_learner
 
-    samples = batch()
+    same = batch()  # every learner is handed the same batch
     alone = create_learner(config(1))
     before = ray.get(alone.state.remote())
-    one = ray.get(alone.train_step.remote(samples))
+    one = ray.get(alone.train_step.remote(same))
     grouped = create_learner(config(2, sharding))
-    two = ray.get(grouped.train_step.remote(samples))
-    assert one["stepped"] and two["stepped"] and one["version"] == two["version"] == 1
+    two = ray.get(grouped.train_step.remote(same))
+    assert one.stepped and two.stepped and one.version == two.version == 1
     # Each rank computed a share: the micro-batches of both add up; the step's figures are the whole batch's.
-    assert two["micro_batches"] > one["micro_batches"] // 2 and two["computed_tokens"] == one["computed_tokens"]
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6, abs=1e-9)
-    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two.metrics["micro_batches"] > one.metrics["micro_batches"] // 2
+    assert two.metrics["computed_tokens"] == one.metrics["computed_tokens"]
+    assert two.loss == pytest.approx(one.loss, rel=1e-6, abs=1e-9)
+    assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
     for key in ("ratio_mean", "logprob_gap_mean", "masked_token_frac"):
-        assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-9), key
+        assert two.metrics[key] == pytest.approx(one.metrics[key], rel=1e-6, abs=1e-9), key
     weights_one, weights_two = ray.get([alone.state.remote(), grouped.state.remote()])
     assert gap(weights_one, weights_two) < 1e-5 and gap(weights_one, before) > 100 * gap(weights_one, weights_two)
     # Replicated, each rank holds the whole weights and AdamW moments; sharded, about half of them.
@@ -113,10 +115,10 @@ def test_two_ranks_take_the_one_rank_step_and_resume_under_one(ray_session, tmp_
     assert ray.get(regrouped.version.remote()) == 1
     assert all(torch.equal(t, weights_two[name]) for name, t in ray.get(regrouped.state.remote()).items())
     # All three take the same next step from there: the optimizer moments came back too.
-    after = ray.get([learner.train_step.remote(samples) for learner in (grouped, resumed, regrouped)])
-    assert all(a["version"] == 2 for a in after)
-    assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=1e-5) == after[2]["loss"]
-    assert after[0]["grad_norm"] == pytest.approx(after[1]["grad_norm"], rel=1e-5) == after[2]["grad_norm"]
+    after = ray.get([learner.train_step.remote(same) for learner in (grouped, resumed, regrouped)])
+    assert all(a.version == 2 for a in after)
+    assert after[0].loss == pytest.approx(after[1].loss, rel=1e-5) == after[2].loss
+    assert after[0].grad_norm == pytest.approx(after[1].grad_norm, rel=1e-5) == after[2].grad_norm
     stepped = ray.get([learner.state.remote() for learner in (grouped, resumed, regrouped)])
     assert max(gap(stepped[0], stepped[k]) for k in (1, 2)) < 1e-5
     # Every rank reads the driver's run-directory check back, or says which rank on which node did not.
@@ -138,15 +140,16 @@ def test_fsdp_ranks_with_unequal_micro_batch_counts_and_checkpointing_take_the_o
 
     # One long rollout and seven short ones: the long one fills rank 0 alone; rank 1's short ones, two to a
     # micro-batch, make more micro-batches than rank 0 has, so rank 0 runs empty passes to match.
-    samples = []
+    groups: list[list[Sample]] = [[], []]
     for i in range(8):
         reply = 56 if i == 0 else 6
-        samples.append(Sample(
+        groups[i // 4].append(Sample(
             token_ids=[5 + i] * (4 + reply), loss_mask=[0] * 4 + [1] * reply, logprobs=[0.0] * 4 + [-4.0] * reply,
             versions=[UNSAMPLED_VERSION] * 4 + [0] * reply, reward=float(i % 2), group_id=f"g{i // 4}", rollout_id=f"r{i}",
             status="ok", task="t",
         ))  # fmt: skip
-    selection = select(samples, current_version=0, max_staleness=4, group_size=4, crash_statuses=["env_crash"])
+    uneven = Batch(groups)
+    selection = select(uneven.groups, current_version=0, max_staleness=4, group_size=4, crash_statuses=["env_crash"])
     rows = to_rows(selection.batch, advantages_for(selection, True))
     counts = [len(micro_batches(shard_rows(rows, rank, 2), 0, 20)) for rank in range(2)]
     assert counts[0] < counts[1], counts
@@ -155,9 +158,9 @@ def test_fsdp_ranks_with_unequal_micro_batch_counts_and_checkpointing_take_the_o
     # Sharded with activation checkpointing and the head run 4 positions at a time too: a checkpointed layer, and
     # each checkpointed chunk of the head, gathers its shards again for the recompute.
     sharded = create_learner(config(2, "fsdp", micro_batch_tokens=20, gradient_checkpointing=True, logits_chunk_tokens=4))
-    one, two = ray.get([alone.train_step.remote(samples), sharded.train_step.remote(samples)])
-    assert two["micro_batches"] == sum(counts)  # the empty passes are no micro-batches of the step
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    one, two = ray.get([alone.train_step.remote(uneven), sharded.train_step.remote(uneven)])
+    assert two.metrics["micro_batches"] == sum(counts)  # the empty passes are no micro-batches of the step
+    assert two.loss == pytest.approx(one.loss, rel=1e-6) and two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
     weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
     assert gap(weights_one, weights_two) < 1e-5
     for actor in (alone, sharded):
@@ -175,7 +178,7 @@ def test_fsdp_takes_the_one_rank_step_on_the_moe_policy_with_its_frozen_indexer(
 
     alone, sharded = create_learner(run(1, "replicate")), create_learner(run(2, "fsdp"))
     one, two = ray.get([alone.train_step.remote(batch()), sharded.train_step.remote(batch())])
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two.loss == pytest.approx(one.loss, rel=1e-6) and two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
     weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
     assert weights_one.keys() == weights_two.keys()
     assert gap(weights_one, weights_two) < 1e-5
@@ -196,8 +199,8 @@ def test_fsdp_trains_the_mtp_layer_as_one_rank_does_and_checkpoints_it(ray_sessi
     alone, sharded = create_learner(run(1, "replicate")), create_learner(run(2, "fsdp"))
     before = ray.get(alone.state.remote())
     one, two = ray.get([alone.train_step.remote(batch()), sharded.train_step.remote(batch())])
-    assert one["mtp_loss"] > 0 and two["mtp_loss"] == pytest.approx(one["mtp_loss"], rel=1e-6)
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert one.metrics["mtp_loss"] > 0 and two.metrics["mtp_loss"] == pytest.approx(one.metrics["mtp_loss"], rel=1e-6)
+    assert two.loss == pytest.approx(one.loss, rel=1e-6) and two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
     weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
     assert weights_one.keys() == weights_two.keys() and any(name.startswith("mtp.") for name in weights_one)
     assert gap(weights_one, weights_two) < 1e-5 and gap(weights_one, before, "mtp.") > 1e-5  # it trained
@@ -205,8 +208,8 @@ def test_fsdp_trains_the_mtp_layer_as_one_rank_does_and_checkpoints_it(ray_sessi
     ray.kill(alone)
     resumed = resume_under_one_rank(sharded, run(1, "replicate"), str(tmp_path / "ckpt"), weights_two)
     after = ray.get([sharded.train_step.remote(batch()), resumed.train_step.remote(batch())])
-    assert after[0]["mtp_loss"] == pytest.approx(after[1]["mtp_loss"], rel=1e-5)
-    assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=1e-5)
+    assert after[0].metrics["mtp_loss"] == pytest.approx(after[1].metrics["mtp_loss"], rel=1e-5)
+    assert after[0].loss == pytest.approx(after[1].loss, rel=1e-5)
     for actor in (sharded, resumed):
         ray.kill(actor)
 
@@ -242,7 +245,7 @@ def test_fsdp_takes_the_one_rank_muon_step_and_checkpoints_its_momentum(ray_sess
     alone, sharded = create_learner(run(1, "replicate")), create_learner(run(2, "fsdp"))
     before = ray.get(alone.state.remote())
     one, two = ray.get([alone.train_step.remote(batch()), sharded.train_step.remote(batch())])
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6) and two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two.loss == pytest.approx(one.loss, rel=1e-6) and two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
     weights_one, weights_two = ray.get([alone.state.remote(), sharded.state.remote()])
     assert gap(weights_one, weights_two) < 1e-5 and gap(weights_one, before) > 100 * gap(weights_one, weights_two)
 
@@ -250,7 +253,7 @@ def test_fsdp_takes_the_one_rank_muon_step_and_checkpoints_its_momentum(ray_sess
     ray.kill(alone)
     resumed = resume_under_one_rank(sharded, run(1, "replicate"), str(tmp_path / "ckpt"), weights_two)
     after = ray.get([sharded.train_step.remote(batch()), resumed.train_step.remote(batch())])
-    assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=1e-5)
+    assert after[0].loss == pytest.approx(after[1].loss, rel=1e-5)
     stepped = ray.get([sharded.state.remote(), resumed.state.remote()])
     assert gap(stepped[0], stepped[1]) < 1e-5
     for actor in (sharded, resumed):
@@ -315,9 +318,10 @@ def test_bad_samples_fail_a_data_parallel_step_as_they_fail_one_learner(ray_sess
 
     grouped = create_learner(config(2))
     bad = batch()
-    bad[0] = bad[0].__class__(**{**vars(bad[0]), "loss_mask": bad[0].loss_mask[:-1]})  # one mask entry short
+    first = bad.groups[0][0]
+    bad.groups[0][0] = first.__class__(**{**vars(first), "loss_mask": first.loss_mask[:-1]})  # one mask entry short
     with pytest.raises(ray.exceptions.RayTaskError, match="loss_mask"):
         ray.get(grouped.train_step.remote(bad))
     # The group is intact: the next step takes place on every rank.
-    assert ray.get(grouped.train_step.remote(batch()))["stepped"]
+    assert ray.get(grouped.train_step.remote(batch())).stepped
     ray.kill(grouped)

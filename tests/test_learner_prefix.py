@@ -80,13 +80,14 @@ def test_a_step_through_shared_prefixes_is_the_step_over_whole_rows(arch, mtp):
     # weights after it would magnify rounding in gradients near zero).
     gradients = [record_gradients(whole), record_gradients(shared)]
     a, b = whole.train_step(batch_for(whole)), shared.train_step(batch_for(shared))
-    assert a["prefix_skipped_tokens"] == 0
-    assert b["prefix_skipped_tokens"] == 3 * 7 + 3 * 5  # each group's prompt computed once, not four times
-    assert b["computed_tokens"] == a["computed_tokens"] and b["computed_trainable_tokens"] == a["computed_trainable_tokens"]
-    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-    assert b["abs_logp_diff"] == pytest.approx(a["abs_logp_diff"], abs=1e-6)
+    assert a.metrics["prefix_skipped_tokens"] == 0
+    assert b.metrics["prefix_skipped_tokens"] == 3 * 7 + 3 * 5  # each group's prompt computed once, not four times
+    assert b.metrics["computed_tokens"] == a.metrics["computed_tokens"]
+    assert b.metrics["computed_trainable_tokens"] == a.metrics["computed_trainable_tokens"]
+    assert b.loss == pytest.approx(a.loss, abs=1e-6) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+    assert b.metrics["abs_logp_diff"] == pytest.approx(a.metrics["abs_logp_diff"], abs=1e-6)
     if mtp:
-        assert a["mtp_loss"] > 0 and b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-5)
+        assert a.metrics["mtp_loss"] > 0 and b.metrics["mtp_loss"] == pytest.approx(a.metrics["mtp_loss"], rel=1e-5)
     (of_whole,), (of_shared,) = gradients
     assert of_whole.keys() == of_shared.keys() and len(of_whole) > 5
     for name, gradient in of_whole.items():

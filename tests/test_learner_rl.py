@@ -17,7 +17,7 @@ from asyncrl.learner.rl import RLLearner, sampled_logprobs
 from asyncrl.policy.mtp import build_mtp
 from asyncrl.policy.token_logprobs import trainable_logprobs
 from asyncrl.policy.tokenizer import build_tokenizer
-from asyncrl.records import UNSAMPLED_VERSION, Sample
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample, due_after_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-4, on one thread
 
@@ -70,15 +70,15 @@ def test_positive_advantage_rises_and_negative_falls():
     good = sample(learner, "a", "g", 1.0, [10, 11, 12])
     bad = sample(learner, "b", "g", 0.0, [20, 21, 22])
     before = [sum(model_logprobs(learner, s.token_ids)[3:]) for s in (good, bad)]
-    metrics = learner.train_step([good, bad])
+    step = learner.train_step(Batch([[good, bad]]))
     after = [sum(model_logprobs(learner, s.token_ids)[3:]) for s in (good, bad)]
-    assert metrics["stepped"] and metrics["version"] == learner.version == 1
+    assert step.stepped and step.version == learner.version == 1
     assert after[0] > before[0] and after[1] < before[1]
     # On-policy samples: every ratio is 1 and nothing is masked.
-    assert metrics["masked_token_frac"] == 0.0
-    assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-5) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
-    assert metrics["abs_logp_diff"] == pytest.approx(0.0, abs=1e-5)
-    assert metrics["trainable_tokens"] == 6 and metrics["computed_tokens"] == 12
+    assert step.metrics["masked_token_frac"] == 0.0
+    assert step.metrics["ratio_min"] == pytest.approx(1.0, abs=1e-5) and step.metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert step.metrics["abs_logp_diff"] == pytest.approx(0.0, abs=1e-5)
+    assert step.metrics["trainable_tokens"] == 6 and step.metrics["computed_tokens"] == 12
 
 
 def test_environment_tokens_get_exactly_zero_gradient(monkeypatch):
@@ -91,7 +91,7 @@ def test_environment_tokens_get_exactly_zero_gradient(monkeypatch):
     for s in samples:  # env tokens look on-policy (ratio 1): only the loss mask can keep them out
         s.logprobs = model_logprobs(learner, s.token_ids)
     hidden = capture_hidden(monkeypatch)
-    learner.train_step(samples)
+    learner.train_step(Batch([samples]))
     grad = hidden[0].grad  # [2, T, H]; row j-1 predicts token j
     env_positions = [j for j, m in enumerate(samples[0].loss_mask) if not m][1:]
     sampled_positions = [j for j, m in enumerate(samples[0].loss_mask) if m]
@@ -108,12 +108,12 @@ def test_token_outside_the_ratio_mask_gets_exactly_zero_gradient(objective, monk
     far = 4  # token 4 of rollout a: rollout log-prob 3 nats below the policy's, ratio e^3 = 20
     samples[0].logprobs[far] -= 3.0
     hidden = capture_hidden(monkeypatch)
-    metrics = learner.train_step(samples)
+    step = learner.train_step(Batch([samples]))
     grad = hidden[0].grad
     assert torch.count_nonzero(grad[0, far - 1]) == 0
     assert all(grad[0, j - 1].abs().sum() > 0 for j in (3, 5))
-    assert metrics["masked_token_frac"] == pytest.approx(1 / 6)
-    assert metrics["ratio_max"] == pytest.approx(torch.e**3, rel=1e-4)
+    assert step.metrics["masked_token_frac"] == pytest.approx(1 / 6)
+    assert step.metrics["ratio_max"] == pytest.approx(torch.e**3, rel=1e-4)
 
 
 def test_stale_and_crashed_rollouts_are_dropped_and_the_ledger_adds_up():
@@ -126,35 +126,36 @@ def test_stale_and_crashed_rollouts_are_dropped_and_the_ledger_adds_up():
             sample(learner, f"{name}{i}", name, i % 2 == 0, [10 + i, 11], **{"version": 5, **special.get(str(i), {})}) for i in range(4)
         ]
 
-    samples = (
-        group("fresh", **{"0": {"version": 3}})  # lag 2 = tau: kept
-        + group("crash", **{"3": {"status": "env_crash"}})  # 3 of 4 survive: padded to 4
-        + group("stale", **{"0": {"version": 2}, "1": {"version": 1}})  # lags 3 and 4: 2 of 4 left, dropped
-        + group("gone", **{"0": {"status": "aborted"}, "1": {"status": "error"}})  # 2 of 4 left, dropped
-    )
-    metrics = learner.train_step(samples)
-    assert metrics["ledger"] == {"trained": 7, "dropped_stale": 2, "dropped_crash": 2, "dropped_group": 4, "aborted": 1}
-    assert sum(metrics["ledger"].values()) == metrics["rollouts"] == 16
-    assert metrics["groups"] == 2 and metrics["padded"] == 1 and metrics["samples"] == 8
-    assert metrics["staleness"] == {0: 13, 2: 1, 3: 1, 4: 1}
-    assert metrics["version"] == 6
+    batch = Batch([
+        group("fresh", **{"0": {"version": 3}}),  # lag 2 = tau: kept
+        group("crash", **{"3": {"status": "env_crash"}}),  # 3 of 4 survive: padded to 4
+        group("stale", **{"0": {"version": 2}, "1": {"version": 1}}),  # lags 3 and 4: 2 of 4 left, dropped
+        group("gone", **{"0": {"status": "aborted"}, "1": {"status": "error"}}),  # 2 of 4 left, dropped
+    ])  # fmt: skip
+    step = learner.train_step(batch)
+    assert step.ledger == {"trained": 7, "dropped_stale": 2, "dropped_crash": 2, "dropped_group": 4, "aborted": 1}
+    assert sum(step.ledger.values()) == step.metrics["rollouts"] == 16
+    assert step.metrics["groups"] == 2 and step.padded == 1 and step.metrics["samples"] == 8
+    assert step.staleness == {0: 13, 2: 1, 3: 1, 4: 1}
+    assert step.version == 6
 
 
 def test_all_equal_groups_are_counted_but_not_computed():
-    learner = make_learner(group_size=2)
+    learner = make_learner(group_size=2, push_every=1)  # every step that steps makes a push due
     informative = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20])]
     solved = [sample(learner, "c", "h", 1.0, [12, 13, 14, 15]), sample(learner, "d", "h", 1.0, [12, 13, 14, 16])]
-    metrics = learner.train_step(informative + solved)
-    assert metrics["ledger"]["trained"] == 4 and metrics["skipped_zero_adv"] == 2
-    assert metrics["computed_trainable_tokens"] == 4 and metrics["trainable_tokens"] == 12
-    assert metrics["computed_tokens"] == 10  # only the informative group ran through the model
+    step = learner.train_step(Batch([informative, solved]))
+    assert step.ledger["trained"] == 4 and step.metrics["skipped_zero_adv"] == 2
+    assert step.metrics["computed_trainable_tokens"] == 4 and step.metrics["trainable_tokens"] == 12
+    assert step.metrics["computed_tokens"] == 10  # only the informative group ran through the model
     # On-policy, advantages +-1: loss = -(3 * 1 - 1 * 1) / 12. The skipped group's tokens stay in
     # the denominator, so the step is the one training on all four samples would take.
-    assert metrics["loss"] == pytest.approx(-2 / 12, rel=1e-4)
+    assert step.loss == pytest.approx(-2 / 12, rel=1e-4)
 
-    nothing = learner.train_step(solved)
-    assert not nothing["stepped"] and nothing["version"] == 1 and nothing["ledger"]["trained"] == 2
-    assert nothing["computed_tokens"] == 0 and nothing["grad_norm"] is None and not nothing["push_due"]
+    nothing = learner.train_step(Batch([solved]))
+    due = due_after_step(step.version, nothing.version, push_every=1, checkpoint_every=learner.config.checkpoint_every)
+    assert not nothing.stepped and nothing.version == 1 and nothing.ledger["trained"] == 2
+    assert nothing.metrics["computed_tokens"] == 0 and nothing.grad_norm is None and not due.push
 
 
 def test_micro_batches_give_the_step_of_one_batch():
@@ -162,13 +163,13 @@ def test_micro_batches_give_the_step_of_one_batch():
     one, many = make_learner(share_prefixes=False), make_learner(micro_batch_tokens=8, share_prefixes=False)
     batches = []
     for learner in (one, many):
-        batches.append([
-            sample(learner, "a", "g", 1.0, [10, 11]), sample(learner, "b", "g", 0.0, [20, 21, 22, 23, 24, 25]),
-            sample(learner, "c", "h", 0.5, [12]), sample(learner, "d", "h", 0.0, [13, 14, 15]),
-        ])  # fmt: skip
+        batches.append(Batch([
+            [sample(learner, "a", "g", 1.0, [10, 11]), sample(learner, "b", "g", 0.0, [20, 21, 22, 23, 24, 25])],
+            [sample(learner, "c", "h", 0.5, [12]), sample(learner, "d", "h", 0.0, [13, 14, 15])],
+        ]))  # fmt: skip
     a, b = one.train_step(batches[0]), many.train_step(batches[1])
-    assert a["micro_batches"] == 2 and b["micro_batches"] == 4  # the length buckets, then the token cap
-    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    assert a.metrics["micro_batches"] == 2 and b.metrics["micro_batches"] == 4  # the length buckets, then the token cap
+    assert b.loss == pytest.approx(a.loss, abs=1e-6)
     for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
@@ -190,13 +191,11 @@ def test_gradient_checkpointing_takes_the_same_step(arch):
     layers[0].input_layernorm.register_forward_hook(lambda *_: recomputed.append(torch.is_grad_enabled()))
     steps = []
     for one in (plain, checkpointed):
-        batch = [sample(one, "a", "g", 1.0, [10, 11, 12]), sample(one, "b", "g", 0.0, [20, 21]),
-                 sample(one, "c", "h", 0.5, [12, 30]), sample(one, "d", "h", 0.0, [13, 14, 15, 16])]  # fmt: skip
+        batch = Batch([[sample(one, "a", "g", 1.0, [10, 11, 12]), sample(one, "b", "g", 0.0, [20, 21])],
+                       [sample(one, "c", "h", 0.5, [12, 30]), sample(one, "d", "h", 0.0, [13, 14, 15, 16])]])  # fmt: skip
         steps.append(one.train_step(batch))
     assert recomputed.count(True) == 2  # the training forward, then its recomputation in the backward pass
-    assert steps[1]["loss"] == pytest.approx(steps[0]["loss"], abs=1e-7) and steps[1]["grad_norm"] == pytest.approx(
-        steps[0]["grad_norm"], rel=1e-6
-    )
+    assert steps[1].loss == pytest.approx(steps[0].loss, abs=1e-7) and steps[1].grad_norm == pytest.approx(steps[0].grad_norm, rel=1e-6)
     for p, q in zip(plain.model.parameters(), checkpointed.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-7, rtol=1e-6)
 
@@ -210,14 +209,14 @@ def test_each_token_is_scored_at_its_own_sampling_temperature():
     hot.temperatures = prompt + [0.5] * 3 + [None] + [0.0] * 2
     at_half = model_logprobs(learner, hot.token_ids, 0.5)
     hot.logprobs = [0.0] * 3 + at_half[3:6] + [0.0] + hot.logprobs[7:]  # the second turn's are the raw ones
-    metrics = learner.train_step([hot, cold])
-    assert metrics["computed_trainable_tokens"] == 8 and metrics["abs_logp_diff"] < 1e-6
-    assert metrics["masked_token_frac"] == 0.0
+    step = learner.train_step(Batch([[hot, cold]]))
+    assert step.metrics["computed_trainable_tokens"] == 8 and step.metrics["abs_logp_diff"] < 1e-6
+    assert step.metrics["masked_token_frac"] == 0.0
 
     # The same log-probs scored at the run's temperature alone are off on the first turn.
     unrecorded = make_learner(temperature=1.0)
     hot.temperatures = None
-    assert unrecorded.train_step([hot, cold])["abs_logp_diff"] > 1e-2
+    assert unrecorded.train_step(Batch([[hot, cold]])).metrics["abs_logp_diff"] > 1e-2
 
 
 def test_learner_divides_logits_by_the_sampling_temperature():
@@ -226,18 +225,22 @@ def test_learner_divides_logits_by_the_sampling_temperature():
         sample(hot, "a", "g", 1.0, [10, 11, 12], temperature=2.0),
         sample(hot, "b", "g", 0.0, [20, 21, 22], temperature=2.0),
     ]
-    assert hot.train_step(samples)["abs_logp_diff"] == pytest.approx(0.0, abs=1e-5)
+    assert hot.train_step(Batch([samples])).metrics["abs_logp_diff"] == pytest.approx(0.0, abs=1e-5)
     cold = make_learner(temperature=1.0)
-    assert cold.train_step(samples)["abs_logp_diff"] > 0.1
+    assert cold.train_step(Batch([samples])).metrics["abs_logp_diff"] > 0.1
 
 
 def test_push_due_every_k_steps_and_optional_optimizer_reset():
     learner = make_learner(push_every=2, reset_optimizer_on_push=True)
-    samples = [sample(learner, "a", "g", 1.0, [10, 11]), sample(learner, "b", "g", 0.0, [20, 21])]
-    first = learner.train_step(samples)
-    assert not first["push_due"] and len(learner.optimizer.state) > 0
-    second = learner.train_step(samples)
-    assert second["push_due"] and second["version"] == 2 and len(learner.optimizer.state) == 0
+    batch = Batch([[sample(learner, "a", "g", 1.0, [10, 11]), sample(learner, "b", "g", 0.0, [20, 21])]])
+
+    def push_due(before: int, after: int) -> bool:  # the loop's rule, which the learner's reset follows
+        return due_after_step(before, after, push_every=2, checkpoint_every=learner.config.checkpoint_every).push
+
+    first = learner.train_step(batch)
+    assert not push_due(0, first.version) and len(learner.optimizer.state) > 0
+    second = learner.train_step(batch)
+    assert push_due(first.version, second.version) and second.version == 2 and len(learner.optimizer.state) == 0
     pushed = learner.state_dict_for_push()
     assert pushed.keys() == learner.model.state_dict().keys()
     name = next(iter(pushed))
@@ -246,8 +249,8 @@ def test_push_due_every_k_steps_and_optional_optimizer_reset():
 
 def test_push_carries_the_mtp_layer_it_trains_so_drafting_engines_follow():
     learner = make_learner(mtp=True, mtp_loss_weight=0.5)
-    samples = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21, 22])]
-    learner.train_step(samples)
+    batch = Batch([[sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21, 22])]])
+    learner.train_step(batch)
     pushed = learner.state_dict_for_push()
     mtp_keys = {k for k in pushed if k.startswith("mtp.")}
     assert {k.removeprefix("mtp.") for k in mtp_keys} == learner.mtp.state_dict().keys()
@@ -261,9 +264,9 @@ def test_push_carries_the_mtp_layer_it_trains_so_drafting_engines_follow():
 
 def test_save_and_load_resume_version_weights_and_optimizer(tmp_path):
     learner = make_learner(mtp=True, mtp_loss_weight=0.5)
-    samples = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21, 22])]
-    assert learner.train_step(samples)["mtp_loss"] > 0
-    learner.train_step(samples)
+    batch = Batch([[sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21, 22])]])
+    assert learner.train_step(batch).metrics["mtp_loss"] > 0
+    learner.train_step(batch)
     learner.save(tmp_path / "ckpt")
 
     resumed = make_learner(mtp=True, mtp_loss_weight=0.5, seed=7)  # different weights until loaded
@@ -271,8 +274,8 @@ def test_save_and_load_resume_version_weights_and_optimizer(tmp_path):
     assert resumed.version == 2
     for key, state in learner.optimizer.state_dict()["state"].items():
         torch.testing.assert_close(resumed.optimizer.state_dict()["state"][key]["exp_avg"], state["exp_avg"])
-    learner.train_step(samples)
-    resumed.train_step(samples)
+    learner.train_step(batch)
+    resumed.train_step(batch)
     assert resumed.version == learner.version == 3
     for p, q in zip(learner.params, resumed.params, strict=True):
         torch.testing.assert_close(p, q)
@@ -283,7 +286,7 @@ def test_malformed_samples_are_refused():
     bad = sample(learner, "a", "g", 1.0, [10])
     bad.loss_mask[0] = 1
     with pytest.raises(ValueError, match="first token"):
-        learner.train_step([bad, sample(learner, "b", "g", 0.0, [11])])
+        learner.train_step(Batch([[bad, sample(learner, "b", "g", 0.0, [11])]]))
 
 
 def test_glm5_policy_trains_with_mtp_and_a_frozen_indexer():
@@ -291,9 +294,8 @@ def test_glm5_policy_trains_with_mtp_and_a_frozen_indexer():
     config = LearnerConfig(group_size=2, lr=1e-3, mtp_loss_weight=0.3)
     learner = RLLearner(config, model, build_tokenizer(), build_mtp(model, seed=1))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    samples = [sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21])]
-    metrics = learner.train_step(samples)
-    assert metrics["stepped"] and metrics["mtp_loss"] > 0 and metrics["masked_token_frac"] == 0.0
+    step = learner.train_step(Batch([[sample(learner, "a", "g", 1.0, [10, 11, 12]), sample(learner, "b", "g", 0.0, [20, 21])]]))
+    assert step.stepped and step.metrics["mtp_loss"] > 0 and step.metrics["masked_token_frac"] == 0.0
     moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
     indexer = {name for name in before if ".indexer." in name}
     assert indexer and not moved & indexer

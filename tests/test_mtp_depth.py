@@ -15,7 +15,7 @@ from asyncrl.learner.sft import train_step
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import build_mtp, combine_depths, mtp_logits, mtp_loss, policy_hidden_and_logits
 from asyncrl.policy.tokenizer import build_tokenizer
-from asyncrl.records import UNSAMPLED_VERSION, Sample
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # losses compared to 1e-5, on one thread
 
@@ -123,8 +123,8 @@ def test_an_rl_step_at_depth_3_trains_the_weighted_loss():
     trainable = float(sum(sum(s.loss_mask[1:]) for s in samples))
     expected = hand_weighted_loss(model, mtp, [(s.token_ids, s.loss_mask) for s in samples], WEIGHTS, trainable)
     before = mtp.eh_proj.weight.detach().clone()
-    stats = learner.train_step(samples)
-    assert stats["mtp_loss"] == pytest.approx(expected, rel=1e-4)
+    step = learner.train_step(Batch([samples]))
+    assert step.metrics["mtp_loss"] == pytest.approx(expected, rel=1e-4)
     assert not torch.equal(mtp.eh_proj.weight, before)
 
 

@@ -115,13 +115,13 @@ def test_oldest_version_reads_only_sampled_tokens():
 @pytest.mark.parametrize(("current", "expected"), [(7, Account.TRAINED), (8, Account.DROPPED_STALE)])
 def test_staleness_at_tau_and_tau_plus_one(current, expected):
     # oldest sampled version 5, tau = 2: 7 - 5 = 2 is kept, 8 - 5 = 3 is dropped.
-    selection = select([FakeSample("a", "g1")], current_version=current, max_staleness=2, group_size=1)
+    selection = select([[FakeSample("a", "g1")]], current_version=current, max_staleness=2, group_size=1)
     assert selection.accounts["a"] is expected
 
 
 def test_crash_and_abort_accounts():
     samples = [FakeSample("a", status="env_crash"), FakeSample("b", status="aborted"), FakeSample("c"), FakeSample("d")]
-    selection = select(samples, current_version=5, max_staleness=0, group_size=4)
+    selection = select([samples], current_version=5, max_staleness=0, group_size=4)
     assert selection.accounts["a"] is Account.DROPPED_CRASH
     assert selection.accounts["b"] is Account.ABORTED
     # 2 of 4 valid is exactly half: not more than half, so the group is dropped.
@@ -133,7 +133,7 @@ def _group(valid: int, size: int):
 
 
 def test_group_fill_just_above_half_pads_by_repeating():
-    selection = select(_group(3, 4), current_version=5, max_staleness=0, group_size=4)
+    selection = select([_group(3, 4)], current_version=5, max_staleness=0, group_size=4)
     assert [s.rollout_id for s in selection.batch] == ["r0", "r1", "r2", "r0"]
     assert selection.padded == 1 and selection.group_of == [0, 0, 0, 0]
     assert selection.ledger() == {"trained": 3, "dropped_crash": 1}
@@ -141,16 +141,16 @@ def test_group_fill_just_above_half_pads_by_repeating():
 
 def test_group_fill_odd_size_boundaries():
     # group of 5: 3 valid (> 2.5) is kept and padded to 5; 2 valid is dropped.
-    kept = select(_group(3, 5), current_version=5, max_staleness=0, group_size=5)
+    kept = select([_group(3, 5)], current_version=5, max_staleness=0, group_size=5)
     assert [s.rollout_id for s in kept.batch] == ["r0", "r1", "r2", "r0", "r1"]
-    dropped = select(_group(2, 5), current_version=5, max_staleness=0, group_size=5)
+    dropped = select([_group(2, 5)], current_version=5, max_staleness=0, group_size=5)
     assert dropped.batch == [] and dropped.ledger() == {"dropped_group": 2, "dropped_crash": 3}
 
 
 def test_ledger_adds_up_and_forks_share_an_account():
-    samples = [*_group(4, 4), FakeSample("r1")]  # r1 forked into two samples
-    samples += [FakeSample(f"s{i}", group_id="h", status="aborted" if i == 0 else "ok") for i in range(4)]
-    selection = select(samples, current_version=5, max_staleness=0, group_size=4)
+    g = [*_group(4, 4), FakeSample("r1")]  # r1 forked into two samples
+    h = [FakeSample(f"s{i}", group_id="h", status="aborted" if i == 0 else "ok") for i in range(4)]
+    selection = select([g, h], current_version=5, max_staleness=0, group_size=4)
     assert sum(selection.ledger().values()) == 8
     assert [s.rollout_id for s in selection.batch].count("r1") == 2
     assert set(selection.group_of) == {0, 1}

@@ -21,7 +21,7 @@ from asyncrl.learner.sft import sft_optimizer, train_step
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import build_mtp
 from asyncrl.policy.tokenizer import build_tokenizer
-from asyncrl.records import UNSAMPLED_VERSION, Sample
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample, due_after_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -221,7 +221,7 @@ def test_a_bad_optimizer_type_names_the_key(section):
 PROMPT = [3, 4, 5]
 
 
-def rl_samples(learner: RLLearner) -> list[Sample]:
+def rl_batch(learner: RLLearner) -> Batch:
     """One GRPO group of two rollouts with different rewards, log-probs the policy's own."""
     out = []
     for rollout, reward, completion in (("a", 1.0, [10, 11, 12]), ("b", 0.0, [20, 21])):
@@ -232,7 +232,7 @@ def rl_samples(learner: RLLearner) -> list[Sample]:
         logprobs = [0.0, *logits.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()]
         versions = [0 if m else UNSAMPLED_VERSION for m in mask]
         out.append(Sample(ids, mask, [lp * m for lp, m in zip(logprobs, mask, strict=True)], versions, reward, "g", rollout, "ok"))
-    return out
+    return Batch([out])
 
 
 def muon_split_learner(arch: str = "qwen3", **config) -> RLLearner:
@@ -245,8 +245,8 @@ def test_an_rl_step_with_muon_split_trains_the_glm5_shape_and_keeps_the_indexer_
     learner = muon_split_learner("glm_moe_dsa")
     assert isinstance(learner.optimizer, CombinedOptimizer)
     before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
-    metrics = learner.train_step(rl_samples(learner))
-    assert metrics["stepped"] and metrics["mtp_loss"] > 0
+    step = learner.train_step(rl_batch(learner))
+    assert step.stepped and step.metrics["mtp_loss"] > 0
     moved = {name for name, p in learner.model.named_parameters() if not torch.equal(p, before[name])}
     assert {"model.layers.0.self_attn.q_b_proj.weight", "model.layers.1.mlp.experts.gate_up_proj", "lm_head.weight"} <= moved
     assert not {name for name in moved if ".indexer." in name}
@@ -254,8 +254,8 @@ def test_an_rl_step_with_muon_split_trains_the_glm5_shape_and_keeps_the_indexer_
 
 def test_muon_split_state_resumes_identically_and_a_push_reset_clears_it(tmp_path):
     learner = muon_split_learner()
-    samples = rl_samples(learner)
-    learner.train_step(samples)
+    batch = rl_batch(learner)
+    learner.train_step(batch)
     learner.save(tmp_path / "ckpt")
     resumed, forgetful = muon_split_learner(), muon_split_learner()
     resumed.load(tmp_path / "ckpt")
@@ -266,12 +266,15 @@ def test_muon_split_state_resumes_identically_and_a_push_reset_clears_it(tmp_pat
     assert all(a is b for a, b in zip(resumed.optimizer.param_groups, inner_groups, strict=True))
     for _ in range(2):
         for run in (learner, resumed, forgetful):
-            run.train_step(samples)
+            run.train_step(batch)
     assert all(torch.equal(p, q) for p, q in zip(learner.params, resumed.params, strict=True))
     assert not all(torch.equal(p, q) for p, q in zip(learner.params, forgetful.params, strict=True))
 
     resetting = muon_split_learner(reset_optimizer_on_push=True)
-    assert resetting.train_step(samples)["push_due"] and len(resetting.optimizer.state) == 0
+    step = resetting.train_step(batch)
+    config = resetting.config
+    assert due_after_step(0, step.version, push_every=config.push_every, checkpoint_every=config.checkpoint_every).push
+    assert len(resetting.optimizer.state) == 0
     assert not any(o.state for o in resetting.optimizer.optimizers.values())
 
 

@@ -13,7 +13,7 @@ from asyncrl.policy.dsa import selection_mask, topk_positions
 from asyncrl.policy.mtp import build_mtp, policy_hidden_and_logits
 from asyncrl.policy.routing import use_shared_selection
 from asyncrl.policy.tokenizer import build_tokenizer
-from asyncrl.records import UNSAMPLED_VERSION, Sample, SamplingParams
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample, SamplingParams
 from asyncrl.rollout import EmbeddedEngine
 
 pytestmark = [
@@ -112,7 +112,7 @@ def _step(learner: RLLearner, watched: dict[str, torch.nn.Parameter]) -> set[str
     hooks = [p.register_post_accumulate_grad_hook(lambda _p, n=name: graded.add(n)) for name, p in watched.items() if p.requires_grad]
     # Contexts of 20+ tokens against index_topk 4: the indexer's selection shapes every later query.
     samples = [_sample("a", 1.0, PROMPTS[0], list(range(40, 50))), _sample("b", 0.0, PROMPTS[1], list(range(50, 63)))]
-    assert learner.train_step(samples)["stepped"]
+    assert learner.train_step(Batch([samples])).stepped
     for hook in hooks:
         hook.remove()
     return graded

@@ -34,11 +34,11 @@ class MortalLearner(LocalLearner):
         super().__init__(learner)
         self.dies, self.times, self.dead, self.deaths = dies, times, False, 0
 
-    async def train_step(self, samples):
+    async def train_step(self, batch):
         if not self.dead and self.deaths != self.times and self.dies():
             self.dead, self.deaths = True, self.deaths + 1
         await self.check()
-        return await super().train_step(samples)
+        return await super().train_step(batch)
 
     async def weights(self):
         await self.check()

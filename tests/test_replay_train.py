@@ -15,7 +15,7 @@ from loop_helpers import CoinEnv, run_config, run_in_process
 from asyncrl.cli import main as cli
 from asyncrl.learner.rl import RLLearner
 from asyncrl.replay.run import ReplayError, RunView
-from asyncrl.replay.train import TOLERANCE, _samples, replay_step
+from asyncrl.replay.train import TOLERANCE, _batch, replay_step
 from asyncrl.sched.rundir import RunDir
 
 
@@ -69,8 +69,8 @@ def test_the_comparison_can_fail_a_step_run_from_the_wrong_weights_differs(recor
     with RunView.open(recorded) as view:
         record = view.batch(2)
         learner = RLLearner.from_config(view.config)  # the starting policy: step 1 never applied
-        metrics = learner.train_step(_samples(view, record), current_version=record.learner_version)
-    assert abs(metrics["grad_norm"] - record.grad_norm) > 1e-3
+        step = learner.train_step(_batch(view, record), current_version=record.learner_version)
+    assert abs(step.grad_norm - record.grad_norm) > 1e-3
 
 
 def test_the_command_line_prints_the_comparison_and_writes_json(recorded, tmp_path, capsys) -> None:

@@ -23,7 +23,7 @@ from asyncrl.learner.routing_replay import replay, routes_tensor
 from asyncrl.policy.mtp import build_mtp, policy_hidden_and_logits
 from asyncrl.policy.routing import RouterSpec, choose_experts, moe_gates, route, use_shared_selection
 from asyncrl.policy.tokenizer import build_tokenizer
-from asyncrl.records import SamplingParams, Trajectory, Turn
+from asyncrl.records import Batch, SamplingParams, Trajectory, Turn
 from asyncrl.rollout import EmbeddedEngine
 from asyncrl.samples import trajectory_to_samples
 
@@ -247,11 +247,11 @@ def test_learner_step_replays_the_recorded_routes(routing_replay):
     learner = RLLearner(config, model, build_tokenizer())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LogprobGapWarning)  # expected without replay
-        metrics = learner.train_step(samples)
+        step = learner.train_step(Batch([samples]))
     if routing_replay:
-        assert metrics["logprob_gap_max"] < TOLERANCE
+        assert step.metrics["logprob_gap_max"] < TOLERANCE
     else:
-        assert metrics["logprob_gap_max"] > 100 * TOLERANCE
+        assert step.metrics["logprob_gap_max"] > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
@@ -270,5 +270,5 @@ def test_the_other_sigmoid_moe_families_record_and_replay_routes(family):
         assert len(r.routes) == COMPLETION
         turn = Turn(f"r{i}", r.prompt_token_ids, r.token_ids, r.logprobs, r.versions, r.finish_reason, routes=r.routes)
         samples += trajectory_to_samples(Trajectory(f"r{i}", group_id="g", turns=[turn], status="ok", reward=float(i)))
-    metrics = RLLearner(LearnerConfig(group_size=2, routing_replay=True), model, build_tokenizer()).train_step(samples)
-    assert metrics["stepped"] and metrics["logprob_gap_max"] < TOLERANCE
+    step = RLLearner(LearnerConfig(group_size=2, routing_replay=True), model, build_tokenizer()).train_step(Batch([samples]))
+    assert step.stepped and step.metrics["logprob_gap_max"] < TOLERANCE

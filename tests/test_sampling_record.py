@@ -25,7 +25,7 @@ from asyncrl.jobs.contract import ContractError, check_environment
 from asyncrl.learner.batch import micro_batches, to_rows
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
 from asyncrl.policy.tokenizer import build_tokenizer
-from asyncrl.records import Sample
+from asyncrl.records import Batch, Sample
 from asyncrl.samples import trajectory_to_samples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # forwards compared to 1e-4, on one thread
@@ -94,10 +94,10 @@ def test_a_per_request_temperature_is_recorded_and_the_learner_scores_its_tokens
     unrecorded = [dataclasses.replace(s, temperatures=None) for s in samples]
     assert largest_gap(unrecorded, learner_logprobs(learner, unrecorded)) > 100 * TOLERANCE
     # The learner's real step sees the same: every importance ratio is 1 within the tolerance.
-    metrics = learner.train_step(samples)
-    assert metrics["stepped"] and metrics["computed_trainable_tokens"] == sum(sum(s.loss_mask) for s in samples)
-    assert metrics["abs_logp_diff"] < TOLERANCE
-    assert math.exp(-TOLERANCE) < metrics["ratio_min"] <= metrics["ratio_max"] < math.exp(TOLERANCE)
+    step = learner.train_step(Batch([samples]))  # one group: both rollouts are of "g"
+    assert step.stepped and step.metrics["computed_trainable_tokens"] == sum(sum(s.loss_mask) for s in samples)
+    assert step.metrics["abs_logp_diff"] < TOLERANCE
+    assert math.exp(-TOLERANCE) < step.metrics["ratio_min"] <= step.metrics["ratio_max"] < math.exp(TOLERANCE)
 
 
 @pytest.fixture(scope="module")

@@ -125,9 +125,10 @@ def test_a_learner_step_in_chunks_of_three_positions_is_the_step_in_one(share_pr
     whole, chunked = learner(4096), learner(3)
     gradients = [record_gradients(whole), record_gradients(chunked)]
     a, b = whole.train_step(batch_for(whole)), chunked.train_step(batch_for(chunked))
-    assert a["computed_trainable_tokens"] > 3 * a["micro_batches"]  # every micro-batch really ran in chunks
-    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-    assert b["abs_logp_diff"] == pytest.approx(a["abs_logp_diff"], abs=1e-6) and b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-6)
+    assert a.metrics["computed_trainable_tokens"] > 3 * a.metrics["micro_batches"]  # every micro-batch really ran in chunks
+    assert b.loss == pytest.approx(a.loss, abs=1e-6) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+    assert b.metrics["abs_logp_diff"] == pytest.approx(a.metrics["abs_logp_diff"], abs=1e-6)
+    assert b.metrics["mtp_loss"] == pytest.approx(a.metrics["mtp_loss"], rel=1e-6)
     (of_whole,), (of_chunked,) = gradients
     assert of_whole.keys() == of_chunked.keys() and len(of_whole) > 5
     for name, gradient in of_whole.items():

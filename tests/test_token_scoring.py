@@ -24,7 +24,7 @@ from asyncrl.configs.schema import EmbeddedRolloutConfig, RunConfig, TeacherSpec
 from asyncrl.distill.teachers import HttpTeacher, TeacherError, Teachers, check_checkpoints
 from asyncrl.gateway.engines import HttpEngine, LocalEngine, RayEngine, ScoringUnsupported, engine_app
 from asyncrl.gateway.store import open_store
-from asyncrl.records import RequestError, Sample
+from asyncrl.records import Batch, RequestError, Sample
 from asyncrl.rollout import EmbeddedEngine
 from asyncrl.rollout.scoring import NativeScorer
 from asyncrl.rollout.worker import RolloutWorker
@@ -232,13 +232,14 @@ def distill_config(tmp_path, **teachers) -> RunConfig:
     })  # fmt: skip
 
 
-def student_samples() -> list[Sample]:
-    samples = []
+def student_batch() -> Batch:
+    """Three groups of one (group size 1), a sample each."""
+    groups = []
     for i, tokens in enumerate(SEQUENCES[:3]):
         mask = [0] * (len(tokens) // 2) + [1] * (len(tokens) - len(tokens) // 2)
         logprobs = [-0.5 * m for m in mask]
-        samples.append(Sample(tokens, mask, logprobs, [0] * len(tokens), 0.0, f"g{i}", f"r{i}", "ok", task="words"))
-    return samples
+        groups.append([Sample(tokens, mask, logprobs, [0] * len(tokens), 0.0, f"g{i}", f"r{i}", "ok", task="words")])
+    return Batch(groups)
 
 
 def test_a_url_teacher_scores_as_the_local_teacher_does(gateway, teacher_model, tmp_path):
@@ -248,11 +249,11 @@ def test_a_url_teacher_scores_as_the_local_teacher_does(gateway, teacher_model, 
     assert isinstance(remote.handles["words"], HttpTeacher)
     remote.handles["words"] = HttpTeacher("words", gateway.url, token=gateway.run_token)  # the serving run's token
     local = Teachers({"words": LoopbackTeacher(teacher_model)}, remote.temperature, remote.skip_statuses)
-    samples = student_samples()
-    (out_remote, kl_remote), (out_local, kl_local) = asyncio.run(remote.score(samples)), asyncio.run(local.score(samples))
-    got = [s.teacher_logprobs for s in out_remote]
-    assert max_diff(got, [s.teacher_logprobs for s in out_local]) < TOLERANCE
-    assert all(s.teacher == "words" for s in out_remote)
+    batch = student_batch()
+    (out_remote, kl_remote), (out_local, kl_local) = asyncio.run(remote.score(batch)), asyncio.run(local.score(batch))
+    got = [s.teacher_logprobs for s in out_remote.samples]
+    assert max_diff(got, [s.teacher_logprobs for s in out_local.samples]) < TOLERANCE
+    assert all(s.teacher == "words" for s in out_remote.samples)
     assert set(kl_remote) == {"reverse_kl/words"} and kl_remote["reverse_kl/words"] == pytest.approx(kl_local["reverse_kl/words"], abs=1e-5)
 
 

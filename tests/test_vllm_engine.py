@@ -24,7 +24,7 @@ from test_engine_front import check_closed_caller, check_idle_exit, check_stream
 from asyncrl.configs.schema import VLLMRolloutConfig
 from asyncrl.policy.checkpoint import save_policy
 from asyncrl.policy.tokenizer import build_tokenizer
-from asyncrl.records import RequestError, SamplingParams
+from asyncrl.records import Batch, RequestError, SamplingParams
 from asyncrl.rollout.sampler import distributions
 from asyncrl.rollout.vllm_compat import VLLMUnavailableError, checkpoint_names
 
@@ -512,8 +512,8 @@ def test_a_vllm_engine_takes_a_broadcast_push_from_the_learner(ray_cluster):
             assert (transport, backend) == ("broadcast", "gloo")
             (worker,) = workers.actors
             sampled = [ray.get(worker.generate.remote(PROMPT, SamplingParams(temperature=1.0, max_tokens=8, seed=s))) for s in (1, 2)]
-            samples = [to_sample(result, rollout, reward) for result, rollout, reward in zip(sampled, "ab", (1.0, 0.0), strict=True)]
-            version = ray.get(learner.train_step.remote(samples))["version"]
+            group = [to_sample(result, rollout, reward) for result, rollout, reward in zip(sampled, "ab", (1.0, 0.0), strict=True)]
+            version = ray.get(learner.train_step.remote(Batch([group]))).version
             assert await workers.update_weights(DirectPush(learner, transport, backend), version) == [version]
             trained = build_policy(config.policy, config.seed)[0]
             trained.load_state_dict(ray.get(learner.state.remote()))

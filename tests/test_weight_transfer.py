@@ -12,7 +12,7 @@ import torch
 from conftest import SMALL_SHAPE
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, LearnerConfig, MTPConfig, PolicyConfig, RunConfig, TinyModelConfig
-from asyncrl.records import SamplingParams
+from asyncrl.records import Batch, SamplingParams
 from asyncrl.weight_transfer import ALIGN, Layout, pack, resolve_transport, unpack
 
 
@@ -113,9 +113,9 @@ def test_a_gloo_broadcast_serves_what_the_object_store_serves_and_survives_a_dea
         from test_learner_actor import to_sample
 
         results = [ray.get(witnesses[0].generate.remote(prompt, dataclasses.replace(params, seed=s))) for s in (1, 2)]
-        samples = [to_sample(results[0], "a", 1.0), to_sample(results[1], "b", 0.0)]
-        metrics = await asyncio.wrap_future(learner.train_step.remote(samples).future())
-        return metrics["version"]
+        batch = Batch([[to_sample(results[0], "a", 1.0), to_sample(results[1], "b", 0.0)]])
+        result = await asyncio.wrap_future(learner.train_step.remote(batch).future())
+        return result.version
 
     async def scenario() -> None:
         learner = create_learner(config)

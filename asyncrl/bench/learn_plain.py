@@ -31,7 +31,7 @@ def run_plain(config: RunConfig, budget_s: float) -> dict:
 async def _run(config: RunConfig, budget_s: float) -> dict:
     from asyncrl.envs.arithmetic import verify
     from asyncrl.learner.rl import RLLearner
-    from asyncrl.records import UNSAMPLED_VERSION, Sample, SamplingParams
+    from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample, SamplingParams
 
     from .learn import _side
     from .learn_engine import BareEngine
@@ -58,17 +58,17 @@ async def _run(config: RunConfig, budget_s: float) -> dict:
             rendered = [(g, problem, prompt(problem)) for g, problem in enumerate(problems)]
             asked = [entry for entry in rendered for _ in range(size)]  # a group: its prompt `size` times
             results = await asyncio.gather(*(engine.generate(ids, sampling) for _, _, ids in asked))
-            samples = []
+            groups: list[list[Sample]] = [[] for _ in problems]
             for i, ((g, problem, ids), result) in enumerate(zip(asked, results, strict=True)):
                 n = len(result.token_ids)
-                samples.append(Sample(
+                groups[g].append(Sample(
                     token_ids=[*ids, *result.token_ids], loss_mask=[0] * len(ids) + [1] * n,
                     logprobs=[0.0] * len(ids) + list(result.logprobs), versions=[UNSAMPLED_VERSION] * len(ids) + list(result.versions),
                     reward=1.0 if verify(text(result.token_ids), problem) else 0.0, group_id=f"g{g}",
                     rollout_id=f"r{i}", status="ok", task="reasoning", temperatures=[None] * len(ids) + [sampling.temperature] * n,
                 ))  # fmt: skip
-            metrics = await asyncio.to_thread(learner.train_step, samples)
-            trained += metrics["ledger"]["trained"]
+            step = await asyncio.to_thread(learner.train_step, Batch(groups))
+            trained += step.ledger["trained"]
             await asyncio.to_thread(engine.update_weights, learner.state_dict_for_push(), learner.version)
             done = time.monotonic() - began >= budget_s  # read once: the last batch always closes the curve
             if done or learner.version % config.loop.eval_every == 0:

@@ -35,7 +35,7 @@ from typing import Literal
 from pydantic import Field
 
 from asyncrl.configs.schema import RunConfig, Section
-from asyncrl.records import UNSAMPLED_VERSION, Sample
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample
 
 from .asyncloop import _with
 
@@ -58,21 +58,22 @@ class LearnerBenchOptions(Section):
     reply_tokens: int = Field(96, ge=1)
 
 
-def synthetic_batch(config: RunConfig, options: LearnerBenchOptions, vocab: int, seed: int) -> list[Sample]:
+def synthetic_batch(config: RunConfig, options: LearnerBenchOptions, vocab: int, seed: int) -> Batch:
     """`batch_groups` GRPO groups with distinct rewards in each, of random tokens below `vocab`."""
     rng = random.Random(seed)
     prompt_n, reply_n, size = options.prompt_tokens, options.reply_tokens, config.learner.group_size
-    samples = []
+    groups: list[list[Sample]] = []
     for group in range(config.learner.batch_groups):
         prompt = [rng.randrange(vocab) for _ in range(prompt_n)]
+        groups.append([])
         for member in range(size):
             reply = [rng.randrange(vocab) for _ in range(reply_n)]
-            samples.append(Sample(
+            groups[-1].append(Sample(
                 token_ids=prompt + reply, loss_mask=[0] * prompt_n + [1] * reply_n,
                 logprobs=[0.0] * prompt_n + [-3.0] * reply_n, versions=[UNSAMPLED_VERSION] * prompt_n + [0] * reply_n,
                 reward=float(member), group_id=f"g{seed}-{group}", rollout_id=f"r{seed}-{group}-{member}", status="ok", task="bench",
             ))  # fmt: skip
-    return samples
+    return Batch(groups)
 
 
 COPY_PROBE_BYTES = 256 << 20
@@ -101,7 +102,7 @@ def side_names(options: LearnerBenchOptions) -> dict[str, tuple[int, str]]:
     return sides
 
 
-def _side(config: RunConfig, ranks: int, sharding: str, batches: list[list[Sample]], options: LearnerBenchOptions) -> dict:
+def _side(config: RunConfig, ranks: int, sharding: str, batches: list[Batch], options: LearnerBenchOptions) -> dict:
     import ray
 
     from asyncrl.learner.actor import create_learner
@@ -120,7 +121,7 @@ def _side(config: RunConfig, ranks: int, sharding: str, batches: list[list[Sampl
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
     finally:
         ray.kill(learner)
-    samples = options.steps * len(batches[0])
+    samples = options.steps * len(batches[0].samples)
     return {
         "samples_per_s": samples / wall,
         "peak_rss_mb": [b / 2**20 for b in usage["peak_rss_bytes"]],
@@ -169,7 +170,7 @@ def run(config: RunConfig, json_path: str | None = None, options: LearnerBenchOp
     push_s = statistics.median(r["push_s"] for r in next(iter(runs.values())))  # the first side's: no gather
     results = {
         "benchmark": "learner",
-        "samples_per_step": len(batches[0]),
+        "samples_per_step": len(batches[0].samples),
         "tokens_per_sample": options.prompt_tokens + options.reply_tokens,
         "torch_threads_per_rank": config.learner.torch_threads,
         "sides": sides,

@@ -32,8 +32,7 @@ from asyncrl.learner.rl import advantages_for
 from asyncrl.learner.selection import select
 from asyncrl.policy.tokenizer import TOOL_CALL_OPEN
 from asyncrl.records import RequestError, Sample, Trajectory
-from asyncrl.samples import trajectory_to_samples
-from asyncrl.sched.groups import Group, group_samples
+from asyncrl.samples import batch_of, trajectory_to_samples
 
 from .records import RolloutScore, TokenScore, TurnSummary
 from .run import CheckpointRef, ReplayError, RunView
@@ -179,11 +178,11 @@ def _group_advantages(view: RunView, group_id: str, trained: dict[str, int]) -> 
     members = view.store.list(group_id=group_id)
     if len(members) < learner.group_size or any(not t.terminal for t in members):
         return {}, {}
-    samples = group_samples([Group(group_id, len(members), members)], learner.crash_statuses)
-    versions = [v for s in samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
+    batch = batch_of([members], learner.crash_statuses)
+    versions = [v for s in batch.samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
     current = next((trained[t.rollout_id] for t in members if t.rollout_id in trained), max(versions, default=0))
     selection = select(
-        samples, current_version=current, max_staleness=learner.max_staleness,
+        batch.groups, current_version=current, max_staleness=learner.max_staleness,
         group_size=learner.group_size, crash_statuses=learner.crash_statuses,
     )  # fmt: skip
     advantages: dict[tuple[str, int], float] = {}

@@ -5,7 +5,7 @@ One process, no engine, gateway or Ray. The learner is built as the run built it
 on `learner.torch_threads` threads as the learner actor runs, then loaded from the newest kept
 checkpoint at or before version N-1. Every recorded step from that checkpoint's version + 1 up to N
 is re-run with `train_step` on its recorded batch: the rollouts of each group, in the order the
-learner was handed them, turned into samples by the loop's own `group_samples`, staleness measured
+learner was handed them, turned into a batch by the loop's own `batch_of`, staleness measured
 against the recorded `learner_version`. Selection, padding and advantages are pure functions of
 those, so the step is the same step. The learner's step draws no random numbers (eval mode, no
 dropout), so no other seed enters.
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.learner.rl import RLLearner
-    from asyncrl.records import Sample
+    from asyncrl.records import Batch, StepResult
     from asyncrl.sched.rundir import BatchRecord
 
     from .run import CheckpointRef, RunView
@@ -135,7 +135,7 @@ def replay_step(view: RunView, step: int, *, top: int = 10) -> StepReplay:
     from asyncrl.learner.rl import RLLearner
 
     start, records = plan(view, step)
-    batches = [_samples(view, record) for record in records]  # every trajectory read before any training
+    batches = [_batch(view, record) for record in records]  # every trajectory read before any training
     threads = view.config.learner.torch_threads
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # the learner actor's budget: reductions then add up in the same order
@@ -144,10 +144,10 @@ def replay_step(view: RunView, step: int, *, top: int = 10) -> StepReplay:
         if start.path is not None and start.version > 0:
             learner.load(start.path)
         on_the_way = {}
-        for record, samples in zip(records[:-1], batches[:-1], strict=True):
-            on_the_way[record.step] = _difference(_train(learner, record, samples)["grad_norm"], record.grad_norm)
+        for record, batch in zip(records[:-1], batches[:-1], strict=True):
+            on_the_way[record.step] = _difference(_train(learner, record, batch).grad_norm, record.grad_norm)
         shares, tokens = _shares(learner, batches[-1], records[-1].learner_version, top)  # before step N's update
-        metrics = _train(learner, records[-1], batches[-1])
+        metrics = _train(learner, records[-1], batches[-1]).record()
     finally:
         torch.set_num_threads(before)
     replayed = {k: metrics[k] for k in COMPARED} | {"ledger": metrics["ledger"]}
@@ -159,10 +159,10 @@ def replay_step(view: RunView, step: int, *, top: int = 10) -> StepReplay:
     )  # fmt: skip
 
 
-def _train(learner: RLLearner, record: BatchRecord, samples: list[Sample]) -> dict:
+def _train(learner: RLLearner, record: BatchRecord, batch: Batch) -> StepResult:
     if learner.version != record.learner_version:
         raise _error(f"learner step {record.step} started from version {record.learner_version}, but the replay is at {learner.version}")
-    return learner.train_step(samples, current_version=record.learner_version)
+    return learner.train_step(batch, current_version=record.learner_version)
 
 
 def plan(view: RunView, step: int) -> tuple[CheckpointRef, list[BatchRecord]]:
@@ -200,10 +200,10 @@ def _missing_between(view: RunView, step: int, start: CheckpointRef, version: in
     )
 
 
-def _samples(view: RunView, record: BatchRecord) -> list[Sample]:
-    """The step's samples, rebuilt from the store the way the loop built them."""
+def _batch(view: RunView, record: BatchRecord) -> Batch:
+    """The step's batch, rebuilt from the store the way the loop built it."""
     from asyncrl.gateway.store import UnknownRollout
-    from asyncrl.sched.groups import Group, group_samples
+    from asyncrl.samples import batch_of
 
     groups = []
     for ids in record.groups:
@@ -215,11 +215,11 @@ def _samples(view: RunView, record: BatchRecord) -> list[Sample]:
                 "store.keep_trajectories=false deletes them once a checkpoint holds their training, and "
                 "`asyncrl replay prune --trajectories` deletes them later; keep them to re-run the step"
             ) from None
-        groups.append(Group(trajectories[0].group_id if trajectories else "", len(ids), trajectories))
-    return group_samples(groups, view.config.learner.crash_statuses)
+        groups.append(trajectories)
+    return batch_of(groups, view.config.learner.crash_statuses)
 
 
-def _shares(learner: RLLearner, samples: list[Sample], current_version: int, top: int) -> tuple[list[SampleShare], list[TokenShare]]:
+def _shares(learner: RLLearner, batch: Batch, current_version: int, top: int) -> tuple[list[SampleShare], list[TokenShare]]:
     """Each row's and each token's share of the loss, from the learner's own functions, no gradient."""
     import torch
 
@@ -229,7 +229,7 @@ def _shares(learner: RLLearner, samples: list[Sample], current_version: int, top
     from asyncrl.learner.sft_data import length_buckets
 
     config = learner.config
-    selection = select(samples, current_version=current_version, max_staleness=config.max_staleness,
+    selection = select(batch.groups, current_version=current_version, max_staleness=config.max_staleness,
                        group_size=config.group_size, crash_statuses=config.crash_statuses)  # fmt: skip
     rows = to_rows(selection.batch, advantages_for(selection, config.normalize_adv_std), learner.temperature)
     computed = [row for row in rows if row.advantage != 0.0 or row.teacher_logprobs is not None]
@@ -245,18 +245,18 @@ def _shares(learner: RLLearner, samples: list[Sample], current_version: int, top
         return learner.objective(lp.view(1, 1), lr.view(1, 1), a.view(1), m.view(1, 1)).loss
 
     with torch.no_grad():
-        for batch in micro_batches(computed, pad, config.micro_batch_tokens):
-            batch = batch.to(learner.device)
-            logp, _ = learner.scorer(batch.input_ids, batch.attention_mask, batch.loss_mask, batch.temperatures, batch.rollout_logprobs)
-            mask, rollout = batch.loss_mask[:, 1:], batch.rollout_logprobs[:, 1:]
-            out = learner.objective(logp, rollout, batch.advantages, mask)
-            advantages = batch.advantages[:, None].expand_as(logp)
+        for micro in micro_batches(computed, pad, config.micro_batch_tokens):
+            micro = micro.to(learner.device)
+            logp, _ = learner.scorer(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.temperatures, micro.rollout_logprobs)
+            mask, rollout = micro.loss_mask[:, 1:], micro.rollout_logprobs[:, 1:]
+            out = learner.objective(logp, rollout, micro.advantages, mask)
+            advantages = micro.advantages[:, None].expand_as(logp)
             per_token = torch.vmap(one_token)(logp.flatten(), rollout.flatten(), advantages.flatten(), mask.flatten())
             per_token = per_token.view_as(logp) / total
             for b in range(logp.shape[0]):
                 row = next(order)
                 n = len(row.token_ids)
-                if batch.input_ids[b, :n].tolist() != row.token_ids:
+                if micro.input_ids[b, :n].tolist() != row.token_ids:
                     raise RuntimeError("micro_batches no longer lays rows out in length-bucket order; replay's row map needs updating")
                 i = index[id(row)]
                 shares[i] = (float(per_token[b].sum()), int(out.kept[b].sum()))
