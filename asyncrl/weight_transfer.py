@@ -1,6 +1,6 @@
 """Weights from the learner straight to the engines: a broadcast group instead of the Ray object store.
 
-On the object-store path (`learner/publish.py`, `sched/clients.py`) a push copies the learner's weights
+On the object-store path (`sched/workers.py` RayWorkers.push) a push copies the learner's weights
 to host memory, serializes them into the object store, and every engine copies them back to its device.
 With `rollout.weight_transport=broadcast` the learner (rank 0) and the engines (ranks 1..N) form one
 torch.distributed group of their own, NCCL between GPUs and gloo on CPU, and rank 0 broadcasts the

@@ -13,11 +13,14 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal
 
 from asyncrl.configs.schema import ArithmeticTaskConfig
 
 from .heldout import distinct_draws
+
+if TYPE_CHECKING:
+    from .tool_demos import ToolProblem
 
 Op = Literal["+", "-"]
 
@@ -77,14 +80,7 @@ def is_heldout(canonical: str, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < fraction
 
 
-class Answered(Protocol):
-    """A problem with one integer answer (an arithmetic problem, a tool-use problem)."""
-
-    @property
-    def answer(self) -> int: ...
-
-
-def verify(completion_text: str, problem: Answered) -> bool:
+def verify(completion_text: str, problem: Problem | ToolProblem) -> bool:
     """Exact integer match of the whole completion (surrounding whitespace and EOS stripped)."""
     from asyncrl.policy.tokenizer import EOS
 

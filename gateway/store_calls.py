@@ -18,19 +18,13 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 MAX_BATCH = 256
 """Most calls in one transaction: bounds how long the write lock is held and how late the first caller hears back."""
 
 
-class StoreCalls(Protocol):
-    async def __call__(self, fn: Callable, *args: Any, **kwargs: Any) -> Any: ...
-
-    def close(self) -> None: ...
-
-
-def store_calls(store: Any, *, threads: int = 4) -> StoreCalls:
+def store_calls(store: Any, *, threads: int = 4) -> BatchedStoreCalls | PooledStoreCalls:
     """Batched on one thread for a store with `transaction()` (SQLite), else a pool of `threads`."""
     return BatchedStoreCalls(store) if hasattr(store, "transaction") else PooledStoreCalls(threads)
 

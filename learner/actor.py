@@ -4,11 +4,11 @@ The scheduler drives it with a handful of verbs; weights leave it as an ObjectRe
 
     result = ray.get(learner.train_step.remote(batch))  # a StepResult
     weights = learner.state.remote()  # when the step made a push due (`asyncrl.records.due_after_step`)
-    ray.get([worker.update_weights.remote(weights, result.version) for worker in workers])
+    ray.get([worker.load_weights.remote(weights, result.version) for worker in workers])
 
 `state.remote()` returns the state dict's ObjectRef, which every worker is handed as it is: the weights
 are serialized once, by the learner, and never pass through the driver. The scheduler's loop makes
-these calls through its learner client (`sched/clients.py` RayLearner).
+these calls through its learner client (`sched/learners.py` RayLearner).
 
 With `learner.num_ranks` > 1 the actor the scheduler holds is rank 0 of a data-parallel learner
 (learner/distributed.py): it starts the other ranks as actors of its own, so they live and die with

@@ -18,11 +18,13 @@ from __future__ import annotations
 import datetime
 import socket
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .sft_data import Masked
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """How long a collective waits for a rank that neither answers nor dies."""
@@ -30,12 +32,7 @@ BUCKET_BYTES = 32 << 20
 """Gradients are reduced in flattened buckets of about this size: few collective calls, bounded extra memory."""
 
 
-class HasTokens(Protocol):
-    @property
-    def token_ids(self) -> list[int]: ...
-
-
-R = TypeVar("R", bound=HasTokens)
+R = TypeVar("R", bound=Masked)
 
 
 def shard_rows(rows: Sequence[R], rank: int, world: int) -> list[R]:

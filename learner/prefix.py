@@ -24,14 +24,14 @@ import dataclasses
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from asyncrl.policy.mtp import decoder_and_head
 
-from .sft_data import padded
+from .sft_data import Masked, padded
 
 MIN_SAVED_FRACTION = 0.2
 """Share a micro-batch's prefixes only when that skips at least this fraction of its tokens: the second
@@ -44,11 +44,6 @@ MAX_LOGIT_GAP = {torch.float32: 1e-3, torch.float64: 1e-6}
 cache is off by far more."""
 
 MAX_LOGIT_GAP_HALF = 5e-2
-
-
-class HasTokens(Protocol):
-    token_ids: list[int]
-    loss_mask: list[int]
 
 
 @dataclass
@@ -75,7 +70,7 @@ class PrefixSplit:
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
 
-def prefix_groups(rows: Sequence[HasTokens]) -> list[tuple[int, list[int]]]:
+def prefix_groups(rows: Sequence[Masked]) -> list[tuple[int, list[int]]]:
     """(prefix length, indices of its rows) for every set of rows with the same prompt, in first-seen order.
 
     Rows with the same tokens before their first sampled token share a prompt; their prefix is the
@@ -97,14 +92,14 @@ def prefix_groups(rows: Sequence[HasTokens]) -> list[tuple[int, list[int]]]:
     return groups
 
 
-def saved_fraction(groups: Sequence[tuple[int, list[int]]], rows: Sequence[HasTokens]) -> float:
+def saved_fraction(groups: Sequence[tuple[int, list[int]]], rows: Sequence[Masked]) -> float:
     """The fraction of the rows' tokens that sharing `groups`' prefixes does not compute."""
     total = sum(len(row.token_ids) for row in rows)
     saved = sum(length * (len(members) - 1) for length, members in groups)
     return saved / total if total else 0.0
 
 
-def split_rows(groups: Sequence[tuple[int, list[int]]], rows: Sequence[HasTokens], pad_token_id: int) -> PrefixSplit:
+def split_rows(groups: Sequence[tuple[int, list[int]]], rows: Sequence[Masked], pad_token_id: int) -> PrefixSplit:
     """The `PrefixSplit` of `rows` (in their order) under `groups` (`prefix_groups` of the same rows)."""
     group_of = [0] * len(rows)
     prefix_len = [0] * len(rows)

@@ -54,6 +54,8 @@ def select(
         by_rollout: dict[str, list[Sample]] = defaultdict(list)  # insertion order: the group's rollouts in order
         for sample in group:
             by_rollout[sample.rollout_id].append(sample)
+        if len({sample.group_id for sample in group}) > 1:
+            raise ValueError(f"a group of the batch mixes GRPO groups {sorted({sample.group_id for sample in group})}")
         if len(by_rollout) > group_size:
             raise ValueError(f"group {group[0].group_id!r} has {len(by_rollout)} rollouts, more than group_size={group_size}")
         survivors = []

@@ -22,15 +22,15 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 
 import torch
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig
-from asyncrl.records import FinishReason, GenerationResult, SamplingParams, ScoreResult, TokenDelta
+from asyncrl.records import FinishReason, GenerationResult, ScoreResult
 
 from .front import EngineFront
+from .intake import resolve_sampling, validate_prompt
 from .kv_cache import ForwardBatch, KVCache, SlotManager
 from .models import build_model
 from .models.mtp import NativeMTP
@@ -38,7 +38,6 @@ from .request import Request
 from .sampler import sample
 from .scoring import NativeScorer
 from .speculative import SpeculativeDecoder
-from .types import resolve_sampling, validate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +45,10 @@ MAX_PREFILL_TOKENS = 8192
 """Padded prompt tokens (rows x longest piece) admitted into one prefill step; bounds its memory."""
 
 
-class EmbeddedEngine:
-    """Implements the `Engine` protocol in-process on CPU or one GPU, for `glm_moe_dsa` and `qwen3`;
-    the engine core its `EngineFront` drives."""
+class EmbeddedEngine(EngineFront):
+    """A rollout engine in this process, on CPU or one GPU: the core verbs over the native models of
+    `rollout/models/` (or transformers' own forward for other causal LMs; docs/MODELS.md), served by
+    `EngineFront`."""
 
     def __init__(
         self,
@@ -106,7 +106,7 @@ class EmbeddedEngine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._scorer: NativeScorer | None = None  # built by the first scoring call
-        self.front = EngineFront(self, name=f"engine-{engine_id}")
+        super().__init__(name=f"engine-{engine_id}")
 
     @classmethod
     def from_pretrained(cls, model, config: EmbeddedRolloutConfig | None = None, **kwargs) -> EmbeddedEngine:
@@ -123,56 +123,7 @@ class EmbeddedEngine:
                 model = AutoModelForCausalLM.from_pretrained(str(model), dtype=kwargs.get("dtype", torch.float32))
         return cls(model, config, **kwargs)
 
-    # --- the engine verbs ------------------------------------------------------------------------
-
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams | dict | None = None,
-        *,
-        session_id: str | None = None,
-        on_finish: Callable[[GenerationResult], None] | None = None,
-    ) -> str:
-        """Validate and queue a request; returns its id. Bad input raises RequestError here, and only here."""
-        return self.front.submit(self._request(prompt_token_ids, sampling, session_id), on_finish)
-
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams | dict | None = None,
-        *,
-        session_id: str | None = None,
-    ) -> GenerationResult:
-        """Sample a completion on the background thread; `session_id` enables prefix reuse across turns."""
-        return await self.front.generate(self._request(prompt_token_ids, sampling, session_id))
-
-    def stream(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams | dict | None = None,
-        *,
-        session_id: str | None = None,
-    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
-        """`generate`, as it comes: what each step sampled, then the result (`EngineFront.stream`). Bad input
-        raises RequestError here, before anything is iterated; closing the iterator early aborts the request."""
-        return self.front.stream(self._request(prompt_token_ids, sampling, session_id))
-
-    def _request(self, prompt_token_ids, sampling, session_id: str | None) -> Request:
-        params = resolve_sampling(sampling, self.config.sampling.model_dump())
-        prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        return Request(
-            id=f"{self.engine_id}-{next(self._ids)}",
-            prompt=prompt,
-            params=params,
-            session_id=session_id,
-            stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
-            rng=random.Random(params.seed),  # seed None draws from OS entropy
-            routes=[] if self.record_routes else None,
-        )
-
-    def abort(self, request_id: str) -> None:
-        """Finish a request early with reason "abort" (at the next step)."""
-        self.front.abort(request_id)
+    # --- beside the front's verbs (generate, stream, update_weights, ...): scoring and health -------
 
     async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
         """Prefill-only log-probs of every token given the ones before it, and the version of the weights
@@ -186,48 +137,42 @@ class EmbeddedEngine:
                 )
             return ScoreResult(self._scorer.score(sequences, temperature), self.version, self.engine_id)
 
-        return await self.front.call(job)
-
-    def update_weights(self, state_dict: dict, version: int) -> None:
-        """Swap in new weights between two steps; returns once they are in use (`EngineFront.update_weights`)."""
-        self.front.update_weights(state_dict, version)
+        return await self.call(job)
 
     def health(self) -> dict:
         return {
             "engine_id": self.engine_id,
             # Shut down means not serving, even though a later `generate` would start it again.
-            "alive": self.front.alive,
+            "alive": self.alive,
             "version": self.version,
             "max_model_len": self.max_model_len,
             "running": len(self._running),
-            "waiting": len(self._waiting) + self.front.queued,
+            "waiting": len(self._waiting) + self.queued,
             "retained_prefixes": self.slots.num_retained,
             "generated_tokens": self.generated_tokens,
             "fp8": self.model.fp8,
             "mtp_accept_len": self.verify_tokens / self.verify_steps if self.verify_steps else None,
             "device": str(self.device),
             "last_error": self.last_error,
-            "busy_s": self.front.busy_s,
+            "busy_s": self.busy_s,
             # The whole process's CPU (a rollout worker's actor is the engine; in-process, the driver too).
             "process_cpu_s": time.process_time(),
         }
 
-    def step(self) -> list[GenerationResult]:
-        """One step by hand (an engine not serving): weights, inbox and aborts, then `advance`. Returns the requests it finished."""
-        return self.front.step()
+    # --- the core (`EngineFront` calls these on its stepping thread, make_request on the caller's) ---
 
-    def has_unfinished(self) -> bool:
-        return self.front.has_unfinished()
-
-    def start(self) -> None:
-        """Serve in the background: a stepping thread runs while there is work (idempotent)."""
-        self.front.start()
-
-    def shutdown(self) -> None:
-        """Stop the background thread after its current step; unfinished requests stay queued."""
-        self.front.stop()
-
-    # --- the engine core (`EngineCore`: the front calls these on its stepping thread) -------------
+    def make_request(self, prompt_token_ids, sampling, session_id: str | None) -> Request:
+        params = resolve_sampling(sampling, self.config.sampling.model_dump())
+        prompt = validate_prompt(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        return Request(
+            id=f"{self.engine_id}-{next(self._ids)}",
+            prompt=prompt,
+            params=params,
+            session_id=session_id,
+            stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
+            rng=random.Random(params.seed),  # seed None draws from OS entropy
+            routes=[] if self.record_routes else None,
+        )
 
     def admit(self, requests: list[Request]) -> None:
         self._waiting.extend(requests)

@@ -1,13 +1,15 @@
-"""The engine front: what both rollout engines put between their callers and their engine core.
+"""The engine front: what every rollout engine is around its core, written once.
 
 An engine core (the embedded engine's batcher, or the wrapper around vLLM's `LLMEngine`) is
 single-threaded: one thread runs it, one step at a time. `EngineFront` is everything around it, the
-same for both engines:
+same for both engines, and the engine interface itself: an engine subclasses it and supplies the
+core's verbs (`EngineCore`, the abstract methods), and callers use the front's.
 
-- an inbox and a set of aborts that any thread may fill (`submit`, `abort`), handed to the core at
-  the start of a step, so the core never sees another thread;
+- an inbox and a set of aborts that any thread may fill (`add_request`, `abort`), handed to the core
+  at the start of a step, so the core never sees another thread;
 - the weight-swap handshake (`update_weights`): a push is applied between two steps by whoever
-  steps next, and its caller returns once the new weights serve, or with the core's refusal;
+  steps next (the core's `load_weights`), and its caller returns once the new weights serve, or
+  with the core's refusal;
 - jobs that run on the stepping thread between two steps (`call`: the embedded engine's scoring);
 - while serving, a background stepping thread that runs while there is work and leaves after
   `IDLE_EXIT_S` without any (the next request starts a new one); not serving, the owner steps by hand;
@@ -18,8 +20,9 @@ same for both engines:
   looking, so a caller that falls behind gets several steps in one delta, not one wake-up per token;
 - finished results handed to each request's callback; a failing callback costs nobody else theirs.
 
-The core's verbs (`EngineCore`) are called on the stepping thread only, or under the step lock by a
-caller when no thread steps.
+The core's verbs are called on the stepping thread only, or under the step lock by a caller when no
+thread steps; `make_request` and `prepare_weights` run on the caller's thread, so bad input is refused
+there, before anything is queued.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ import contextlib
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from asyncrl.records import GenerationResult, TokenDelta
+from asyncrl.records import GenerationResult, SamplingParams, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -41,34 +45,6 @@ IDLE_EXIT_S = 0.25
 """Seconds without work after which the background stepping thread exits (the next request restarts it)."""
 
 T = TypeVar("T")
-
-
-class EngineCore(Protocol):
-    """What an engine does in one thread: the verbs its front drives."""
-
-    def admit(self, requests: list) -> None:
-        """Take requests from the inbox (each made by the engine, with an `id`); they run from the next `advance`."""
-        ...
-
-    def cancel(self, request_ids: set[str], error: str | None = None) -> list[GenerationResult]:
-        """Finish these requests with reason "abort" (ids it does not hold are ignored); their results."""
-        ...
-
-    def advance(self) -> list[GenerationResult]:
-        """One engine iteration over the admitted requests; the results of those it finished."""
-        ...
-
-    def busy(self) -> bool:
-        """Whether admitted requests are unfinished."""
-        ...
-
-    def sampled(self, request) -> tuple[list[int], list[float], list[int]]:
-        """An unfinished request's tokens, log-probs and versions so far (only appended to: `stream` reads what is new)."""
-        ...
-
-    def load_weights(self, weights: Any, version: int) -> None:
-        """Serve `weights` as `version` from now on; raising refuses them, and the old weights stay."""
-        ...
 
 
 @dataclass(eq=False)
@@ -87,12 +63,52 @@ class _Push:
             earlier.done = True
 
 
-class EngineFront:
-    """Request intake, aborts, weight pushes, jobs and the stepping thread around one `EngineCore`."""
+class EngineCore(ABC):
+    """What an engine supplies: its core's verbs, which `EngineFront` calls on the stepping thread (or under the
+    step lock when no thread steps); `make_request` and `prepare_weights` on the caller's thread."""
 
-    def __init__(self, core: EngineCore, name: str) -> None:
-        """`name`: the stepping thread's, and the one errors give the engine."""
-        self.core, self.name = core, name
+    @abstractmethod
+    def make_request(self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None, session_id: str | None) -> Any:
+        """A request of this core's (with an `id`), from a prompt and sampling options (a dict over the
+        engine's defaults); bad input raises RequestError. `session_id` groups the turns of one rollout."""
+
+    @abstractmethod
+    def admit(self, requests: list) -> None:
+        """Take requests from the inbox; they run from the next `advance`."""
+
+    @abstractmethod
+    def cancel(self, request_ids: set[str], error: str | None = None) -> list[GenerationResult]:
+        """Finish these requests with reason "abort" (ids it does not hold are ignored); their results."""
+
+    @abstractmethod
+    def advance(self) -> list[GenerationResult]:
+        """One engine iteration over the admitted requests; the results of those it finished."""
+
+    @abstractmethod
+    def busy(self) -> bool:
+        """Whether admitted requests are unfinished."""
+
+    @abstractmethod
+    def sampled(self, request) -> tuple[list[int], list[float], list[int]]:
+        """An unfinished request's tokens, log-probs and versions so far (only appended to: `stream` reads what is new)."""
+
+    @abstractmethod
+    def load_weights(self, weights: Any, version: int) -> None:
+        """Serve `weights` as `version` from now on; raising refuses them, and the old weights stay."""
+
+    def prepare_weights(self, state_dict: dict) -> Any:
+        """What `load_weights` takes, from a pushed state dict, on the caller's thread; raising refuses
+        the push before anything is queued. As they are, unless the engine says otherwise."""
+        return state_dict
+
+
+class EngineFront(EngineCore):
+    """Request intake, aborts, weight pushes, jobs and the stepping thread around an engine's core verbs."""
+
+    def __init__(self, name: str) -> None:
+        """`name`: the stepping thread's, and the one errors give the engine. Called last by an engine's
+        constructor, once its core can take requests."""
+        self.name = name
         # Everything below is shared between callers and the stepping thread, guarded by _cv.
         self._cv = threading.Condition()
         self._inbox: list = []
@@ -111,8 +127,19 @@ class EngineFront:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def submit(self, request, on_finish: Callable[[GenerationResult], None] | None = None) -> str:
-        """Queue a request the engine made (and validated); `on_finish` gets its result. Returns its id."""
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | dict | None = None,
+        *,
+        session_id: str | None = None,
+        on_finish: Callable[[GenerationResult], None] | None = None,
+    ) -> str:
+        """Validate and queue a request; `on_finish` gets its result. Returns its id. Bad input raises
+        RequestError here, and only here."""
+        return self._submit(self.make_request(prompt_token_ids, sampling, session_id), on_finish)
+
+    def _submit(self, request, on_finish: Callable[[GenerationResult], None] | None = None) -> str:
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"{self.name} is shut down")
@@ -127,11 +154,15 @@ class EngineFront:
             self._aborts.add(request_id)
             self._wake_locked()
 
-    async def generate(self, request) -> GenerationResult:
-        """Submit `request`, serve, and await its result; a cancelled caller aborts the request."""
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, *, session_id: str | None = None
+    ) -> GenerationResult:
+        """Sample a completion, serving meanwhile; `session_id` enables prefix reuse across a rollout's
+        turns. Bad input raises RequestError; a cancelled caller aborts the request."""
+        request = self.make_request(prompt_token_ids, sampling, session_id)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[GenerationResult] = loop.create_future()
-        self.submit(request, on_finish=lambda result: _settle_soon(loop, done, result))
+        self._submit(request, on_finish=lambda result: _settle_soon(loop, done, result))
         self.start()
         try:
             return await done
@@ -139,14 +170,21 @@ class EngineFront:
             self.abort(request.id)
             raise
 
-    async def stream(self, request) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
-        """Submit `request` and serve; yields the tokens each step sampled (several steps in one delta when
-        the caller was busy), then the result. Leaving early (`aclose`, a cancelled caller) aborts the request."""
+    def stream(
+        self, prompt_token_ids: list[int], sampling: SamplingParams | dict | None = None, *, session_id: str | None = None
+    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
+        """`generate`, as it comes: the tokens each step sampled (several steps in one delta when the caller
+        was busy; a speculative step may add several tokens), then the result, which holds every token
+        again. Bad input raises RequestError here, before anything is iterated; leaving early (`aclose`,
+        a cancelled caller) aborts the request."""
+        return self._stream(self.make_request(prompt_token_ids, sampling, session_id))
+
+    async def _stream(self, request) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
         sink = _Sink(asyncio.get_running_loop())
         with self._cv:
             self._streams[request.id] = (request, sink)
         try:
-            self.submit(request, on_finish=sink.finish)
+            self._submit(request, on_finish=sink.finish)
         except BaseException:
             with self._cv:
                 self._streams.pop(request.id, None)
@@ -186,7 +224,7 @@ class EngineFront:
 
     def has_unfinished(self) -> bool:
         with self._cv:
-            return bool(self._inbox) or self.core.busy()
+            return bool(self._inbox) or self.busy()
 
     @property
     def queued(self) -> int:
@@ -195,13 +233,15 @@ class EngineFront:
 
     # --- weights -------------------------------------------------------------------------------
 
-    def update_weights(self, weights: Any, version: int) -> None:
-        """Swap in new weights between two steps; returns once they serve, or raises the core's refusal.
+    def update_weights(self, state_dict: dict, version: int) -> None:
+        """Swap in new weights between two steps; tokens sampled afterwards carry `version`. Returns once
+        they serve, or raises the engine's refusal (`prepare_weights`, `load_weights`).
 
         From the stepping thread itself (an `on_finish` callback) it only queues them for the start
         of the next step. When no thread steps, the caller applies them. A push that a newer one
         replaces before it was applied returns when the newer one is.
         """
+        weights = self.prepare_weights(state_dict)
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"{self.name} is shut down")
@@ -226,7 +266,7 @@ class EngineFront:
         if push is None:
             return
         try:
-            self.core.load_weights(push.weights, push.version)
+            self.load_weights(push.weights, push.version)
         except Exception as error:
             outcome: Exception | None = error
         else:
@@ -250,9 +290,9 @@ class EngineFront:
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
             if inbox:
-                self.core.admit(inbox)
-            finished = self.core.cancel(aborts) if aborts else []
-            finished += self.core.advance()
+                self.admit(inbox)
+            finished = self.cancel(aborts) if aborts else []
+            finished += self.advance()
             if self._streams:
                 self._publish(finished)
         # Outside the step lock: a callback may push weights, which a caller without a stepping thread applies itself.
@@ -265,7 +305,7 @@ class EngineFront:
         with self._cv:
             streams = [(request, sink) for request_id, (request, sink) in self._streams.items() if request_id not in done]
         for request, sink in streams:
-            token_ids, logprobs, versions = self.core.sampled(request)
+            token_ids, logprobs, versions = self.sampled(request)
             sink.take(token_ids, logprobs, versions)
 
     def _deliver(self, results: list[GenerationResult]) -> None:
@@ -281,7 +321,7 @@ class EngineFront:
                 log.exception("%s: the on_finish callback of %s failed", self.name, result.request_id)
 
     def _has_work_locked(self) -> bool:
-        return bool(self._inbox or self._aborts or self._jobs or self._push) or self.core.busy()
+        return bool(self._inbox or self._aborts or self._jobs or self._push) or self.busy()
 
     def _wake_locked(self) -> None:
         self._cv.notify_all()
@@ -335,7 +375,8 @@ class EngineFront:
                 self._wake_locked()
 
     def stop(self) -> None:
-        """Stop the stepping thread after its current step; unfinished requests stay queued."""
+        """Stop the stepping thread after its current step; unfinished requests stay queued (a later
+        request starts it again)."""
         with self._cv:
             self._serving, self._stopping = False, True
             thread = self._thread
@@ -361,9 +402,14 @@ class EngineFront:
             for job in jobs:
                 job()
             if inbox:
-                self.core.admit(inbox)
-            finished = self.core.cancel(unfinished, error=message) if unfinished else []
+                self.admit(inbox)
+            finished = self.cancel(unfinished, error=message) if unfinished else []
         self._deliver(finished)
+
+    def shutdown(self) -> None:
+        """Stop serving: the stepping thread stops after its current step (`stop`); an engine that holds
+        resources of its own releases them too."""
+        self.stop()
 
 
 class _Sink:

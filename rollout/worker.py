@@ -7,9 +7,11 @@ Methods are async so one actor serves many concurrent `generate` calls, which th
 `stream` is a Ray streaming generator (call it with `.options(num_returns="streaming")`): a TokenDelta
 per engine step, then the result; cancelling the task (`ray.cancel` on its generator) aborts the request.
 `score` is prefill-only scoring with the engine's current weights (the vLLM engine refuses it).
-Weights arrive as a state dict; pass an `ObjectRef` from `ray.put` so N workers share one copy in
-the object store. `WorkerLauncher` starts workers of one configuration, again whenever one died
-(the scheduler's replacement, `sched/clients.py`), and `watch` lets the driver hear of a death at once.
+Weights arrive as a state dict (`load_weights`); pass an `ObjectRef` from `ray.put` so N workers
+share one copy in the object store. A push the learner sends itself arrives through `receive_weights`
+(a broadcast) or `copy_shared_bucket` and `swap_in_shared` (CUDA IPC). `WorkerLauncher` starts
+workers of one configuration, again whenever one died (the scheduler's replacement,
+`sched/supervision.py`), and `watch` lets the driver hear of a death at once.
 
 Start Ray with `RAY_SYSTEM_CONFIG`: Ray's core worker calls `nice(worker_niceness)` in every process
 it starts for tasks and actors (default 15: src/ray/common/ray_config_def.h, applied in
@@ -93,7 +95,9 @@ class RolloutWorker:
     async def score(self, sequences: list[list[int]], temperature: float = 1.0) -> ScoreResult:
         return await self.engine.score(sequences, temperature)
 
-    async def update_weights(self, state_dict: dict, version: int) -> int:
+    async def load_weights(self, state_dict: dict, version: int) -> int:
+        """Serve `state_dict` (pass an ObjectRef from `ray.put`, so N workers share one copy in the object
+        store) as `version` once this returns; the version the engine serves."""
         # Waiting for the swap blocks; a thread keeps this actor's event loop serving generate calls.
         await asyncio.to_thread(self.engine.update_weights, state_dict, version)
         return self.engine.version

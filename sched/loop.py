@@ -3,19 +3,21 @@
     admit     start GRPO groups of episodes while the admission rule allows (`sched/admission.py`:
               in-flight and staleness bounds), each group's task picked by the task mix (`sched/tasks.py`)
     collect   claim finished trajectories (aborted ones too) from the store into their groups
-    train     hand complete groups to the learner (episodes keep running meanwhile), scored by their
-              stages' teachers first in a distillation run; when the step returns, book it (`sched/steps.py`),
-              push weights when due (the next step starts while the engines load them), checkpoint when due
+    train     hand complete groups to the learner as one `Batch` (episodes keep running meanwhile), scored
+              by their stages' teachers first in a distillation run; when the step returns, book it
+              (`sched/steps.py`), push weights and checkpoint when it made them due
+              (`asyncrl.records.due_after_step`; the next step starts while the engines load the weights)
     evaluate  each task's held-out greedy success every `loop.eval_every` versions (`sched/evaluation.py`)
     report    the live display
 
 Each round collects and trains before it admits (a group's episodes starting keep the driver busy
 for a while, and the learner should not wait on that), and a round that booked a step comes round
 again at once: its push freed admission. Async and sync runs are this same loop with a different
-admission rule. The learner and the engines are reached through two small clients (`sched/parts.py`).
+admission rule. The learner and the engines are reached through small clients (`sched/parts.py`).
 Trajectories are acknowledged in the store only at a checkpoint, so a run that dies loses nothing and
-re-trains nothing (`recover`, `sched/resume.py`). A part that dies mid-run comes back without ending it (`sched/recovery.py`);
-`close` ends a run with every rollout in exactly one account of the ledger (`sched/shutdown.py`).
+re-trains nothing (`recover`, `sched/resume.py`). The loop's state in this process beyond the books is
+one `InFlight`, which the recovery of a part that dies mid-run rewinds (`sched/recovery.py`) and `close`
+drains, ending a run with every rollout in exactly one account of the ledger (`sched/shutdown.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import random
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.gateway.store import TrajectoryHandOff
@@ -46,25 +49,41 @@ TICK_S = 0.05
 """Pause between rounds of the loop; episodes and the learner run on without it."""
 
 
+@dataclass
+class InFlight:
+    """What the loop holds in this process besides its books (`LoopState`, which checkpoints keep): gone
+    with the process, rewound when the learner restarts, drained when the run closes."""
+
+    pushed: int
+    """The version the engines serve."""
+    evaluated: int
+    """The version last evaluated."""
+    accuracy: float | None
+    """The last held-out accuracy."""
+    groups: GroupBuffer = field(default_factory=GroupBuffer)
+    step: tuple[asyncio.Future, list[Group]] | None = None
+    """The learner step in flight, and the groups it was handed."""
+    closing: bool = False
+    """Set by `close`: no step starts after it."""
+    unstepped: int = 0
+    """Batches in a row that took no optimizer step (no rollout had an advantage)."""
+    last: dict = field(default_factory=dict)
+    """The last step's record."""
+
+
 class Loop:
     def __init__(self, config: RunConfig, parts: Parts, state: LoopState) -> None:
         self.config, self.p, self.state = config, parts, state
         self.group_size, self.batch_groups = config.learner.group_size, config.learner.batch_groups
-        self.groups = GroupBuffer()
         self.books = Books(
             state, parts.store, parts.rundir, parts.learner,
             retention=Retention.from_config(config.learner), keep_trajectories=config.store.keep_trajectories,
         )  # fmt: skip
         self.episodes = Episodes(parts.gateway, parts.http, config.loop.episode_timeout_s)
-        self.pending: tuple[asyncio.Future, list[Group]] | None = None  # the learner step in flight
-        self.closing = False  # set by `close`: no step starts after it
-        self.pushed = self.evaluated = state.version  # version the engines serve / last evaluated
+        self.flight = InFlight(pushed=state.version, evaluated=state.version, accuracy=state.eval_before)
         self.rng = random.Random(f"{config.seed}-{state.version}")
         self.t0, self.collected = time.monotonic(), 0
-        self.last: dict = {}  # the last step's record
-        self.unstepped = 0  # batches in a row that took no optimizer step (no rollout had an advantage)
-        self.accuracy = state.eval_before
-        self.recovery = Recovery(self)
+        self.recovery = Recovery(parts, self.books, self.episodes, self.flight, self.push)
         self.recoveries = self.recovery.records  # every part that died and came back, in order
 
     async def run(self) -> None:
@@ -83,13 +102,13 @@ class Loop:
 
     async def idle(self) -> None:
         """`TICK_S`, or less: until the learner step in flight comes back (the engines wait on its push)."""
-        if self.pending is None:
+        if self.flight.step is None:
             await asyncio.sleep(TICK_S)
         else:
-            await asyncio.wait([self.pending[0]], timeout=TICK_S)
+            await asyncio.wait([self.flight.step[0]], timeout=TICK_S)
 
     def finished(self) -> bool:
-        return self.closing or self.stop_reason() is not None
+        return self.flight.closing or self.stop_reason() is not None
 
     def stop_reason(self) -> str | None:
         """Why the run stops: `steps` reached, `no_signal` (loop.max_batches_without_step), `wall_budget`;
@@ -97,7 +116,7 @@ class Loop:
         limit = self.config.loop.max_batches_without_step
         if self.state.version >= self.config.loop.steps:
             return "steps"
-        if limit and self.unstepped >= limit:
+        if limit and self.flight.unstepped >= limit:
             return "no_signal"
         return "wall_budget" if self.out_of_time() else None
 
@@ -107,14 +126,14 @@ class Loop:
 
     def admit(self) -> None:
         self.episodes.check()
-        self.p.workers.check()
-        if not self.p.workers.serving():
+        self.p.supervision.check()
+        if not self.p.supervision.serving():
             return  # the only engine is being replaced: new episodes would fail at their first call
-        loop, taking = self.config.loop, self.pending is not None
+        loop, flight, taking = self.config.loop, self.flight, self.flight.step is not None
         allowed = 0 if self.stop_reason() is not None else groups_to_admit(
             mode=loop.mode, steps_left=loop.steps - self.state.version - taking, in_flight=len(self.episodes),
             max_inflight=loop.max_inflight, group_size=self.group_size, batch_groups=self.batch_groups,
-            ahead=self.groups.rollouts, lag=self.state.version + taking - self.pushed,
+            ahead=flight.groups.rollouts, lag=self.state.version + taking - flight.pushed,
             tau=self.config.learner.max_staleness, learner_idle=not taking,
         )  # fmt: skip
         for _ in range(allowed):
@@ -125,8 +144,8 @@ class Loop:
             # replay draws the same problem again (`asyncrl replay episode`).
             task_seed, group_id = self.rng.getrandbits(63), uuid.uuid4().hex[:16]
             problem = task.env.sample_task(random.Random(task_seed), "train")
-            self.groups.open(group_id, self.group_size)
-            self.episodes.start_group(task, problem, group_id, self.group_size, admitted_at_version=self.pushed, task_seed=task_seed)
+            flight.groups.open(group_id, self.group_size)
+            self.episodes.start_group(task, problem, group_id, self.group_size, admitted_at_version=flight.pushed, task_seed=task_seed)
 
     async def collect(self) -> None:
         claim_batch = self.config.store.claim_batch
@@ -134,29 +153,31 @@ class Loop:
             claimed = await asyncio.to_thread(self.p.store.claim, CONSUMER, claim_batch)
             for trajectory in claimed:
                 if self.books.first_claim(trajectory):
-                    self.groups.add(trajectory)
+                    self.flight.groups.add(trajectory)
                     self.collected += 1
             if len(claimed) < claim_batch:
                 return
 
     async def train(self) -> bool:
         """Book the step in flight if it came back, and start the next when a batch is ready; whether one came back."""
-        came_back = self.pending is not None and self.pending[0].done()
+        came_back = self.flight.step is not None and self.flight.step[0].done()
         if came_back:
             await self.finish_step()
         self.start_step()
         return came_back
 
     def start_step(self) -> None:
-        if self.pending is None and self.groups.ready >= self.batch_groups and not self.finished():
-            groups = self.groups.take(self.batch_groups)
+        flight = self.flight
+        if flight.step is None and flight.groups.ready >= self.batch_groups and not self.finished():
+            groups = flight.groups.take(self.batch_groups)
             batch = batch_of([group.trajectories for group in groups], self.config.learner.crash_statuses)
-            self.pending = asyncio.ensure_future(learn(self.p, batch)), groups
+            flight.step = asyncio.ensure_future(learn(self.p, batch)), groups
 
     async def finish_step(self) -> None:
         """Book the step in flight once it returns: its ledger, a push and a checkpoint when due, its records."""
-        assert self.pending is not None
-        (future, groups), self.pending = self.pending, None
+        flight = self.flight
+        assert flight.step is not None
+        (future, groups), flight.step = flight.step, None
         result: StepResult = await future
         self.books.book(result.ledger, [t.rollout_id for group in groups for t in group.trajectories])
         before, self.state.version = self.state.version, result.version
@@ -174,15 +195,15 @@ class Loop:
             await self.push(weights)
         if due.checkpoint:
             await self.books.checkpoint()
-        self.last = step_record(
-            result, groups, elapsed_s=self.books.elapsed(), push_due=due.push, pushed_version=self.pushed,
-            in_flight=len(self.episodes), ahead=self.groups.rollouts,
+        flight.last = step_record(
+            result, groups, elapsed_s=self.books.elapsed(), push_due=due.push, pushed_version=flight.pushed,
+            in_flight=len(self.episodes), ahead=flight.groups.rollouts,
         )  # fmt: skip
-        self.p.metrics.record(self.last)
+        self.p.metrics.record(flight.last)
         for warning in consistency_warnings(result):
             self.p.display.say(warning)
-        self.unstepped = 0 if result.stepped else self.unstepped + 1
-        if notice := no_signal_notice(self.unstepped, self.last):
+        flight.unstepped = 0 if result.stepped else flight.unstepped + 1
+        if notice := no_signal_notice(flight.unstepped, flight.last):
             self.p.display.say(notice)
 
     async def push(self, weights: Weights | None = None) -> None:
@@ -191,37 +212,45 @@ class Loop:
         version = self.state.version
         weights = weights if weights is not None else await self.p.learner.weights()
         try:
-            await self.p.workers.update_weights(weights, version)
+            await self.p.workers.push(weights, version)
         except Exception:
             await self.p.learner.check()  # weights that never came, because the learner died: LearnerDied
             raise
-        self.pushed = version
+        self.flight.pushed = version
 
     async def evaluate(self, force: bool = False) -> float | None:
-        if not force and self.pushed - self.evaluated < self.config.loop.eval_every:
+        flight = self.flight
+        if not force and flight.pushed - flight.evaluated < self.config.loop.eval_every:
             return None
         if not await self.recovery.serving(wait=force):  # the only engine is being replaced: later, or wait if forced
             return None
         scores = await heldout_scores(self.config, self.p)
-        self.accuracy, self.evaluated = record_evaluation(self.p, scores, self.pushed, self.books.elapsed()), self.pushed
-        return self.accuracy
+        flight.accuracy, flight.evaluated = record_evaluation(self.p, scores, flight.pushed, self.books.elapsed()), flight.pushed
+        return flight.accuracy
 
     def report(self) -> None:
         self.recovery.note_replacements()
-        elapsed = max(self.books.elapsed(), 1e-9)
+        flight, elapsed = self.flight, max(self.books.elapsed(), 1e-9)
         self.p.display.update({
             "mode": self.config.loop.mode, "step": self.state.version, "steps": self.config.loop.steps,
-            "elapsed_s": elapsed, "reward": self.last.get("reward"), "accuracy": self.accuracy,
-            "accuracy_before": self.state.eval_before, "staleness": self.last.get("staleness_mean"),
+            "elapsed_s": elapsed, "reward": flight.last.get("reward"), "accuracy": flight.accuracy,
+            "accuracy_before": self.state.eval_before, "staleness": flight.last.get("staleness_mean"),
             "rollouts_per_s": self.collected / (time.monotonic() - self.t0 + 1e-9),
             "samples_per_s": self.state.ledger["trained"] / elapsed, "in_flight": len(self.episodes),
-            "ahead": self.groups.rollouts, "ledger": self.state.ledger,
+            "ahead": flight.groups.rollouts, "ledger": self.state.ledger,
         })  # fmt: skip
 
     async def recover(self, reclaim_store: TrajectoryHandOff) -> int:
         """Take back what a dead run of this run directory left (`Books.recover`); how many trajectories."""
-        return await self.books.recover(reclaim_store, self.groups)
+        return await self.books.recover(reclaim_store, self.flight.groups)
 
     async def close(self) -> float | None:
-        """End the run with balanced books (`sched/shutdown.py`); the final held-out accuracy."""
-        return await shutdown.close(self)
+        """End the run with balanced books (`sched/shutdown.py`); the final held-out accuracy. A learner that
+        dies meanwhile is restarted from its last checkpoint and the run trains again up to its end first."""
+        while True:
+            try:
+                return await shutdown.close(self)
+            except LearnerDied as died:
+                await self.recovery.restart_learner(died)
+                self.flight.closing = False
+                await self.run()

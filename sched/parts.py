@@ -1,21 +1,19 @@
-"""What the loop drives, as types: two small clients (the learner, the rollout engines), the store
-as the loop may use it, and `Parts`.
+"""What the loop drives, as types: the learner's client, the rollout engines as a worker group and their
+supervision, and `Parts`, everything a run hands the loop.
 
-    LearnerClient  train_step, weights (what a push sends), save, usage, and after a death: check, restart
-    WorkerGroup    engines (the gateway's handles), update_weights, versions, health, and the
-                   replacement of engines that die: attach (to the gateway's routing), serving,
-                   replaced, check, close
-    LoopStore      the store's hand-off (claim, ack, counts) and aborting the rollouts no episode
-                   drives any more (list, abort); nothing that records
-    ReclaimStore   the hand-off of the run's store opened to take back a dead learner's leases, and close
+    LearnerClient      train_step, weights (what a push sends), save, usage, and after a death: check, restart
+    WorkerGroup        the engines that serve: push (every engine serves the weights once it returns),
+                       versions, health
+    WorkerSupervision  engines that die and are replaced meanwhile: serving, replaced, check
 
-`sched/clients.py` implements the two clients over Ray actors (`asyncrl run`) and over objects in this
-process (the same loop without Ray); `asyncrl/jobs/run.py` builds the Parts.
+`sched/learners.py` implements the learner client over a Ray actor (`asyncrl run`) and in this process,
+`sched/workers.py` the worker group, `sched/supervision.py` its supervision (the same loop runs without
+Ray over in-process parts); `asyncrl/jobs/run.py` builds the Parts.
 
-A dead rollout worker is the group's own business: it leaves routing and pushes at once and a
+A dead rollout worker is its supervisor's business: it leaves routing and pushes at once and a
 replacement joins routing once it serves the current weights; the loop only reads what happened
-(`replaced`). A dead learner is the loop's: its clients raise `LearnerDied`, and the loop restarts
-it from the last checkpoint (`sched/recovery.py`).
+(`replaced`). A dead learner is the loop's: its client raises `LearnerDied`, and the loop restarts it
+from the last checkpoint (`sched/recovery.py`).
 """
 
 from __future__ import annotations
@@ -24,16 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncrl.gateway.store import TrajectoryHandOff
-from asyncrl.records import Batch, StepResult, Trajectory
+from asyncrl.gateway.store import TrajectoryStore
+from asyncrl.records import Batch, StepResult
 
 if TYPE_CHECKING:
     from openai import DefaultAioHttpClient
     from transformers import PreTrainedTokenizerBase
 
     from asyncrl.distill.teachers import Teachers
-    from asyncrl.gateway.engines import EngineHandle
-    from asyncrl.gateway.pool import Routing
     from asyncrl.lifecycle import RolloutLifecycle
     from asyncrl.runlog import MetricsLog
 
@@ -42,7 +38,8 @@ if TYPE_CHECKING:
     from .tasks import TaskMix
 
 Weights = Any
-"""The learner's weights in transit: a state dict, or a Ray ObjectRef to one (never fetched by the driver)."""
+"""The learner's weights in transit: a state dict, or a Ray ObjectRef to one (never fetched by the driver),
+or a `DirectPush` (`sched/weight_push.py`: the learner sends them itself)."""
 
 
 class LearnerDied(RuntimeError):
@@ -55,7 +52,7 @@ class LearnerClient(Protocol):
         ...
 
     async def weights(self) -> Weights:
-        """The current weights, in the form `WorkerGroup.update_weights` takes."""
+        """The current weights, in the form `WorkerGroup.push` takes."""
         ...
 
     async def save(self, directory: str) -> None:
@@ -76,11 +73,7 @@ class LearnerClient(Protocol):
 
 
 class WorkerGroup(Protocol):
-    engines: list[EngineHandle]
-    """One handle per rollout engine the group started with, for the gateway (replacements join it
-    through the routing given to `attach`)."""
-
-    async def update_weights(self, weights: Weights, version: int) -> list[int]:
+    async def push(self, weights: Weights, version: int) -> list[int]:
         """Every engine serves `weights` as `version` once this returns; raises if any refused them."""
         ...
 
@@ -92,11 +85,8 @@ class WorkerGroup(Protocol):
         """Each engine's health record (`EmbeddedEngine.health`)."""
         ...
 
-    def attach(self, routing: Routing) -> None:
-        """Start watching the engines (after the first push): one that dies leaves `routing`, pushes and
-        `versions`; its replacement loads the latest pushed weights and version, then joins `routing`."""
-        ...
 
+class WorkerSupervision(Protocol):
     def serving(self) -> int:
         """Engines serving now (0 while the only one is being replaced: nothing can be admitted)."""
         ...
@@ -109,38 +99,12 @@ class WorkerGroup(Protocol):
         """Raise why an engine that died could not be replaced, if one could not."""
         ...
 
-    async def close(self) -> None:
-        """Stop watching (before the run kills its actors: those deaths are not to be replaced)."""
-        ...
-
-
-class LoopStore(TrajectoryHandOff, Protocol):
-    """The trajectory store as the loop may use it: the hand-off of terminal trajectories to the learner
-    (`TrajectoryHandOff`: claim, ack, counts), and ending the rollouts no episode drives any more, at a
-    resume and at the end of a run (`sched/resume.py` abort_running). It opens and records nothing: the
-    gateway records, the loop takes what was recorded. With `store.keep_trajectories=false` the books also
-    delete what they acknowledged, from a store that is a `TrajectoryPruner` too (checked when they do)."""
-
-    def abort(self, rollout_id: str, reason: str = "") -> None:
-        """End a running rollout without a reward (status aborted); RolloutClosed if it already ended."""
-        ...
-
-    def list(
-        self, *, status: str | None = None, group_id: str | None = None, limit: int | None = None, offset: int = 0
-    ) -> list[Trajectory]:
-        """Trajectories in the order they were opened (the loop lists the running ones only)."""
-        ...
-
-
-class ReclaimStore(TrajectoryHandOff, Protocol):
-    """This run's store with no visibility timeout, opened to claim again what a dead learner held, then closed."""
-
-    def close(self) -> None: ...
-
 
 @dataclass
 class Parts:
-    store: LoopStore
+    store: TrajectoryStore
+    """The run's trajectory store: the loop claims and acknowledges what the gateway recorded (`sched/resume.py`),
+    and aborts the rollouts no episode drives any more; it records nothing itself."""
     gateway: RolloutLifecycle
     """What episodes (training and evaluation) open and finish their rollouts with: the in-process gateway's lifecycle."""
     http: DefaultAioHttpClient
@@ -148,12 +112,13 @@ class Parts:
     tasks: TaskMix
     learner: LearnerClient
     workers: WorkerGroup
+    supervision: WorkerSupervision
     tokenizer: PreTrainedTokenizerBase
     rundir: RunDir
     metrics: MetricsLog
     display: Display
     teachers: Teachers | None = None
     """A distillation run's teachers score every batch before the learner sees it; None in RL."""
-    reclaim_store: Callable[[], ReclaimStore] | None = None
+    reclaim_store: Callable[[], TrajectoryStore] | None = None
     """Opens this run's store with no visibility timeout (every lease counts as expired), to take back
-    what a dead learner held; None: a learner that dies ends the run."""
+    what a dead learner held, then closed; None: a learner that dies ends the run."""

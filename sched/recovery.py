@@ -4,31 +4,35 @@ The loop's verbs read the same whether or not anything died. What to do when som
 often to try again, when to give up, what each recovery leaves in the record) is one policy, so it
 lives here and not between the verbs.
 
-    rollout worker  replaced by its worker group (`sched/clients.py`); the loop admits nothing and
-                    postpones evaluation while no engine serves, and `note_replacements` records each
-                    replacement once it serves
+    rollout worker  replaced by the worker group's supervision (`sched/supervision.py`); the loop admits
+                    nothing and postpones evaluation while no engine serves, and `note_replacements`
+                    records each replacement once it serves
     learner         `restart_learner`: a resume without leaving the process, from the last checkpoint
                     (the run's commit point), at most `LEARNER_RESTARTS` times per process
 
-A learner restart drives the loop's own verbs, as `asyncrl run --resume` does at start-up
-(`asyncrl/jobs/run.py`): it drops what the loop holds in flight, rewinds the books, pushes the new
-learner's weights and claims again what was not acknowledged. Each recovery is a record in the
-metrics (`event`) and in `records` (`summary.json` `recoveries`), with how long it took.
+A learner restart does what `asyncrl run --resume` does at start-up (`asyncrl/jobs/run.py`), on the
+loop's own state: it drops what the loop holds in flight (`InFlight`), rewinds the books, pushes the
+new learner's weights through the loop's push and claims again what was not acknowledged. Each
+recovery is a record in the metrics (`event`) and in `records` (`summary.json` `recoveries`), with how
+long it took.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import closing
 from typing import TYPE_CHECKING
 
 from .groups import GroupBuffer
-from .parts import LearnerDied
+from .parts import LearnerDied, Parts
 from .rundir import LoopState
 
 if TYPE_CHECKING:
-    from .loop import Loop
+    from .episodes import Episodes
+    from .loop import InFlight
+    from .resume import Books
 
 LEARNER_RESTARTS = 3
 """Learner deaths one run process recovers from; the next one ends the run (`asyncrl run --resume` goes on)."""
@@ -38,24 +42,25 @@ POLL_S = 0.05
 
 
 class Recovery:
-    def __init__(self, loop: Loop) -> None:
-        self.loop, self.p = loop, loop.p
+    def __init__(self, parts: Parts, books: Books, episodes: Episodes, flight: InFlight, push: Callable[[], Awaitable[None]]) -> None:
+        """The loop's parts, books, episodes and state, and its push (the current weights to every engine)."""
+        self.p, self.books, self.episodes, self.flight, self.push = parts, books, episodes, flight, push
         self.records: list[dict] = []  # every part that died and came back, in order
         self.restarts = 0
 
     def note_replacements(self) -> None:
-        """Record the rollout workers the worker group replaced since the last look."""
-        for replaced in self.p.workers.replaced():
+        """Record the rollout workers the supervision replaced since the last look."""
+        for replaced in self.p.supervision.replaced():
             self._record({"event": "worker_replaced", **replaced})
             self.p.display.say(f"rollout worker {replaced['engine_id']} died; {replaced['replacement']} serves version "
                                f"{replaced['version']} after {replaced['recovery_s']:.1f} s")  # fmt: skip
 
     async def serving(self, wait: bool = False) -> bool:
         """Whether an engine serves (none while the only one is being replaced); with `wait`, once one does."""
-        while wait and not self.p.workers.serving():
-            self.p.workers.check()  # a replacement that failed raises here instead of waiting forever
+        while wait and not self.p.supervision.serving():
+            self.p.supervision.check()  # a replacement that failed raises here instead of waiting forever
             await asyncio.sleep(POLL_S)
-        return self.p.workers.serving() > 0
+        return self.p.supervision.serving() > 0
 
     async def restart_learner(self, died: LearnerDied) -> None:
         """A learner that died is restarted from the last checkpoint, and the run goes on as `--resume`
@@ -80,27 +85,27 @@ class Recovery:
             "detected_at": detected_at, "serving_at": time.time(), "recovery_s": time.monotonic() - began,
         })  # fmt: skip
         self.p.display.say(f"the learner died; restarted from {checkpoint or 'the starting policy'} at version "
-                           f"{self.loop.state.version}, {recovered} trajectories claimed again")  # fmt: skip
+                           f"{self.books.state.version}, {recovered} trajectories claimed again")  # fmt: skip
 
     async def _rewind(self) -> tuple[str | None, int]:
         """Back to the last checkpoint with a new learner: that checkpoint (None: the starting policy),
         and how many trajectories were claimed again."""
-        loop = self.loop
+        flight, books = self.flight, self.books
         assert self.p.reclaim_store is not None
-        loop.pending = None  # the step in flight died with the learner; its groups are claimed again below
-        await loop.episodes.stop()
+        flight.step = None  # the step in flight died with the learner; its groups are claimed again below
+        await self.episodes.stop()
         latest = self.p.rundir.latest_checkpoint()
-        checkpoint, saved = latest if latest else (None, LoopState(eval_before=loop.state.eval_before))
-        loop.books.rewind(saved)
-        loop.groups = GroupBuffer()
+        checkpoint, saved = latest if latest else (None, LoopState(eval_before=books.state.eval_before))
+        books.rewind(saved)
+        flight.groups = GroupBuffer()
         await self.p.learner.restart(None if checkpoint is None else str(checkpoint))
-        await loop.push()
-        loop.evaluated = min(loop.evaluated, loop.pushed)
+        await self.push()
+        flight.evaluated = min(flight.evaluated, flight.pushed)
         with closing(self.p.reclaim_store()) as reclaim:
-            recovered = await loop.recover(reclaim)
+            recovered = await books.recover(reclaim, flight.groups)
         return None if checkpoint is None else str(checkpoint), recovered
 
     def _record(self, record: dict) -> None:
-        record = {**record, "step": self.loop.state.version}
+        record = {**record, "step": self.books.state.version}
         self.records.append(record)
         self.p.metrics.record(record)

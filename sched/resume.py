@@ -23,12 +23,12 @@ import dataclasses
 import time
 from collections import defaultdict
 
-from asyncrl.gateway.store import RolloutClosed, TrajectoryHandOff
+from asyncrl.gateway.store import RolloutClosed, TrajectoryHandOff, TrajectoryStore
 from asyncrl.gateway.store.base import TrajectoryPruner
 from asyncrl.records import TERMINAL_STATUSES, Trajectory
 
 from .groups import GroupBuffer
-from .parts import LearnerClient, LoopStore
+from .parts import LearnerClient
 from .rundir import LoopState, Retention, RunDir
 
 CONSUMER = "learner"
@@ -37,7 +37,7 @@ CONSUMER = "learner"
 
 class Books:
     def __init__(
-        self, state: LoopState, store: LoopStore, rundir: RunDir, learner: LearnerClient,
+        self, state: LoopState, store: TrajectoryStore, rundir: RunDir, learner: LearnerClient,
         *, retention: Retention | None = None, keep_trajectories: bool = True,
     ) -> None:  # fmt: skip
         self.state, self.store, self.rundir, self.learner = state, store, rundir, learner
@@ -124,7 +124,7 @@ class Books:
         return sum(map(len, by_group.values()))
 
 
-def abort_running(store: LoopStore, reason: str) -> int:
+def abort_running(store: TrajectoryStore, reason: str) -> int:
     """Abort every rollout the store still holds as running (episodes the run no longer drives)."""
     running = store.list(status="running")
     for trajectory in running:

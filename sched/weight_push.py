@@ -23,17 +23,15 @@ from typing import Any
 
 from asyncrl.weight_transfer import resolve_transport
 
+from .ray_calls import remote
+
 log = logging.getLogger(__name__)
-
-
-def _call(method, *args) -> asyncio.Future:
-    return asyncio.wrap_future(method.remote(*args).future())
 
 
 @dataclass(frozen=True)
 class DirectPush:
-    """The weights of a direct push, as the learner client hands them to the workers: the learner sends
-    them itself when the push runs, so it cannot train meanwhile (`Loop.finish_step` waits)."""
+    """The weights of a direct push, as the learner client hands them to the worker group: the learner
+    sends them itself when the push runs, so it cannot train meanwhile (`Loop.finish_step` waits)."""
 
     learner: Any
     """The LearnerActor (rank 0)."""
@@ -69,14 +67,14 @@ class DirectPusher:
         world = len(members) + 1
         if tuple(members) != self._members or weights.learner is not self._learner:
             self.generation += 1
-            self._address = await _call(weights.learner.open_weight_group, world, self.generation)
+            self._address = await remote(weights.learner.open_weight_group, world, self.generation)
             self._members, self._learner = tuple(members), weights.learner
-        layout = await _call(weights.learner.weight_layout)
+        layout = await remote(weights.learner.weight_layout)
         calls = [
-            _call(actor.receive_weights, self._address, self.generation, rank, world, weights.backend, layout, version)
+            remote(actor.receive_weights, self._address, self.generation, rank, world, weights.backend, layout, version)
             for rank, actor in enumerate(members.values(), start=1)
         ]
-        send = _call(weights.learner.send_weights, self.generation, weights.backend, layout)
+        send = remote(weights.learner.send_weights, self.generation, weights.backend, layout)
         sent, *received = await asyncio.gather(send, *calls, return_exceptions=True)
         failure = sent if isinstance(sent, BaseException) else None
         if failure is not None or any(isinstance(result, BaseException) for result in received):
@@ -86,21 +84,21 @@ class DirectPusher:
     async def _share(self, learner: Any, members: dict[str, Any], version: int) -> tuple[BaseException | None, list]:
         results: list = [None] * len(members)
         try:
-            layout = await _call(learner.weight_layout)
+            layout = await remote(learner.weight_layout)
             actors = list(members.values())
             for bucket in range(len(layout.bucket_sizes)):
-                handle = await _call(learner.share_bucket, layout, bucket)
+                handle = await remote(learner.share_bucket, layout, bucket)
                 live = [index for index, result in enumerate(results) if result is None]  # a failed member is left out
-                copied = [_call(actors[index].copy_shared_bucket, layout, bucket, handle) for index in live]
+                copied = [remote(actors[index].copy_shared_bucket, layout, bucket, handle) for index in live]
                 for index, result in zip(live, await asyncio.gather(*copied, return_exceptions=True), strict=True):
                     if isinstance(result, BaseException):
                         results[index] = result
         except Exception as failure:
             return failure, results
         finally:
-            await asyncio.gather(_call(learner.release_shared), return_exceptions=True)
+            await asyncio.gather(remote(learner.release_shared), return_exceptions=True)
         copied_all = [actor for actor, result in zip(members.values(), results, strict=True) if result is None]
-        swaps = [_call(actor.swap_in_shared, layout, version) for actor in copied_all]
+        swaps = [remote(actor.swap_in_shared, layout, version) for actor in copied_all]
         swapped = iter(await asyncio.gather(*swaps, return_exceptions=True))
         return None, [result if result is not None else next(swapped) for result in results]
 
@@ -110,7 +108,7 @@ async def direct_transport(wanted: str, learner: Any, workers: list) -> tuple[st
     and the RolloutWorkers report): a `DirectPush`'s transport and backend, or None for the object store."""
     if wanted == "object_store":
         return None
-    devices = await asyncio.gather(_call(learner.device_identity), *(_call(worker.device_identity) for worker in workers))
+    devices = await asyncio.gather(remote(learner.device_identity), *(remote(worker.device_identity) for worker in workers))
     transport, backend = resolve_transport(wanted, devices[0], list(devices[1:]))
     log.info("weight pushes: %s%s (rollout.weight_transport=%s)", transport, f" over {backend}" if backend else "", wanted)
     return None if transport == "object_store" else (transport, backend)

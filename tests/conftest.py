@@ -58,6 +58,15 @@ def qwen3_model():
     return make_tiny_model("qwen3")
 
 
+def load_from_object_store(workers: list, learner, version: int) -> list[int]:
+    """The object-store push, as `RayWorkers.push` makes it: the learner's weights as one ObjectRef that
+    every RolloutWorker loads; the version each then serves."""
+    import ray
+
+    weights = learner.state.remote()
+    return ray.get([worker.load_weights.remote(weights, version) for worker in workers])
+
+
 def run_to_completion(engine, requests: list[tuple[list[int], object]], session_id: str | None = None) -> list:
     """Submit (prompt, sampling) pairs to an engine, step it synchronously until all finish, return results in order."""
     ids = [engine.add_request(prompt, sampling, session_id=session_id) for prompt, sampling in requests]

@@ -79,12 +79,11 @@ def one_token_per_delta(engine, wait_s: float = 60.0):
     """While inside, the engine takes a step only once every stream's last delta has been taken by its
     caller, so each step's token reaches the gateway as a delta of its own however loaded the machine is
     (the front merges the steps of a caller that fell behind, by design). `wait_s` is a safety valve."""
-    core = engine.front.core
-    advance = core.advance
+    advance = engine.advance
 
     def drained() -> bool:
-        with engine.front._cv:
-            sinks = [sink for _, sink in engine.front._streams.values()]
+        with engine._cv:
+            sinks = [sink for _, sink in engine._streams.values()]
         return all(not sink._delta.token_ids for sink in sinks)
 
     def gated_advance():
@@ -93,11 +92,11 @@ def one_token_per_delta(engine, wait_s: float = 60.0):
             time.sleep(0.001)
         return advance()
 
-    core.advance = gated_advance
+    engine.advance = gated_advance  # the front steps through the instance's attribute
     try:
         yield
     finally:
-        del core.advance
+        del engine.advance
 
 
 class ManualClock:

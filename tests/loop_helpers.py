@@ -13,12 +13,14 @@ from asyncrl.learner.rl import RLLearner
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.records import TERMINAL_STATUSES
 from asyncrl.rollout.engine import EmbeddedEngine
-from asyncrl.sched.clients import LocalLearner, LocalWorkers
 from asyncrl.sched.display import Display
+from asyncrl.sched.learners import LocalLearner
 from asyncrl.sched.loop import Loop
 from asyncrl.sched.parts import Parts
 from asyncrl.sched.rundir import LoopState, RunDir
+from asyncrl.sched.supervision import Unsupervised
 from asyncrl.sched.tasks import TaskMix
+from asyncrl.sched.workers import LocalWorkers
 
 TINY = [
     "policy.tiny.arch=qwen3", "policy.tiny.hidden_size=32", "policy.tiny.num_layers=2", "policy.tiny.num_heads=2",
@@ -78,7 +80,8 @@ async def run_in_process(config, env, *, resume: bool = False) -> dict:
         async with InProcessGateway(config, store, workers.engines, tokenizer) as gateway, episode_http_client(config, gateway) as http:
             parts = Parts(
                 store=store, gateway=gateway, http=http, tasks=TaskMix.from_config(config, env), learner=LocalLearner(policy),
-                workers=workers, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=Display(progress=False),
+                workers=workers, supervision=Unsupervised(len(workers.engines)), tokenizer=tokenizer, rundir=rundir,
+                metrics=metrics, display=Display(progress=False),
             )  # fmt: skip
             loop = Loop(config, parts, state)
             try:

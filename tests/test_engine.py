@@ -258,7 +258,7 @@ def test_a_caller_whose_event_loop_closed_costs_nobody_else_their_result(model):
     engine = new_engine(model)
     params = SamplingParams(temperature=0.0, max_tokens=8)  # the same prompt: both finish in the same step
     try:
-        check_closed_caller(engine.front, lambda: engine.generate(PROMPT, params))
+        check_closed_caller(engine, lambda: engine.generate(PROMPT, params))
     finally:
         engine.shutdown()
 

@@ -26,14 +26,20 @@ class FakeRequest:
     tokens: list[int] = field(default_factory=list)
 
 
-class FakeCore:
-    """Each admitted request gains one token per `advance` (the serving version) until it has `max_tokens`."""
+class FakeEngine(EngineFront):
+    """The real front over a fake core: each admitted request gains one token per `advance` (the serving
+    version) until it has `max_tokens`. Its prompts are `FakeRequest`s already (`make_request` takes them as
+    they are), so a test names each request and its length."""
 
     def __init__(self) -> None:
         self.version = 0
         self.running: dict[str, FakeRequest] = {}
         self.loaded: list[int] = []  # versions, in the order their weights were loaded
         self.threads: set[str] = set()  # threads that ran a core verb
+        super().__init__(name="front-test")
+
+    def make_request(self, prompt_token_ids, sampling=None, session_id=None) -> FakeRequest:
+        return prompt_token_ids
 
     def admit(self, requests: list[FakeRequest]) -> None:
         self.threads.add(threading.current_thread().name)
@@ -69,9 +75,10 @@ class FakeCore:
         )
 
 
-def new_front() -> tuple[EngineFront, FakeCore]:
-    core = FakeCore()
-    return EngineFront(core, name="front-test"), core
+def new_front() -> tuple[FakeEngine, FakeEngine]:
+    """The front and its core, one object (named twice so a test reads which side it exercises)."""
+    engine = FakeEngine()
+    return engine, engine
 
 
 def wait_for(condition, timeout_s: float = 30.0) -> None:
@@ -117,8 +124,8 @@ def in_thread(function, *args) -> tuple[threading.Thread, list]:
 def test_stepping_by_hand_delivers_results_to_callbacks():
     front, core = new_front()
     got = []
-    front.submit(FakeRequest("a", 2), on_finish=got.append)
-    front.submit(FakeRequest("b", 3))
+    front.add_request(FakeRequest("a", 2), on_finish=got.append)
+    front.add_request(FakeRequest("b", 3))
     assert front.queued == 2 and front.has_unfinished()
     assert front.step() == [] and front.queued == 0
     (a,) = front.step()
@@ -162,8 +169,8 @@ def test_a_failing_callback_costs_nobody_else_their_result():
     def fail(result):
         raise RuntimeError("a broken caller")
 
-    front.submit(FakeRequest("a", 1), on_finish=fail)
-    front.submit(FakeRequest("b", 1), on_finish=got.append)
+    front.add_request(FakeRequest("a", 1), on_finish=fail)
+    front.add_request(FakeRequest("b", 1), on_finish=got.append)
     assert [r.request_id for r in front.step()] == ["a", "b"]
     assert [r.request_id for r in got] == ["b"]
 
@@ -182,7 +189,7 @@ def test_the_idle_stepping_thread_leaves_and_the_next_request_restarts_it():
 
 def test_weights_pushed_mid_request_serve_from_the_next_step():
     front, core = new_front()
-    front.submit(FakeRequest("a", 4))
+    front.add_request(FakeRequest("a", 4))
     front.step()
     front.step()
     front.update_weights("w", 1)
@@ -199,7 +206,7 @@ def test_weights_the_core_refuses_raise_for_their_caller_and_the_old_ones_stay()
     front.start()
     asyncio.run(front.generate(FakeRequest("warm", 1)))
     with front._step_lock:  # the stepping thread is alive now: it is the one that applies the push
-        front.submit(FakeRequest("a", 2))
+        front.add_request(FakeRequest("a", 2))
         thread, outcome = in_thread(front.update_weights, "bad", 3)
         wait_for(lambda: front._push is not None)
     thread.join()
@@ -210,7 +217,7 @@ def test_weights_the_core_refuses_raise_for_their_caller_and_the_old_ones_stay()
 def test_a_push_replaced_before_it_was_applied_returns_when_the_newer_one_is():
     front, core = new_front()
     front.start()
-    front.submit(FakeRequest("long", 10**9))
+    front.add_request(FakeRequest("long", 10**9))
     with front._step_lock:  # no step, so no push is applied, until both are queued
         older, older_outcome = in_thread(front.update_weights, "w1", 1)
         wait_for(lambda: front._push is not None)
@@ -230,7 +237,7 @@ def test_a_push_from_a_callback_on_the_stepping_thread_is_applied_at_the_next_st
         front.update_weights("w", 9)  # would deadlock if it waited for the thread it runs on
 
     async def scenario():
-        front.submit(FakeRequest("a", 1), on_finish=push_on_finish)  # not serving yet: both start in one step
+        front.add_request(FakeRequest("a", 1), on_finish=push_on_finish)  # not serving yet: both start in one step
         return await front.generate(FakeRequest("b", 3))
 
     result = asyncio.run(scenario())
@@ -257,16 +264,16 @@ def test_calls_run_on_the_stepping_thread_and_raise_for_their_caller():
 def test_close_ends_unfinished_requests_and_refuses_what_comes_after():
     front, core = new_front()
     got = []
-    front.submit(FakeRequest("admitted", 10), on_finish=got.append)
+    front.add_request(FakeRequest("admitted", 10), on_finish=got.append)
     front.step()
-    front.submit(FakeRequest("queued", 10), on_finish=got.append)
+    front.add_request(FakeRequest("queued", 10), on_finish=got.append)
     front.close("engine shut down")
     assert sorted((r.request_id, r.finish_reason, r.error) for r in got) == [
         ("admitted", "abort", "engine shut down"),
         ("queued", "abort", "engine shut down"),
     ]
     assert not front.alive and not core.running
-    for call in (lambda: front.submit(FakeRequest("late", 1)), lambda: front.update_weights("w", 1), front.start):
+    for call in (lambda: front.add_request(FakeRequest("late", 1)), lambda: front.update_weights("w", 1), front.start):
         with pytest.raises(RuntimeError, match="front-test is shut down"):
             call()
 
@@ -274,7 +281,7 @@ def test_close_ends_unfinished_requests_and_refuses_what_comes_after():
 def test_close_fails_a_pending_weight_push():
     front, core = new_front()
     front.start()
-    front.submit(FakeRequest("long", 10**9))
+    front.add_request(FakeRequest("long", 10**9))
     with front._step_lock:
         thread, outcome = in_thread(front.update_weights, "w", 1)
         wait_for(lambda: front._push is not None)
@@ -289,12 +296,12 @@ def test_stop_keeps_unfinished_requests_and_start_resumes_them():
     front, core = new_front()
     got = threading.Event()
     front.start()
-    front.submit(FakeRequest("a", 10**9))
+    front.add_request(FakeRequest("a", 10**9))
     wait_for(lambda: core.running)
     front.stop()
     assert not front.alive and front._thread is None and "a" in core.running
     tokens = len(core.running["a"].tokens)
-    front.submit(FakeRequest("b", 2), on_finish=lambda r: got.set())
+    front.add_request(FakeRequest("b", 2), on_finish=lambda r: got.set())
     front.start()
     assert got.wait(30) and front.alive and len(core.running["a"].tokens) > tokens
     front.stop()
@@ -385,7 +392,7 @@ def check_idle_exit(engine, prompt: list[int], sampling, state_dict: dict, versi
     slows a trainer in the same process); a weight push then is applied by its caller, and the next
     request starts a new thread and samples under the new version exactly what it did before."""
     first = asyncio.run(engine.generate(prompt, sampling))
-    wait_for(lambda: engine.front._thread is None)
+    wait_for(lambda: engine._thread is None)
     assert engine.health()["alive"]
     engine.update_weights(state_dict, version)  # the same weights again, under a new version
     assert engine.health()["version"] == version

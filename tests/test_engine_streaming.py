@@ -167,7 +167,7 @@ def test_a_stream_whose_engine_fails_after_the_first_delta_is_not_retried(model)
         pool = new_pool(LocalEngine(dying), LocalEngine(spare), engine_retries=3)
         stream = pool.stream(key_routed_to(pool, "dying"), PROMPT, LONG, deadline=asyncio.get_running_loop().time() + 60)
         first = await anext(stream)
-        dying.front.close("engine shut down")  # its unfinished requests end with "abort"
+        dying.close("engine shut down")  # its unfinished requests end with "abort"
         with pytest.raises(EngineFailure, match=r"engine dying failed after streaming \d+ tokens: .*abort: engine shut down"):
             async for _ in stream:
                 pass
@@ -211,7 +211,7 @@ def test_a_stream_past_its_deadline_or_abandoned_raises_and_aborts(model, interr
         loop = asyncio.get_running_loop()
         abandon: set[asyncio.Future] = set()
         deadline = loop.time() + (0.05 if interruption == "deadline" else 60)
-        with engine.front._step_lock:  # the engine cannot step: nothing streams before the interruption
+        with engine._step_lock:  # the engine cannot step: nothing streams before the interruption
             stream = pool.stream("r", PROMPT, LONG, deadline=deadline, abandon=abandon)
             if interruption == "abandon":
                 loop.call_soon(lambda: [wake.set_result("rollout r was finished") for wake in abandon])

@@ -140,16 +140,15 @@ def test_a_cuda_ipc_push_serves_what_the_object_store_serves(ray_session):
     import asyncio
 
     import ray
-    from conftest import SMALL_SHAPE
+    from conftest import SMALL_SHAPE, load_from_object_store
 
     from asyncrl.configs.schema import EmbeddedRolloutConfig, LearnerConfig, MTPConfig, PolicyConfig, RunConfig, TinyModelConfig
     from asyncrl.learner.actor import create_learner
-    from asyncrl.learner.publish import push_weights
     from asyncrl.policy.checkpoint import build_policy
     from asyncrl.records import Batch, SamplingParams
     from asyncrl.rollout.worker import WorkerLauncher, create_workers
-    from asyncrl.sched.clients import RayWorkers
     from asyncrl.sched.weight_push import DirectPush, direct_transport
+    from asyncrl.sched.workers import RayWorkers
 
     rollout = EmbeddedRolloutConfig(num_workers=1, cpus_per_worker=0.25, gpus_per_worker=0.3, device="cuda", max_num_seqs=4)
     config = RunConfig(
@@ -171,8 +170,8 @@ def test_a_cuda_ipc_push_serves_what_the_object_store_serves(ray_session):
         results = [ray.get(witness[0].generate.remote(prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=s))) for s in (1, 2)]
         step = ray.get(learner.train_step.remote(Batch([[to_sample(results[0], "a", 1.0), to_sample(results[1], "b", 0.0)]])))
         version = step.version
-        assert await workers.update_weights(DirectPush(learner, "cuda_ipc"), version) == [version]
-        push_weights(witness, learner.state.remote(), version)
+        assert await workers.push(DirectPush(learner, "cuda_ipc"), version) == [version]
+        load_from_object_store(witness, learner, version)
         served = [ray.get(w.generate.remote(prompt, params)) for w in [*workers.actors, *witness]]
         assert all(r.versions == [version] * len(r.token_ids) for r in served)
         assert served[0].token_ids == served[1].token_ids and served[0].logprobs == served[1].logprobs

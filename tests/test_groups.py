@@ -64,3 +64,12 @@ def test_a_batch_keeps_its_groups_apart_and_in_order_with_a_forked_rollouts_samp
     assert [s.rollout_id for s in batch.samples] == ["a1", "a1", "a2", "b1"] and batch.rollout_ids == ["a1", "a2", "b1"]
     placeholder = batch.groups[0][2]
     assert placeholder.status == "aborted" and placeholder.token_ids == [] and placeholder.group_id == "g1"
+
+
+def test_selection_refuses_a_group_that_mixes_groups_or_outgrows_the_group_size():
+    mixed = batch_of([[trajectory("a", "g1"), trajectory("b", "g2")]], crash_statuses=())
+    with pytest.raises(ValueError, match=r"mixes GRPO groups \['g1', 'g2'\]"):
+        select(mixed.groups, current_version=0, max_staleness=1, group_size=2)
+    crowded = batch_of([[trajectory("a", "g"), trajectory("b", "g"), trajectory("c", "g")]], crash_statuses=())
+    with pytest.raises(ValueError, match="group 'g' has 3 rollouts, more than group_size=2"):
+        select(crowded.groups, current_version=0, max_staleness=1, group_size=2)

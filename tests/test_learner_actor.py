@@ -29,7 +29,6 @@ def to_sample(result, rollout: str, reward: float) -> Sample:
 
 def test_learner_actor_trains_and_pushes_to_rollout_workers(ray_session):
     from asyncrl.learner.actor import create_learner
-    from asyncrl.learner.publish import push_weights
     from asyncrl.rollout.worker import create_workers
 
     config = RunConfig(
@@ -50,7 +49,8 @@ def test_learner_actor_trains_and_pushes_to_rollout_workers(ray_session):
     # The engine's log-probs are the learner's own: every ratio 1, nothing masked.
     assert step.metrics["masked_token_frac"] == 0.0 and step.metrics["abs_logp_diff"] < 1e-4
 
-    assert push_weights(workers, learner.state.remote(), step.version) == [1, 1]
+    weights = learner.state.remote()  # one ObjectRef every worker loads
+    assert ray.get([w.load_weights.remote(weights, step.version) for w in workers]) == [1, 1]
     after = ray.get([w.generate.remote(PROMPT, p) for w, p in zip(workers, params, strict=True)])
     assert all(r.versions == [1] * len(r.token_ids) for r in after)
 

@@ -1,6 +1,6 @@
 """The real scheduler loop end to end without Ray: an `RLLearner` and an `EmbeddedEngine` in this
-process behind the in-process clients (sched/clients.py), the real gateway over loopback, a SQLite
-store, a tiny policy. Every rollout must end in exactly one account and be acknowledged in the store."""
+process behind the in-process clients (sched/learners.py, sched/workers.py), the real gateway over
+loopback, a SQLite store, a tiny policy. Every rollout must end in exactly one account and be acknowledged in the store."""
 
 from __future__ import annotations
 

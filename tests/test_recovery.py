@@ -16,13 +16,15 @@ from asyncrl.gateway.store import open_store
 from asyncrl.learner.rl import RLLearner
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.rollout.engine import EmbeddedEngine
-from asyncrl.sched.clients import LocalLearner, LocalWorkers
 from asyncrl.sched.display import Display
+from asyncrl.sched.learners import LocalLearner
 from asyncrl.sched.loop import Loop
 from asyncrl.sched.parts import LearnerDied, Parts
 from asyncrl.sched.recovery import LEARNER_RESTARTS
 from asyncrl.sched.rundir import LoopState, RunDir
+from asyncrl.sched.supervision import Unsupervised
 from asyncrl.sched.tasks import TaskMix
+from asyncrl.sched.workers import LocalWorkers
 
 
 class MortalLearner(LocalLearner):
@@ -74,7 +76,8 @@ async def run_with_mortal_learner(run, dies: Callable[[RunDir, RLLearner], bool]
         async with InProcessGateway(run, store, workers.engines, tokenizer) as gateway, episode_http_client(run, gateway) as http:
             parts = Parts(
                 store=store, gateway=gateway, http=http, tasks=TaskMix.from_config(run, CoinEnv()), learner=learner,
-                workers=workers, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=Display(progress=False),
+                workers=workers, supervision=Unsupervised(len(workers.engines)), tokenizer=tokenizer, rundir=rundir,
+                metrics=metrics, display=Display(progress=False),
                 reclaim_store=lambda: open_store(address, namespace=run.name, visibility_timeout_s=1e-6),
             )  # fmt: skip
             loop = result["loop"] = Loop(run, parts, state)

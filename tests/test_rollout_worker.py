@@ -1,4 +1,4 @@
-"""The Ray rollout worker: generate and update_weights round-trip through a real local Ray session."""
+"""The Ray rollout worker: generate and load_weights round-trip through a real local Ray session."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_worker_generates_and_takes_new_weights(ray_session):
     assert {r.engine_id for r in first} == {"rollout-0", "rollout-1"}
 
     new_weights = ray.put(make_tiny_model("qwen3", eos_token_id=None, seed=4).state_dict())
-    assert ray.get([w.update_weights.remote(new_weights, 2) for w in workers]) == [2, 2]
+    assert ray.get([w.load_weights.remote(new_weights, 2) for w in workers]) == [2, 2]
     after = ray.get(workers[0].generate.remote([5, 6, 7], {"temperature": 1.0, "max_tokens": 6, "seed": 9}))
     assert after.versions == [2] * 6 and after.logprobs != first[0].logprobs
     assert ray.get(workers[1].version.remote()) == 2
@@ -174,14 +174,16 @@ def test_a_run_starts_its_rollout_workers_at_the_drivers_niceness():
 
 
 def test_a_dead_worker_leaves_routing_and_its_replacement_joins_serving_the_latest_push(ray_session):
-    """`RayWorkers` (sched/clients.py) over real actors: a worker that dies leaves routing and pushes;
+    """`RayWorkers` (sched/workers.py) supervised by a `RaySupervisor` (sched/supervision.py) over real
+    actors: a worker that dies leaves routing and pushes;
     its replacement joins routing only once it serves the latest push; a push whose weights died with
     the learner that made them fails without taking any worker out."""
     import asyncio
 
     from asyncrl.gateway.engines import RayEngine
     from asyncrl.rollout.worker import WorkerLauncher
-    from asyncrl.sched.clients import RayWorkers
+    from asyncrl.sched.supervision import RaySupervisor
+    from asyncrl.sched.workers import RayWorkers
 
     class Routing:
         def __init__(self) -> None:
@@ -209,14 +211,15 @@ def test_a_dead_worker_leaves_routing_and_its_replacement_joins_serving_the_late
         workers = RayWorkers(WorkerLauncher(make_tiny_model("qwen3", eos_token_id=None), config), "w", 2)
         await workers.ready()
         weights = ray.put(make_tiny_model("qwen3", eos_token_id=None, seed=4).state_dict())
-        assert await workers.update_weights(weights, 3) == [3, 3]
+        assert await workers.push(weights, 3) == [3, 3]
         routing = Routing()
-        workers.attach(routing)
+        supervisor = RaySupervisor(workers)
+        supervisor.attach(routing)
         try:
             ray.kill(workers.members["w-0"])
             await asyncio.wait_for(routing.joined.wait(), timeout=240)  # a guard against a hang only
             assert routing.events == [("leave", "w-0"), ("join", "w-0-r1")]
-            (replaced,) = workers.replaced()
+            (replaced,) = supervisor.replaced()
             assert (replaced["engine_id"], replaced["replacement"], replaced["version"]) == ("w-0", "w-0-r1", 3)
             assert set(workers.members) == {"w-1", "w-0-r1"} and await workers.versions() == [3, 3]
             # The replacement samples exactly what the survivor does: the pushed weights, not its initial ones.
@@ -224,12 +227,12 @@ def test_a_dead_worker_leaves_routing_and_its_replacement_joins_serving_the_late
             assert new.token_ids == old.token_ids and new.logprobs == old.logprobs and new.versions == [3] * 6
 
             with pytest.raises(ray.exceptions.RayActorError):
-                await workers.update_weights(DyingLearner.remote().state.remote(), 4)
-            assert workers.serving() == 2 and workers.replaced() == [] and await workers.versions() == [3, 3]
-            assert await workers.update_weights(weights, 5) == [5, 5]
-            workers.check()
+                await workers.push(DyingLearner.remote().state.remote(), 4)
+            assert supervisor.serving() == 2 and supervisor.replaced() == [] and await workers.versions() == [3, 3]
+            assert await workers.push(weights, 5) == [5, 5]
+            supervisor.check()
         finally:
-            await workers.close()
+            await supervisor.close()
             for actor in workers.actors:
                 ray.kill(actor)
 
@@ -239,7 +242,7 @@ def test_a_dead_worker_leaves_routing_and_its_replacement_joins_serving_the_late
 def test_a_learner_that_cannot_start_says_why(ray_session):
     import asyncio
 
-    from asyncrl.sched.clients import RayLearner
+    from asyncrl.sched.learners import RayLearner
     from asyncrl.sched.parts import LearnerDied
 
     class Unstartable:  # defined here: Ray ships it by value (this test module is not importable in a worker)

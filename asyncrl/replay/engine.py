@@ -79,8 +79,5 @@ class ReplayEngine:
     async def score(self, sequences: list[list[int]], temperature: float):
         raise NotImplementedError("the replay engine answers recorded completions; it has no policy to score with")
 
-    def update_weights(self, state_dict: dict, version: int) -> None:
-        raise NotImplementedError("the replay engine serves recorded tokens; it takes no weights")
-
     def health(self) -> dict:
         return {"alive": True, "engine_id": self.engine_id, "version": 0, "running": 0, "waiting": 0, "replayed_calls": self.calls}

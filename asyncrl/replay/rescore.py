@@ -23,7 +23,6 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
 
 import torch
 
@@ -32,6 +31,7 @@ from asyncrl.learner.rl import advantages_for
 from asyncrl.learner.selection import select
 from asyncrl.policy.tokenizer import TOOL_CALL_OPEN
 from asyncrl.records import RequestError, Sample, Trajectory
+from asyncrl.rollout.scoring import NativeScorer
 from asyncrl.samples import batch_of, trajectory_to_samples
 
 from .records import RolloutScore, TokenScore, TurnSummary
@@ -60,12 +60,6 @@ class Series:
         return {"label": self.label, "version": self.ref.version, "path": str(self.ref.path) if self.ref.path else None}
 
 
-class Scorer(Protocol):
-    """What scores the tokens under one checkpoint (`rollout/scoring.py`'s `NativeScorer`)."""
-
-    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]: ...
-
-
 @dataclass
 class _Item:
     """One sample being re-scored, with what the report needs about its rollout."""
@@ -88,7 +82,7 @@ def rescore(
     view: RunView,
     trajectories: Sequence[Trajectory],
     series: Sequence[Series],
-    scorers: Callable[[CheckpointRef], Scorer],
+    scorers: Callable[[CheckpointRef], NativeScorer],
     tokenizer,
     *,
     objectives: Sequence[str] = OBJECTIVES,

@@ -1,17 +1,15 @@
-"""The engine contract: the `Engine` protocol every rollout engine implements, and request intake.
+"""Request intake, the same for every engine: a request's sampling options and prompt, checked.
 
 Token IDs in, token IDs out: an engine never sees text. The request and result records
 (`SamplingParams`, `GenerationResult`, `ScoreResult`) are floor 0 (`asyncrl/records.py`), shared
-with the gateway and the learner; this module holds what only engines need.
+with the gateway and the learner; the engine interface is `EngineFront` (`rollout/front.py`).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import AsyncGenerator
-from typing import Protocol, runtime_checkable
 
-from asyncrl.records import GenerationResult, RequestError, SamplingParams, TokenDelta
+from asyncrl.records import RequestError, SamplingParams
 
 
 def resolve_sampling(sampling: SamplingParams | dict | None, defaults: dict) -> SamplingParams:
@@ -38,27 +36,3 @@ def validate_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int
     if len(prompt) + params.max_tokens > max_model_len:
         raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {max_model_len}")
     return prompt
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """The verbs every rollout engine offers (embedded torch engine, vLLM)."""
-
-    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, *, session_id: str | None = None) -> GenerationResult:
-        """Sample a completion. `session_id` groups the turns of one rollout for prefix reuse."""
-        ...
-
-    def stream(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, *, session_id: str | None = None
-    ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
-        """`generate`, as it comes: a TokenDelta per step (a speculative step may add several tokens), then
-        the GenerationResult, which holds every token again. Closing the iterator early aborts the request."""
-        ...
-
-    def update_weights(self, state_dict: dict, version: int) -> None:
-        """Swap in new weights between decode steps; tokens sampled afterwards carry `version`."""
-        ...
-
-    def health(self) -> dict:
-        """Liveness and load: version, max_model_len, running and waiting requests, tokens generated."""
-        ...
