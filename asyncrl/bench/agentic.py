@@ -42,6 +42,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -185,11 +186,8 @@ async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, stor
     the rollouts opened on each in turn (`asyncrl run`'s `SpreadLifecycle`), each episode calling its rollout's."""
     from asyncrl.configs.context import EnvContext
     from asyncrl.envs.agentic import AgenticEnv
-    from asyncrl.envs.runner import run_recorded_episode
-    from asyncrl.gateway.app import settle_heap
     from asyncrl.gateway.serving import episode_http_client
     from asyncrl.gateway.store import open_store
-    from asyncrl.records import TERMINAL_STATUSES
 
     env = AgenticEnv.from_config(EnvContext.of(config))
     sandboxes = SleepingSandboxes(options.latency)
@@ -201,7 +199,6 @@ async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, stor
         "loop": config.loop.model_copy(update={"max_inflight": options.episodes}),
         "gateway": config.gateway.model_copy(update={"replicas": replicas}),
     })  # fmt: skip
-    walls: list[float] = []
     secret = secrets.token_bytes(32)
     processes = contextlib.ExitStack()
     try:
@@ -215,23 +212,7 @@ async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, stor
             urls = {replica.id: replica.url for replica in others}
             own_replicas = own.service.replicas
             lifecycle = SpreadLifecycle(own, own_replicas, urls, token, options.episodes) if others and own_replicas else own
-            counting = CountingLifecycle(lifecycle)
-            others_cpu = sum(r.cpu_s() for r in others)
-
-            async def episode(task) -> str:
-                began = time.perf_counter()
-                _, result = await run_recorded_episode(
-                    env, task, counting, timeout_s=config.loop.episode_timeout_s, http_client=http, sandboxes=sandboxes
-                )
-                walls.append(time.perf_counter() - began)
-                return result.status
-
-            settle_heap()
-            began = time.perf_counter()
-            outcomes = await asyncio.gather(*(episode(task) for task in tasks), return_exceptions=True)
-            wall = time.perf_counter() - began
-            others_cpu = sum(r.cpu_s() for r in others) - others_cpu
-            opened = dict(lifecycle.opened) if isinstance(lifecycle, SpreadLifecycle) else {"g0": options.episodes}
+            played = await _play(env, tasks, lifecycle, others, http, sandboxes, config.loop.episode_timeout_s)
             if isinstance(lifecycle, SpreadLifecycle):
                 await lifecycle.aclose()
         counts = store.counts()
@@ -239,11 +220,61 @@ async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, stor
     finally:
         processes.close()
         store.close()
+    return _results(options, played, sandboxes, counts, recorded_calls)
+
+
+@dataclass
+class _Played:
+    """What playing every episode at once measured at the client."""
+
+    outcomes: list[str | BaseException]
+    """Each episode's status, or the exception its runner raised."""
+    walls: list[float]
+    """The wall time of each episode that returned."""
+    wall_s: float
+    in_flight_max: int
+    opened: dict[str, int]
+    """Rollouts opened per gateway replica."""
+    others_cpu_s: float
+    """CPU seconds of the other replicas' processes meanwhile."""
+
+
+async def _play(env, tasks: list, lifecycle, others: list, http, sandboxes: SleepingSandboxes, timeout_s: float) -> _Played:
+    """Every task's episode at once, through `lifecycle` (a `SpreadLifecycle` over `others` or this process's gateway)."""
+    from asyncrl.envs.runner import run_recorded_episode
+    from asyncrl.gateway.app import settle_heap
+
+    counting = CountingLifecycle(lifecycle)
+    others_cpu = sum(r.cpu_s() for r in others)
+    walls: list[float] = []
+
+    async def episode(task) -> str:
+        began = time.perf_counter()
+        _, result = await run_recorded_episode(env, task, counting, timeout_s=timeout_s, http_client=http, sandboxes=sandboxes)
+        walls.append(time.perf_counter() - began)
+        return result.status
+
+    settle_heap()
+    began = time.perf_counter()
+    outcomes = await asyncio.gather(*(episode(task) for task in tasks), return_exceptions=True)
+    wall = time.perf_counter() - began
+    others_cpu = sum(r.cpu_s() for r in others) - others_cpu
+    opened = dict(lifecycle.opened) if isinstance(lifecycle, SpreadLifecycle) else {"g0": len(tasks)}
+    return _Played(outcomes, walls, wall, counting.open_max, opened, others_cpu)
+
+
+def _results(
+    options: AgenticBenchOptions, played: _Played, sandboxes: SleepingSandboxes, counts: dict[str, int], recorded_calls: int
+) -> dict:
+    """The figures of the module docstring, from what the client measured, the sandboxes counted and the store holds."""
+    from asyncrl.records import TERMINAL_STATUSES
+
+    outcomes, walls = played.outcomes, played.walls
     failures = [repr(o) for o in outcomes if isinstance(o, BaseException)]
     recorded = sum(counts[status] for status in TERMINAL_STATUSES)
     return {
-        "episodes_in_flight_max": counting.open_max,
-        "episodes_per_s": round(options.episodes / wall, 2),
+        "episodes_in_flight_max": played.in_flight_max,
+        "episodes_per_s": round(options.episodes / played.wall_s, 2),
         "episode_p50_s": round(statistics.median(walls), 3) if walls else None,
         "episode_p99_s": round(_p99(walls), 3) if walls else None,
         "lost_episodes": options.episodes - recorded,
@@ -254,8 +285,8 @@ async def episodes_at_once(config: RunConfig, options: AgenticBenchOptions, stor
         "runner_failures": len(failures), "first_runner_failures": failures[:3],
         "tool_calls": sandboxes.calls, "tool_calls_recorded": recorded_calls,
         "tools_in_flight_max": sandboxes.running_max,
-        "wall_s": round(wall, 3),
-        "opened_per_replica": opened, "other_replicas_cpu_s": round(others_cpu, 3),
+        "wall_s": round(played.wall_s, 3),
+        "opened_per_replica": played.opened, "other_replicas_cpu_s": round(played.others_cpu_s, 3),
     }  # fmt: skip
 
 

@@ -23,6 +23,7 @@ import platform
 import random
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,8 +41,9 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.policy.tiny import tiny_model_config
-    from asyncrl.records import SamplingParams
     from asyncrl.rollout import EmbeddedEngine
+
+    from . import engine_mtp
 
     threads = config.torch_threads
     torch.set_num_threads(threads)
@@ -54,40 +56,9 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     rng = random.Random(config.seed)
     # Ids 16.. are ordinary characters in the embedded tokenizer; any in-vocabulary ids would do.
     prompts = [[rng.randrange(16, model.config.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(BATCH)]
-
-    def engine_tok_s(batch: int) -> float:
-        async def go():
-            params = [SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, seed=i) for i in range(batch)]
-            return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts[:batch], params, strict=True)))
-
-        start = time.perf_counter()
-        results = asyncio.run(go())
-        elapsed = time.perf_counter() - start
-        produced = sum(len(r.token_ids) for r in results)
-        assert produced == batch * NEW_TOKENS, produced
-        return produced / elapsed
-
-    def hf_tok_s(batch: int) -> float:
-        input_ids = torch.tensor(prompts[:batch])
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=NEW_TOKENS,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-        elapsed = time.perf_counter() - start
-        produced = (out.shape[1] - PROMPT_TOKENS) * batch
-        assert produced == batch * NEW_TOKENS, produced
-        return produced / elapsed
-
-    from . import engine_mtp
+    engine_b64 = partial(_engine_tok_s, engine, prompts, BATCH)
+    hf_b64 = partial(_hf_tok_s, model, prompts, BATCH)
+    engine_b1 = partial(_engine_tok_s, engine, prompts, 1)
 
     b64: list[float] = []
     hf64: list[float] = []
@@ -95,11 +66,11 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     mtp_steps = engine_mtp.REPEATS + 1 if config.policy.path else 0
     with Progress(TextColumn("bench engine"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as progress:
         task = progress.add_task("measure", total=3 * (REPEATS + 1) + mtp_steps)
-        for measure in (lambda: engine_tok_s(BATCH), lambda: hf_tok_s(BATCH), lambda: engine_tok_s(1)):
+        for measure in (engine_b64, hf_b64, engine_b1):
             measure()  # warm-up: allocator, thread pools, kernels
             progress.advance(task)
         for _ in range(REPEATS):
-            for runs, measure in ((b64, lambda: engine_tok_s(BATCH)), (hf64, lambda: hf_tok_s(BATCH)), (b1, lambda: engine_tok_s(1))):
+            for runs, measure in ((b64, engine_b64), (hf64, hf_b64), (b1, engine_b1)):
                 runs.append(measure())
                 progress.advance(task)
         engine.shutdown()
@@ -111,21 +82,64 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
         "hf_generate_tok_s_b64": round(statistics.median(hf64), 1),
         "speedup_vs_hf_b64": round(statistics.median(b64) / statistics.median(hf64), 2),
         "runs": {"tok_s_b1": b1, "tok_s_b64": b64, "hf_generate_tok_s_b64": hf64},
-        "setup": {
-            "arch": config.policy.tiny.arch,
-            "prompt_tokens": PROMPT_TOKENS,
-            "new_tokens": NEW_TOKENS,
-            "batch": BATCH,
-            "repeats": REPEATS,
-            "torch_threads": threads,
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-        },
+        "setup": _setup(config, threads),
         **mtp_results,
     }
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
     return results
+
+
+def _engine_tok_s(engine, prompts: list[list[int]], batch: int) -> float:
+    """The embedded engine's generated tokens per second over the first `batch` prompts at once."""
+    from asyncrl.records import SamplingParams
+
+    async def go():
+        params = [SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, seed=i) for i in range(batch)]
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts[:batch], params, strict=True)))
+
+    start = time.perf_counter()
+    results = asyncio.run(go())
+    elapsed = time.perf_counter() - start
+    produced = sum(len(r.token_ids) for r in results)
+    assert produced == batch * NEW_TOKENS, produced
+    return produced / elapsed
+
+
+def _hf_tok_s(model, prompts: list[list[int]], batch: int) -> float:
+    """transformers' `generate()`'s generated tokens per second over the first `batch` prompts, the same sampling."""
+    input_ids = torch.tensor(prompts[:batch])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=NEW_TOKENS,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    elapsed = time.perf_counter() - start
+    produced = (out.shape[1] - PROMPT_TOKENS) * batch
+    assert produced == batch * NEW_TOKENS, produced
+    return produced / elapsed
+
+
+def _setup(config: RunConfig, threads: int) -> dict:
+    """What was measured, and on what, reported beside the numbers."""
+    return {
+        "arch": config.policy.tiny.arch,
+        "prompt_tokens": PROMPT_TOKENS,
+        "new_tokens": NEW_TOKENS,
+        "batch": BATCH,
+        "repeats": REPEATS,
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

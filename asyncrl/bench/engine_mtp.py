@@ -110,35 +110,10 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
     prompts = [p for _, p in tasks_and_prompts]
     b1_prompts = [p for _, p in task_prompts(config, tokenizer, B1_PROMPTS)]  # the same mix, fewer
 
-    results = _generate(drafting, prompts)
-    per_task = {}
-    for task in dict.fromkeys(t for t, _ in tasks_and_prompts):
-        mine = [r for (t, _), r in zip(tasks_and_prompts, results, strict=True) if t == task and r.mtp_verify_steps]
-        steps = sum(r.mtp_verify_steps for r in mine)
-        emitted = sum(r.mtp_accept_len * r.mtp_verify_steps for r in mine)
-        per_task[task] = round(emitted / steps, 3) if steps else None
-    accept_len = drafting.health()["mtp_accept_len"]
-    before_stop = drafting.verify_tokens_before_stop / drafting.verify_steps
-    greedy_engine = EmbeddedEngine(model, drafting.config, engine_id="mtp-greedy", mtp=mtp)
-    _generate(greedy_engine, prompts, temperature=0.0)
-    greedy_accept = greedy_engine.health()["mtp_accept_len"]
-    greedy_engine.shutdown()
+    accept_len, acceptance = _acceptance(model, mtp, drafting, tasks_and_prompts)
     if progress:
         progress()
-
-    sides: dict[str, list[float]] = {"b1_plain": [], "b1_mtp": [], "b64_plain": [], "b64_mtp": []}
-    cpu_sides: dict[str, list[float]] = {k: [] for k in sides}
-    _tok_s(plain, prompts, batch), _tok_s(drafting, prompts, batch)  # warm-up
-    for repeat in range(REPEATS):
-        # Alternate which side goes first, so a load change between the two hits both alike.
-        order = ("plain", "mtp") if repeat % 2 == 0 else ("mtp", "plain")
-        for size, measured, chunk in (("b1", b1_prompts, 1), ("b64", prompts, batch)):
-            for side in order:
-                wall, cpu = _tok_s(plain if side == "plain" else drafting, measured, chunk)
-                sides[f"{size}_{side}"].append(wall)
-                cpu_sides[f"{size}_{side}"].append(cpu)
-        if progress:
-            progress()
+    sides, cpu_sides = _speeds(plain, drafting, prompts, b1_prompts, batch, progress)
     median = {k: statistics.median(v) for k, v in sides.items()}
     cpu_median = {k: statistics.median(v) for k, v in cpu_sides.items()}
 
@@ -156,9 +131,7 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
         "fp8_mean_abs_logprob_gap": round(fp8_gap, 5),
         "mtp_details": {
             "draft_tokens": DRAFT_TOKENS,
-            "accept_len_by_task": per_task,
-            "accept_len_before_stop": round(before_stop, 3),
-            "accept_len_greedy": round(greedy_accept, 3),
+            **acceptance,
             "tok_s_medians": {k: round(v, 1) for k, v in median.items()},
             "runs": sides,
             "speedup_b1_cpu_time": round(cpu_median["b1_mtp"] / cpu_median["b1_plain"], 2),
@@ -175,3 +148,48 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
             "fp32_engine_mean_abs_logprob_gap": fp32_gap,
         },
     }
+
+
+def _acceptance(model, mtp, drafting, tasks_and_prompts: list[tuple[str, list[int]]]) -> tuple[float, dict]:
+    """The drafting engine's acceptance length over every prompt, and its details: per task, before stop tokens, and
+    greedy (a fresh drafting engine at temperature 0)."""
+    from asyncrl.rollout import EmbeddedEngine
+
+    results = _generate(drafting, [p for _, p in tasks_and_prompts])
+    per_task = {}
+    for task in dict.fromkeys(t for t, _ in tasks_and_prompts):
+        mine = [r for (t, _), r in zip(tasks_and_prompts, results, strict=True) if t == task and r.mtp_verify_steps]
+        steps = sum(r.mtp_verify_steps for r in mine)
+        emitted = sum(r.mtp_accept_len * r.mtp_verify_steps for r in mine)
+        per_task[task] = round(emitted / steps, 3) if steps else None
+    accept_len = drafting.health()["mtp_accept_len"]
+    before_stop = drafting.verify_tokens_before_stop / drafting.verify_steps
+    greedy_engine = EmbeddedEngine(model, drafting.config, engine_id="mtp-greedy", mtp=mtp)
+    _generate(greedy_engine, [p for _, p in tasks_and_prompts], temperature=0.0)
+    greedy_accept = greedy_engine.health()["mtp_accept_len"]
+    greedy_engine.shutdown()
+    details = {
+        "accept_len_by_task": per_task,
+        "accept_len_before_stop": round(before_stop, 3),
+        "accept_len_greedy": round(greedy_accept, 3),
+    }
+    return accept_len, details
+
+
+def _speeds(plain, drafting, prompts: list[list[int]], b1_prompts: list[list[int]], batch: int, progress=None) -> tuple[dict, dict]:
+    """Generated tokens per wall-clock second and per CPU second of each side ("b1_plain", "b1_mtp", "b64_plain",
+    "b64_mtp"), REPEATS runs each after a warm-up."""
+    sides: dict[str, list[float]] = {"b1_plain": [], "b1_mtp": [], "b64_plain": [], "b64_mtp": []}
+    cpu_sides: dict[str, list[float]] = {k: [] for k in sides}
+    _tok_s(plain, prompts, batch), _tok_s(drafting, prompts, batch)  # warm-up
+    for repeat in range(REPEATS):
+        # Alternate which side goes first, so a load change between the two hits both alike.
+        order = ("plain", "mtp") if repeat % 2 == 0 else ("mtp", "plain")
+        for size, measured, chunk in (("b1", b1_prompts, 1), ("b64", prompts, batch)):
+            for side in order:
+                wall, cpu = _tok_s(plain if side == "plain" else drafting, measured, chunk)
+                sides[f"{size}_{side}"].append(wall)
+                cpu_sides[f"{size}_{side}"].append(cpu)
+        if progress:
+            progress()
+    return sides, cpu_sides

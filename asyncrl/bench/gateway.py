@@ -324,65 +324,9 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     settle_heap()  # the client's own collector pauses would land on whichever side is running
     results: dict = {}
     with TemporaryDirectory() as tmp:
-        sides: dict[str, list[list[float]]] = {"gateway": [], "direct": [], "in_process": []}
-        server: list[float] = []
-        cpu: dict[str, list[tuple[float, float]]] = {"gateway": [], "direct": []}
-        for repeat in range(REPEATS):
-            store = str(Path(tmp) / f"overhead-{repeat}.db")
-            order = ("gateway", "direct") if repeat % 2 == 0 else ("direct", "gateway")
-            for side in order:
-                if side == "gateway":
-                    sides["gateway"].append(_http_walls(Gateway(store, ENGINE_LATENCY_S), cpu["gateway"]))
-                else:
-                    sides["direct"].append(_http_walls(Server(_serve_direct, ENGINE_LATENCY_S), cpu["direct"]))
-            sides["in_process"].append(asyncio.run(_in_process(SESSIONS, TURNS, THINK_S, ENGINE_LATENCY_S)))
-            server += _server_overhead(store)
-        for q in (50, 99):
-            pct = {name: [_pct(walls, q) for walls in runs] for name, runs in sides.items()}
-            overheads = [g - d for g, d in zip(pct["gateway"], pct["direct"], strict=True)]
-            results[f"overhead_p{q}_ms"] = round(1000 * statistics.median(overheads), 3)
-            results[f"server_overhead_p{q}_ms"] = round(1000 * _pct(server, q), 3)
-            results[f"gateway_p{q}_ms"] = round(1000 * statistics.median(pct["gateway"]), 3)
-            results[f"direct_p{q}_ms"] = round(1000 * statistics.median(pct["direct"]), 3)
-            # The pre-2026-11-29 method (an in-process engine call as the baseline) for comparison:
-            # it also charges the client's HTTP and JSON work and the loopback round trip to the gateway.
-            inproc = [g - d for g, d in zip(pct["gateway"], pct["in_process"], strict=True)]
-            results[f"overhead_vs_in_process_p{q}_ms"] = round(1000 * statistics.median(inproc), 3)
-        # Process CPU time per request (all threads) and time spent runnable but waiting for a core:
-        # the first is the server's own cost, the second what a busy machine added to it.
-        for name, samples in cpu.items():
-            results[f"{name}_cpu_ms_per_request"] = round(1000 * statistics.median(c for c, _ in samples), 3)
-            results[f"{name}_cpu_wait_ms_per_request"] = round(1000 * statistics.median(w for _, w in samples), 3)
-        results["overhead_repeats_ms"] = {
-            f"p{q}": [round(1000 * (_pct(g, q) - _pct(d, q)), 2) for g, d in zip(sides["gateway"], sides["direct"], strict=True)]
-            for q in (50, 99)
-        }
-
-        with Gateway(str(Path(tmp) / "sessions.db"), BIG_LATENCY_S) as url:
-            walls, errors, elapsed = asyncio.run(_through_gateway(url, BIG_SESSIONS, BIG_TURNS, THINK_S))
-            import httpx
-
-            engines = httpx.get(url + "/health").json()["engines"]
-        results["sessions_1000_ok"] = not errors and len(walls) == BIG_SESSIONS * BIG_TURNS
-        results["sessions_1000"] = {
-            "errors": len(errors), "first_errors": errors[:3], "calls": len(walls), "wall_s": round(elapsed, 2),
-            "p50_ms": round(1000 * _pct(walls, 50), 1), "p99_ms": round(1000 * _pct(walls, 99), 1),
-            "max_in_flight_per_engine": [e["health"].get("max_concurrent") for e in engines],
-        }  # fmt: skip
-
-        redis_namespace = f"bench-gateway-{uuid.uuid4().hex}"
-        redis_url = config.store.url if isinstance(config.store, RedisStoreConfig) else RedisStoreConfig().url
-        for name, address, namespace in (
-            ("sqlite", str(Path(tmp) / "throughput.db"), "bench"),
-            ("redis", redis_url, redis_namespace),
-        ):
-            with Gateway(address, 0.0, namespace) as url:
-                asyncio.run(_through_gateway(url, SESSIONS, 1, 0.0))
-                walls, errors, elapsed = asyncio.run(_through_gateway(url, SESSIONS, THROUGHPUT_TURNS, 0.0))
-                assert not errors, errors[:3]
-            results[f"{name}_turns_per_s"] = round(len(walls) / elapsed, 1)
-            results[f"{name}_store_appends_per_s"] = round(_store_appends_per_s(address, namespace + "-raw"), 1)
-        _drop_redis_namespace(redis_url, redis_namespace)
+        results.update(_overhead(tmp))
+        results.update(_sessions_1000(tmp))
+        results.update(_store_throughput(config, tmp))
 
         from . import gateway_routes
 
@@ -398,6 +342,83 @@ def run(config: RunConfig, json_path: str | None = None) -> dict:
     }  # fmt: skip
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def _overhead(tmp: str) -> dict:
+    """overhead_pXX_ms and what it is made of: the overhead workload through the gateway, against the direct
+    side and an in-process engine, REPEATS times, sides alternating; the server processes' CPU per request."""
+    results: dict = {}
+    sides: dict[str, list[list[float]]] = {"gateway": [], "direct": [], "in_process": []}
+    server: list[float] = []
+    cpu: dict[str, list[tuple[float, float]]] = {"gateway": [], "direct": []}
+    for repeat in range(REPEATS):
+        store = str(Path(tmp) / f"overhead-{repeat}.db")
+        order = ("gateway", "direct") if repeat % 2 == 0 else ("direct", "gateway")
+        for side in order:
+            if side == "gateway":
+                sides["gateway"].append(_http_walls(Gateway(store, ENGINE_LATENCY_S), cpu["gateway"]))
+            else:
+                sides["direct"].append(_http_walls(Server(_serve_direct, ENGINE_LATENCY_S), cpu["direct"]))
+        sides["in_process"].append(asyncio.run(_in_process(SESSIONS, TURNS, THINK_S, ENGINE_LATENCY_S)))
+        server += _server_overhead(store)
+    for q in (50, 99):
+        pct = {name: [_pct(walls, q) for walls in runs] for name, runs in sides.items()}
+        overheads = [g - d for g, d in zip(pct["gateway"], pct["direct"], strict=True)]
+        results[f"overhead_p{q}_ms"] = round(1000 * statistics.median(overheads), 3)
+        results[f"server_overhead_p{q}_ms"] = round(1000 * _pct(server, q), 3)
+        results[f"gateway_p{q}_ms"] = round(1000 * statistics.median(pct["gateway"]), 3)
+        results[f"direct_p{q}_ms"] = round(1000 * statistics.median(pct["direct"]), 3)
+        # The pre-2026-11-29 method (an in-process engine call as the baseline) for comparison:
+        # it also charges the client's HTTP and JSON work and the loopback round trip to the gateway.
+        inproc = [g - d for g, d in zip(pct["gateway"], pct["in_process"], strict=True)]
+        results[f"overhead_vs_in_process_p{q}_ms"] = round(1000 * statistics.median(inproc), 3)
+    # Process CPU time per request (all threads) and time spent runnable but waiting for a core:
+    # the first is the server's own cost, the second what a busy machine added to it.
+    for name, samples in cpu.items():
+        results[f"{name}_cpu_ms_per_request"] = round(1000 * statistics.median(c for c, _ in samples), 3)
+        results[f"{name}_cpu_wait_ms_per_request"] = round(1000 * statistics.median(w for _, w in samples), 3)
+    results["overhead_repeats_ms"] = {
+        f"p{q}": [round(1000 * (_pct(g, q) - _pct(d, q)), 2) for g, d in zip(sides["gateway"], sides["direct"], strict=True)]
+        for q in (50, 99)
+    }
+    return results
+
+
+def _sessions_1000(tmp: str) -> dict:
+    """sessions_1000_ok: BIG_SESSIONS rollouts' chats at once against a slow engine, every call answered."""
+    with Gateway(str(Path(tmp) / "sessions.db"), BIG_LATENCY_S) as url:
+        walls, errors, elapsed = asyncio.run(_through_gateway(url, BIG_SESSIONS, BIG_TURNS, THINK_S))
+        import httpx
+
+        engines = httpx.get(url + "/health").json()["engines"]
+    return {
+        "sessions_1000_ok": not errors and len(walls) == BIG_SESSIONS * BIG_TURNS,
+        "sessions_1000": {
+            "errors": len(errors), "first_errors": errors[:3], "calls": len(walls), "wall_s": round(elapsed, 2),
+            "p50_ms": round(1000 * _pct(walls, 50), 1), "p99_ms": round(1000 * _pct(walls, 99), 1),
+            "max_in_flight_per_engine": [e["health"].get("max_concurrent") for e in engines],
+        },
+    }  # fmt: skip
+
+
+def _store_throughput(config: RunConfig, tmp: str) -> dict:
+    """<store>_turns_per_s through the gateway over an instant engine, and the store's own appends per second, for
+    SQLite and Redis (a namespace of its own, dropped after)."""
+    results: dict = {}
+    redis_namespace = f"bench-gateway-{uuid.uuid4().hex}"
+    redis_url = config.store.url if isinstance(config.store, RedisStoreConfig) else RedisStoreConfig().url
+    for name, address, namespace in (
+        ("sqlite", str(Path(tmp) / "throughput.db"), "bench"),
+        ("redis", redis_url, redis_namespace),
+    ):
+        with Gateway(address, 0.0, namespace) as url:
+            asyncio.run(_through_gateway(url, SESSIONS, 1, 0.0))
+            walls, errors, elapsed = asyncio.run(_through_gateway(url, SESSIONS, THROUGHPUT_TURNS, 0.0))
+            assert not errors, errors[:3]
+        results[f"{name}_turns_per_s"] = round(len(walls) / elapsed, 1)
+        results[f"{name}_store_appends_per_s"] = round(_store_appends_per_s(address, namespace + "-raw"), 1)
+    _drop_redis_namespace(redis_url, redis_namespace)
     return results
 
 

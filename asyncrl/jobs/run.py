@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,13 @@ from . import usage
 from .cluster import check_shared_run_dir, start_ray, write_shared_check
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import PreTrainedTokenizerBase
+
+    from asyncrl.gateway.replica_actors import Gateways
+    from asyncrl.gateway.store import TrajectoryStore
+    from asyncrl.runlog import MetricsLog
 
 
 class RunExists(RuntimeError):
@@ -116,95 +123,173 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
     # First: a bad environment reference fails before anything starts.
     tasks = distill_task_mix(config) if distilling else TaskMix.from_config(config, env)
     await tasks.check_sandboxes()
-    started_ray = start_ray(config)
+    ray_actors = _RayActors(start_ray(config))
     display = Display(config.logging.progress)
-    actors: list = []  # besides the workers' and the learner's, which change when one dies
+    resumption = None
+    async with AsyncExitStack() as stack:
+        stack.callback(ray_actors.stop)
+        stack.callback(display.close)
+        started = await _start_parts(stack, config, rundir, resumed, checkpoint, state, tasks, ray_actors, display)
+        if resumed:
+            resumption = await _resume(config, rundir, started, state, checkpoint, began, display)
+        if state.eval_before is None:
+            state.eval_before = await started.loop.evaluate(force=True)
+        rl = await _run_rl(started, rundir)
+    return _summary(config, rundir, tasks, state, started, rl, resumption)
+
+
+@dataclass
+class _RayActors:
+    """The run's Ray actors, killed last when the run ends. Each part's actors join as it starts; the workers'
+    and the learner's are read only at the end, since supervision replaces one that dies."""
+
+    started_ray: bool
+    teachers: list = field(default_factory=list)
     workers: RayWorkers | None = None
     learner: RayLearner | None = None
-    resumption = None
 
-    def every_actor() -> list:
-        return [*actors, *(workers.actors if workers else []), *([learner.actor] if learner else [])]
+    def stop(self) -> None:
+        workers, learner = self.workers, self.learner
+        actors = [*self.teachers, *(workers.actors if workers else []), *([learner.actor] if learner else [])]
+        _stop_ray(actors, workers, self.started_ray)
 
-    async with AsyncExitStack() as stack:
-        stack.callback(lambda: _stop_ray(every_actor(), workers, started_ray))
-        stack.callback(display.close)
-        store = _open_store(config, rundir)
-        stack.callback(store.close)
-        if not resumed and any(store.counts()[status] for status in ("running", *TERMINAL_STATUSES)):
-            raise RunExists(f"the trajectory store {store!r} already holds rollouts; use another store.namespace")
-        workers, tokenizer = _start_workers(config)
-        supervisor = RaySupervisor(workers)
-        stack.push_async_callback(supervisor.close)  # before the actors are killed: those deaths are not replaced
-        learner = _start_learner(config, checkpoint)
-        if not config.cluster.is_local:
-            path, token = write_shared_check(rundir.path)
-            check_shared_run_dir(rundir.path, await learner.reads(path, token))
-        teachers = None
-        if distilling:
-            handles = _start_teachers(config)
-            actors += [handle.actor for handle in handles.values()]
-            teachers = Teachers.from_config(config, handles)
-        await workers.ready()
-        learner.direct = await direct_transport(config.rollout.weight_transport, learner.actor, workers.actors)
-        transport = "object_store"
-        if learner.direct is not None:
-            transport, backend = learner.direct
-            display.say(f"weight pushes: {transport} from the learner to the engines" + (f" over {backend}" if backend else ""))
-        store_at = rundir.store_address(config), rundir.store_namespace(config)
-        gateways = await start_gateways(stack, config, store, workers.engines, tokenizer, store_at=store_at)
-        if gateways.replicas is not None:
-            display.say(f"gateway replicas: {gateways.own.url} (this process), {', '.join(gateways.replicas.urls.values())}")
-        metrics = rundir.metrics(config, resume=resumed)
-        stack.callback(metrics.close)
 
-        def replica_lost(replica: str, why: str) -> None:
-            display.say(f"gateway replica {replica} is gone ({why}); its rollouts end through this process's gateway")
-            metrics.record({"event": "gateway_replica_lost", "step": state.version, "replica": replica, "reason": why})
+@dataclass
+class _Started:
+    """The run's parts once started, each one's teardown already on the run's exit stack."""
 
-        gateways.watch(replica_lost)
-        http = await stack.enter_async_context(episode_http_client(config, gateways.own))
-        parts = Parts(
-            store=store, gateway=gateways.episodes, http=http, tasks=tasks, learner=learner, workers=workers,
-            supervision=supervisor, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
-            reclaim_store=lambda: _open_store(config, rundir, visibility_timeout_s=1e-6),
-        )  # fmt: skip
-        loop = Loop(config, parts, state)
-        stack.push_async_callback(loop.episodes.stop)  # on a crash, before the gateway goes
-        await loop.push()  # the engines serve exactly the learner's weights, at its version
-        supervisor.attach(gateways.routing)
-        if resumed:
-            reclaim = _open_store(config, rundir, visibility_timeout_s=1e-6)
-            recovered = await loop.recover(reclaim)
-            reclaim.close()
-            resumption = {"version": state.version, "checkpoint": str(checkpoint), "recovered": recovered,
-                          "serving_at": time.time(), "restart_s": time.monotonic() - began}  # fmt: skip
-            metrics.record({"event": "resumed", "step": state.version, **resumption})
-            display.say(f"resumed at version {state.version} from {checkpoint}; {recovered} trajectories claimed again")
-        if state.eval_before is None:
-            state.eval_before = await loop.evaluate(force=True)
-        settle_heap()  # the gateway's event loop stalls less on garbage collection (gateway/app.py)
-        began_rl = await usage.snapshot(workers, learner, gateways.replicas)
-        await loop.run()
-        stop_reason = loop.stop_reason()
-        spent = usage.between(began_rl, await usage.snapshot(workers, learner, gateways.replicas))
-        eval_after = await loop.close()
-        engine_versions = await workers.versions()
-        counts = store.counts()
-        records = metrics.read()
-        rundir.plot(records)
-    started = sum(counts[status] for status in ("running", *TERMINAL_STATUSES))
-    ledger = {**state.ledger, "started": started}
-    summary = {
-        "mode": config.loop.mode, "version": state.version, "stop_reason": stop_reason,
-        "eval_before": state.eval_before, "eval_after": eval_after,
-        **eval_by_task(records, [task.name for task, _ in tasks.evaluated(config.eval.num_problems)]),
-        "rl_wall_s": state.rl_wall_s, "engine_versions": engine_versions, "weight_transport": transport,
-        "gateway_replicas": gateways.summary(),
-        "ledger": ledger, "balanced": sum(state.ledger.values()) == started,
-        "recoveries": loop.recoveries, "resumed": resumption, "usage": spent, "run_dir": str(rundir.path),
+    store: TrajectoryStore
+    workers: RayWorkers
+    learner: RayLearner
+    gateways: Gateways
+    metrics: MetricsLog
+    loop: Loop
+    weight_transport: str
+
+
+@dataclass
+class _RLPhase:
+    """What the summary needs of the RL phase, read before the parts are torn down."""
+
+    stop_reason: str | None
+    usage: dict
+    eval_after: float | None
+    engine_versions: list[int]
+    counts: dict[str, int]
+    records: list[dict]
+
+
+async def _start_parts(
+    stack: AsyncExitStack, config: RunConfig, rundir: RunDir, resumed: bool, checkpoint: Path | None, state: LoopState,
+    tasks: TaskMix, ray_actors: _RayActors, display: Display,
+) -> _Started:  # fmt: skip
+    """Start the run's parts in order, up to the engines serving the learner's weights, each one's teardown
+    pushed onto `stack` as it starts (and each Ray actor into `ray_actors`)."""
+    store = _open_store(config, rundir)
+    stack.callback(store.close)
+    if not resumed and any(store.counts()[status] for status in ("running", *TERMINAL_STATUSES)):
+        raise RunExists(f"the trajectory store {store!r} already holds rollouts; use another store.namespace")
+    workers, tokenizer = _start_workers(config)
+    ray_actors.workers = workers
+    supervisor = RaySupervisor(workers)
+    stack.push_async_callback(supervisor.close)  # before the actors are killed: those deaths are not replaced
+    learner = _start_learner(config, checkpoint)
+    ray_actors.learner = learner
+    if not config.cluster.is_local:
+        path, token = write_shared_check(rundir.path)
+        check_shared_run_dir(rundir.path, await learner.reads(path, token))
+    teachers = None
+    if config.distill.teachers:
+        handles = _start_teachers(config)
+        ray_actors.teachers += [handle.actor for handle in handles.values()]
+        teachers = Teachers.from_config(config, handles)
+    await workers.ready()
+    weight_transport = await _weight_transport(config, learner, workers, display)
+    store_at = rundir.store_address(config), rundir.store_namespace(config)
+    gateways = await start_gateways(stack, config, store, workers.engines, tokenizer, store_at=store_at)
+    if gateways.replicas is not None:
+        display.say(f"gateway replicas: {gateways.own.url} (this process), {', '.join(gateways.replicas.urls.values())}")
+    metrics = rundir.metrics(config, resume=resumed)
+    stack.callback(metrics.close)
+    gateways.watch(_on_replica_lost(display, metrics, state))
+    http = await stack.enter_async_context(episode_http_client(config, gateways.own))
+    parts = Parts(
+        store=store, gateway=gateways.episodes, http=http, tasks=tasks, learner=learner, workers=workers,
+        supervision=supervisor, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
+        reclaim_store=lambda: _open_store(config, rundir, visibility_timeout_s=1e-6),
+    )  # fmt: skip
+    loop = Loop(config, parts, state)
+    stack.push_async_callback(loop.episodes.stop)  # on a crash, before the gateway goes
+    await loop.push()  # the engines serve exactly the learner's weights, at its version
+    supervisor.attach(gateways.routing)
+    return _Started(store, workers, learner, gateways, metrics, loop, weight_transport)
+
+
+async def _weight_transport(config: RunConfig, learner: RayLearner, workers: RayWorkers, display: Display) -> str:
+    """How the learner's pushes reach the engines, for the summary: a direct transport where one is set up, else the object store."""
+    learner.direct = await direct_transport(config.rollout.weight_transport, learner.actor, workers.actors)
+    if learner.direct is None:
+        return "object_store"
+    transport, backend = learner.direct
+    display.say(f"weight pushes: {transport} from the learner to the engines" + (f" over {backend}" if backend else ""))
+    return transport
+
+
+def _on_replica_lost(display: Display, metrics: MetricsLog, state: LoopState) -> Callable[[str, str], None]:
+    """What the run does when a gateway replica leaves the rotation: says so and records it at the current version."""
+
+    def replica_lost(replica: str, why: str) -> None:
+        display.say(f"gateway replica {replica} is gone ({why}); its rollouts end through this process's gateway")
+        metrics.record({"event": "gateway_replica_lost", "step": state.version, "replica": replica, "reason": why})
+
+    return replica_lost
+
+
+async def _resume(
+    config: RunConfig, rundir: RunDir, started: _Started, state: LoopState, checkpoint: Path | None, began: float, display: Display
+) -> dict:
+    """Claim again what the interrupted run left running; returns the summary's `resumed`, also recorded in the metrics."""
+    reclaim = _open_store(config, rundir, visibility_timeout_s=1e-6)
+    recovered = await started.loop.recover(reclaim)
+    reclaim.close()
+    resumption = {"version": state.version, "checkpoint": str(checkpoint), "recovered": recovered,
+                  "serving_at": time.time(), "restart_s": time.monotonic() - began}  # fmt: skip
+    started.metrics.record({"event": "resumed", "step": state.version, **resumption})
+    display.say(f"resumed at version {state.version} from {checkpoint}; {recovered} trajectories claimed again")
+    return resumption
+
+
+async def _run_rl(started: _Started, rundir: RunDir) -> _RLPhase:
+    """`Loop.run` until it stops, then `Loop.close`, with each process's CPU over the phase."""
+    settle_heap()  # the gateway's event loop stalls less on garbage collection (gateway/app.py)
+    workers, learner, replicas, loop = started.workers, started.learner, started.gateways.replicas, started.loop
+    began_rl = await usage.snapshot(workers, learner, replicas)
+    await loop.run()
+    stop_reason = loop.stop_reason()
+    spent = usage.between(began_rl, await usage.snapshot(workers, learner, replicas))
+    eval_after = await loop.close()
+    engine_versions = await workers.versions()
+    counts = started.store.counts()
+    records = started.metrics.read()
+    rundir.plot(records)
+    return _RLPhase(stop_reason, spent, eval_after, engine_versions, counts, records)
+
+
+def _summary(
+    config: RunConfig, rundir: RunDir, tasks: TaskMix, state: LoopState, started: _Started, rl: _RLPhase, resumption: dict | None
+) -> dict:
+    """summary.json's run part (`run` adds the SFT warm start and the wall time)."""
+    rollouts_started = sum(rl.counts[status] for status in ("running", *TERMINAL_STATUSES))
+    ledger = {**state.ledger, "started": rollouts_started}
+    return {
+        "mode": config.loop.mode, "version": state.version, "stop_reason": rl.stop_reason,
+        "eval_before": state.eval_before, "eval_after": rl.eval_after,
+        **eval_by_task(rl.records, [task.name for task, _ in tasks.evaluated(config.eval.num_problems)]),
+        "rl_wall_s": state.rl_wall_s, "engine_versions": rl.engine_versions, "weight_transport": started.weight_transport,
+        "gateway_replicas": started.gateways.summary(),
+        "ledger": ledger, "balanced": sum(state.ledger.values()) == rollouts_started,
+        "recoveries": started.loop.recoveries, "resumed": resumption, "usage": rl.usage, "run_dir": str(rundir.path),
     }  # fmt: skip
-    return summary
 
 
 def eval_by_task(records: list[dict], names: list[str]) -> dict:

@@ -26,6 +26,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -221,82 +222,32 @@ def run_sft(config: RunConfig) -> SFTResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(dump_config(config))
 
-    model, tokenizer, mtp = build_policy(config.policy, config.seed)
-    check_plain_head(model.eval())  # the losses read the decoder's states through the head, as the RL learner does
-    check_warmup(sft.indexer_warmup, model)
-    model.train()
-    modules = [model] + ([mtp.train()] if mtp is not None else [])
-    params = [p for module in modules for p in module.parameters() if p.requires_grad]
-    optimizer = sft_optimizer(sft, model, mtp, params)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, sft.warmup_steps)))
+    training = _Training.build(config)
+    model, tokenizer, mtp = training.model, training.tokenizer, training.mtp
     data = sft.data
     rows = chat_rows(config, tokenizer) if data.path is not None else None
     stream = training_stream(config, tokenizer, rows, max_length=getattr(model.config, "max_position_embeddings", None))
     pack_length = data.max_length if data.packing else None
     heldout_rows = rows.heldout[: data.heldout_max_rows] if rows is not None else []
     heldout = HeldOut(config, model, tokenizer)
-
-    def evaluate() -> dict:
-        scores = {"eval_accuracy": heldout.accuracy(model.state_dict(), step)}
-        if heldout_rows:
-            scores["eval_loss"] = evaluation_loss(model, heldout_rows, tokenizer.pad_token_id, pack_length)
-        return scores
+    evaluate = _Evaluation(heldout, model, heldout_rows, tokenizer.pad_token_id, pack_length)
 
     reporter = _Reporter(config, out_dir)
     if rows is not None:
         _report_rows(reporter, rows)
     start = time.perf_counter()
-    window_tokens, window_train_s = 0, 0.0
-    accuracy: float | None = None
-    stop_reason, step = "max_steps", 0
     try:
-        while step < sft.max_steps:
-            step_start = time.perf_counter()
-            loss, aux, tokens = train_step(config, model, mtp, stream.batch(sft.batch_size), tokenizer.pad_token_id, pack_length)
-            torch.nn.utils.clip_grad_norm_(params, sft.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
-            step += 1
-            window_tokens += tokens
-            window_train_s += time.perf_counter() - step_start
-
-            scores = evaluate() if step % sft.eval_every == 0 else None
-            accuracy_now = scores["eval_accuracy"] if scores is not None else None
-            elapsed = time.perf_counter() - start
-            if step % LOG_EVERY == 0 or scores is not None:
-                record = {
-                    "step": step, "loss": loss, "mtp_loss": aux,
-                    "lr": schedule.get_last_lr()[0], "tokens_per_s": window_tokens / window_train_s,
-                    "elapsed_s": elapsed,
-                }  # fmt: skip
-                if scores is not None:
-                    record.update(scores)
-                    accuracy = accuracy_now
-                    held_loss = f"  held-out loss {scores['eval_loss']:.3f}" if "eval_loss" in scores else ""
-                    reporter.say(f"step {step}  {elapsed:6.1f}s  loss {loss:.3f}  held-out {accuracy_now:.1%}{held_loss}")
-                reporter.record(record)
-                window_tokens, window_train_s = 0, 0.0
-            reporter.advance(step, f"loss {loss:.3f}  acc {'-' if accuracy is None else f'{accuracy:.1%}'}")
-
-            if accuracy_now is not None and sft.stop_at_accuracy is not None and accuracy_now >= sft.stop_at_accuracy:
-                stop_reason = "accuracy"
-                break
-            if elapsed >= sft.time_budget_s:
-                stop_reason = "time_budget"
-                break
+        step, accuracy, stop_reason = _train(config, training, stream, pack_length, evaluate, reporter, start)
         warmed = run_indexer_warmup(
-            config, model, mtp, stream.batch, tokenizer.pad_token_id, pack_length, params, optimizer,
+            config, model, mtp, stream.batch, tokenizer.pad_token_id, pack_length, training.params, training.optimizer,
             lambda metrics: _record_warmup(reporter, step, start, metrics),
         )  # fmt: skip
         if warmed or accuracy is None or step % sft.eval_every != 0:
-            scores = evaluate()  # the checkpoint's own accuracy, not an earlier step's
+            scores = evaluate(step)  # the checkpoint's own accuracy, not an earlier step's
             accuracy = scores["eval_accuracy"]
             reporter.record({"step": step, **scores, "elapsed_s": time.perf_counter() - start})
             reporter.say(f"final  step {step}  held-out {accuracy:.1%}")
-        too_long = getattr(stream, "too_long", 0) or getattr(getattr(stream, "demos", None), "too_long", 0)
-        if too_long:
-            reporter.say(f"left out {too_long} demonstrations longer than the model's {model.config.max_position_embeddings} positions")
+        _report_too_long(reporter, stream, model)
     finally:
         reporter.close()
         heldout.close()
@@ -308,3 +259,103 @@ def run_sft(config: RunConfig) -> SFTResult:
     checkpoint = save_policy(out_dir / "checkpoint", model, tokenizer, mtp, extra_config=provenance)
     plot_curves(reporter.records, out_dir / "curves.png")
     return SFTResult(checkpoint, accuracy, step, wall, stop_reason)
+
+
+@dataclass
+class _Training:
+    """The policy under SFT (and its MTP layer), and the optimizer and learning-rate schedule that move it."""
+
+    model: Any
+    tokenizer: Any
+    mtp: Any
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LambdaLR
+
+    @classmethod
+    def build(cls, config: RunConfig) -> _Training:
+        """The policy `config.policy` names, in training mode, refused where SFT's losses or warm-up cannot train it."""
+        sft = config.sft
+        model, tokenizer, mtp = build_policy(config.policy, config.seed)
+        check_plain_head(model.eval())  # the losses read the decoder's states through the head, as the RL learner does
+        check_warmup(sft.indexer_warmup, model)
+        model.train()
+        modules = [model] + ([mtp.train()] if mtp is not None else [])
+        params = [p for module in modules for p in module.parameters() if p.requires_grad]
+        optimizer = sft_optimizer(sft, model, mtp, params)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, sft.warmup_steps)))
+        return cls(model, tokenizer, mtp, params, optimizer, schedule)
+
+    def step(self, config: RunConfig, batch, pack_length: int | None) -> tuple[float, float | None, int]:
+        """One optimizer step on `batch`: (next-token loss, MTP loss, tokens trained)."""
+        loss, aux, tokens = train_step(config, self.model, self.mtp, batch, self.tokenizer.pad_token_id, pack_length)
+        torch.nn.utils.clip_grad_norm_(self.params, config.sft.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        return loss, aux, tokens
+
+
+@dataclass
+class _Evaluation:
+    """The held-out scores of the weights being trained: greedy accuracy and, with held-out rows of `sft.data`, their loss."""
+
+    heldout: HeldOut
+    model: Any
+    rows: list
+    pad_token_id: int
+    pack_length: int | None
+
+    def __call__(self, step: int) -> dict:
+        scores = {"eval_accuracy": self.heldout.accuracy(self.model.state_dict(), step)}
+        if self.rows:
+            scores["eval_loss"] = evaluation_loss(self.model, self.rows, self.pad_token_id, self.pack_length)
+        return scores
+
+
+def _train(
+    config: RunConfig, training: _Training, stream: DemoStream | MixedStream, pack_length: int | None, evaluate: _Evaluation,
+    reporter: _Reporter, start: float,
+) -> tuple[int, float | None, str]:  # fmt: skip
+    """Optimizer steps until an SFT rule stops them: (steps taken, the last held-out accuracy, which rule stopped them)."""
+    sft = config.sft
+    window_tokens, window_train_s = 0, 0.0
+    accuracy: float | None = None
+    step = 0
+    while step < sft.max_steps:
+        step_start = time.perf_counter()
+        loss, aux, tokens = training.step(config, stream.batch(sft.batch_size), pack_length)
+        step += 1
+        window_tokens += tokens
+        window_train_s += time.perf_counter() - step_start
+
+        scores = evaluate(step) if step % sft.eval_every == 0 else None
+        accuracy_now = scores["eval_accuracy"] if scores is not None else None
+        elapsed = time.perf_counter() - start
+        if step % LOG_EVERY == 0 or scores is not None:
+            record = {
+                "step": step, "loss": loss, "mtp_loss": aux,
+                "lr": training.schedule.get_last_lr()[0], "tokens_per_s": window_tokens / window_train_s,
+                "elapsed_s": elapsed,
+            }  # fmt: skip
+            if scores is not None:
+                record.update(scores)
+                accuracy = accuracy_now
+                held_loss = f"  held-out loss {scores['eval_loss']:.3f}" if "eval_loss" in scores else ""
+                reporter.say(f"step {step}  {elapsed:6.1f}s  loss {loss:.3f}  held-out {accuracy_now:.1%}{held_loss}")
+            reporter.record(record)
+            window_tokens, window_train_s = 0, 0.0
+        reporter.advance(step, f"loss {loss:.3f}  acc {'-' if accuracy is None else f'{accuracy:.1%}'}")
+
+        if accuracy_now is not None and sft.stop_at_accuracy is not None and accuracy_now >= sft.stop_at_accuracy:
+            return step, accuracy, "accuracy"
+        if elapsed >= sft.time_budget_s:
+            return step, accuracy, "time_budget"
+    return step, accuracy, "max_steps"
+
+
+def _report_too_long(reporter: _Reporter, stream: DemoStream | MixedStream, model) -> None:
+    """Says how many demonstrations the stream left out for not fitting the model's positions, if any."""
+    too_long = getattr(stream, "too_long", 0) or getattr(getattr(stream, "demos", None), "too_long", 0)
+    if too_long:
+        reporter.say(f"left out {too_long} demonstrations longer than the model's {model.config.max_position_embeddings} positions")

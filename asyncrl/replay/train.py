@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from asyncrl.learner.batch import Row
     from asyncrl.learner.rl import RLLearner
-    from asyncrl.records import Batch, StepResult
+    from asyncrl.records import Batch, Sample, StepResult
     from asyncrl.sched.rundir import BatchRecord
 
     from .run import CheckpointRef, RunView
@@ -267,10 +268,17 @@ def _shares(learner: RLLearner, batch: Batch, current_version: int, top: int) ->
                         rollout_logprob=float(rollout[b, j]), ratio=float(out.ratio[b, j]), kept=bool(out.kept[b, j]),
                         advantage=row.advantage, loss_share=float(per_token[b, j]),
                     ))  # fmt: skip
+    samples_shares = _sample_shares(selection.batch, rows, computed, shares)
+    tokens.sort(key=lambda t: -abs(t.loss_share))
+    return samples_shares, tokens[:top]
+
+
+def _sample_shares(samples: list[Sample], rows: list[Row], computed: list[Row], shares: dict[int, tuple[float, int]]) -> list[SampleShare]:
+    """Each row's `SampleShare`, from its sample, its row and `shares` (row index -> (loss share, kept tokens))."""
     seen: set[tuple[str, int]] = set()
     was_computed = {id(row) for row in computed}
     samples_shares = []
-    for i, (sample, row) in enumerate(zip(selection.batch, rows, strict=True)):
+    for i, (sample, row) in enumerate(zip(samples, rows, strict=True)):
         key = (sample.rollout_id, sample.branch)
         samples_shares.append(SampleShare(
             row=i, rollout_id=sample.rollout_id, group_id=sample.group_id, task=sample.task, reward=sample.reward,
@@ -278,8 +286,7 @@ def _shares(learner: RLLearner, batch: Batch, current_version: int, top: int) ->
             trainable_tokens=sum(row.loss_mask[1:]), kept_tokens=shares[i][1], loss_share=shares[i][0],
         ))  # fmt: skip
         seen.add(key)
-    tokens.sort(key=lambda t: -abs(t.loss_share))
-    return samples_shares, tokens[:top]
+    return samples_shares
 
 
 def _logged(view: RunView, record: BatchRecord) -> dict[str, Any]:
