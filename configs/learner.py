@@ -36,7 +36,7 @@ class OptimizerConfig(Section):
 
 
 class LearnerConfig(Section):
-    """The RL learner: objective, drop and group rules, optimizer, weight pushes (DESIGN §4)."""
+    """The RL learner: objective, drop and group rules, optimizer, weight pushes (docs/LEARNER.md, "The rules")."""
 
     objective: Literal["icepop_grpo", "double_sided_is"] = "icepop_grpo"
     """GRPO with the IcePop mask (reasoning default) or direct double-sided importance sampling (agentic default)."""

@@ -124,7 +124,7 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *, normal
 
 def distill_advantages(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] stop-grad(log pi_teacher - log pi_theta) on sampled tokens (loss mask 1), 0 elsewhere: the
-    per-token advantage of on-policy cross-stage distillation (DESIGN §4).
+    per-token advantage of on-policy cross-stage distillation (docs/LEARNER.md, "The rules").
 
     Per sampled token y_t of the student's own rollout:
 

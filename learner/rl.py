@@ -1,4 +1,4 @@
-"""The RL learner: one optimizer step per call on the samples of complete GRPO groups (DESIGN §4).
+"""The RL learner: one optimizer step per call on the samples of complete GRPO groups (docs/LEARNER.md, "The rules").
 
 A step is a few named verbs:
 
@@ -8,9 +8,9 @@ A step is a few named verbs:
     step        -> gradient clip, the optimizer (`learner.optimizer`: AdamW, Muon, Muon Split); the policy version goes up by one
 
 Groups whose rewards are all equal have zero advantage, so their samples give exactly zero
-gradient: they are counted as trained but never run through the model (about 45% of a step's time
-on the tiny policy, MEASUREMENTS.md). The loss is divided by the trainable tokens of *every*
-selected sample, skipped ones included, so skipping changes the cost of a step and nothing else.
+gradient: they are counted as trained but never run through the model. The loss is divided by the
+trainable tokens of *every* selected sample, skipped ones included, so skipping changes the cost of a
+step and nothing else.
 
 Sampling temperature: engines report the log-prob of the distribution they actually sampled from,
 i.e. softmax(logits / T). The learner divides the logits of every token by the T its turn was sampled

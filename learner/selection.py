@@ -1,6 +1,6 @@
 """Which finished rollouts the learner trains on, and the account every rollout ends in.
 
-The rules (GLM-5 report; DESIGN §4), applied per rollout in this order:
+The rules (GLM-5 report; docs/LEARNER.md, "The rules"), applied per rollout in this order:
 
 1. aborted rollouts -> `aborted`;
 2. environment crashes (status in `crash_statuses`) -> `dropped_crash`;

@@ -21,8 +21,9 @@ loop are `asyncrl.jobs`; nothing here imports them.
     rundir.py      the run directory: config, checkpoints, metrics, plots, summary
     display.py     the live display (or plain lines)
 
-Nothing below imports this package: the components expose verbs (generate, record, run_episode,
-train_step, update_weights) and these modules own the order they are called in. The weights take one
+Nothing below imports this package: the components expose verbs (an engine's generate, the gateway's
+chat completions and rollout lifecycle, an environment's run_episode, the learner's train_step) and
+these modules own the order they are called in. The weights take one
 verb per layer: the worker group pushes (`WorkerGroup.push`), a rollout worker loads
 (`RolloutWorker.load_weights`), an engine updates between two steps (`EngineFront.update_weights`), and
 its core loads them (`load_weights`).

@@ -64,7 +64,7 @@ class LoopState:
 @dataclass
 class BatchRecord:
     """What one learner step was handed, by reference: the rollouts of its GRPO groups in the order the
-    learner saw them (their samples are re-derived from the store with `group_samples`), the version
+    learner saw them (their `Batch` is re-derived from the store with `asyncrl.samples.batch_of`), the version
     staleness was measured against, and what the step reported. Selection is a pure function of these,
     so `asyncrl replay train` rebuilds the exact batch (samples, padding, advantages) from them."""
 

@@ -1,4 +1,4 @@
-"""The learner's rules with exact, hand-computed values (DESIGN §4)."""
+"""The learner's rules with exact, hand-computed values (docs/LEARNER.md, "The rules")."""
 
 from __future__ import annotations
 
