@@ -219,6 +219,18 @@ def test_bad_requests_fail_alone_while_others_finish(model):
 def test_async_generate_with_a_concurrent_weight_update(model):
     engine = new_engine(model, max_num_seqs=4)
     other = make_tiny_model("glm_moe_dsa", eos_token_id=None, seed=3).state_dict()
+    advance = engine.advance
+
+    def advance_only_once_the_push_is_queued() -> list:
+        # The push lands mid-request on any machine: once the request's first token is out, the stepping
+        # thread takes no further step until the push is queued (the next step applies it). Left alone, a
+        # fast stepping thread could finish all 110 tokens before the push's thread got to run.
+        if engine.generated_tokens > 0 and engine.version == 0:
+            with engine._cv:
+                engine._cv.wait_for(lambda: engine._push is not None, timeout=120)  # the limit only bounds a hang
+        return advance()
+
+    engine.advance = advance_only_once_the_push_is_queued
 
     async def scenario():
         task = asyncio.create_task(engine.generate(PROMPT, {"max_tokens": 110, "seed": 0}))

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from gateway_helpers import LiveGateway, Pausable, make_engine, make_service
+from gateway_helpers import LiveGateway, ManualClock, Pausable, make_engine, make_service
 
 from asyncrl.gateway.engines import LocalEngine
 from asyncrl.gateway.store import open_store
@@ -207,30 +207,39 @@ def test_a_big_prompt_is_tokenized_off_the_event_loop(engine, tmp_path, path) ->
         assert big.status_code == 400 and "max_prompt_tokens" in big.json()["error"]["message"], big.text
 
 
-class Timed:
-    """The gateway's template, noting while an encode of a big text is running (it still encodes it)."""
+class Tokenizing:
+    """The gateway's template, noting while an encode of a big text is running (it still encodes it). Such
+    an encode returns only once `enough()` holds, so what the test wants to happen while prompts are
+    tokenized happens at any speed of the machine; a minute without it (the loop is blocked) lets it go."""
 
-    def __init__(self, template) -> None:
-        self._template, self.running, self.finished = template, 0, 0
+    def __init__(self, template, enough) -> None:
+        self._template, self.enough, self.running, self.finished = template, enough, 0, 0
+        self._counting = threading.Lock()  # two prompts are tokenized at once, on two threads
 
     def __getattr__(self, name):
         return getattr(self._template, name)
 
-    def _timed(self, encode, text: str) -> list[int]:
+    def _tokenize(self, encode, text: str) -> list[int]:
         if len(text) <= OFFLOAD_CHARS:
             return encode(text)
-        self.running += 1
+        with self._counting:
+            self.running += 1
         try:
-            return encode(text)
+            ids = encode(text)
+            deadline = time.monotonic() + 60  # a hang guard: the verdict reads the heartbeats, not this
+            while not self.enough() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return ids
         finally:
-            self.running -= 1
-            self.finished += 1
+            with self._counting:
+                self.running -= 1
+                self.finished += 1
 
     def encode(self, text: str) -> list[int]:
-        return self._timed(self._template.encode, text)
+        return self._tokenize(self._template.encode, text)
 
     def encode_text(self, text: str) -> list[int]:
-        return self._timed(self._template.encode_text, text)
+        return self._tokenize(self._template.encode_text, text)
 
 
 class Watched(LocalEngine):
@@ -246,11 +255,13 @@ class Watched(LocalEngine):
 
 
 def test_an_engine_keeps_its_heartbeats_while_big_prompts_are_tokenized(engine, tmp_path) -> None:
-    # Heartbeats every 50 ms, an engine dropped after 2 s without one; tokenizing the prompts takes far longer.
+    # Heartbeats asked for every 50 ms; the prompts' tokenizing lasts until three came, which a loop blocked
+    # by it would never ask for. The registry's clock stands still, so no heartbeat a busy machine delayed
+    # can drop the engine: any deregistration below is the gateway's doing.
     config = dict(heartbeat_interval_s=0.05, heartbeat_timeout_s=2.0, max_prompt_tokens=1000)
-    service = make_service(open_store(tmp_path), [], **config)
-    service.template = timed = Timed(service.template)
-    watched = Watched(engine, busy=lambda: timed.running > 0)
+    service = make_service(open_store(tmp_path), [], clock=ManualClock(), **config)
+    watched = Watched(engine, busy=lambda: tokenizing.running > 0)
+    service.template = tokenizing = Tokenizing(service.template, enough=lambda: watched.heartbeats_while_busy >= 3)
     service.pool.add_local(watched)
     dropped: list[str] = []
     service.pool.registry.subscribe(lambda event: event.kind == "deregistered" and dropped.append(event.reason))
@@ -266,7 +277,7 @@ def test_an_engine_keeps_its_heartbeats_while_big_prompts_are_tokenized(engine, 
         responses = asyncio.run(all_big())
         for response in responses:  # tokenized in full, then refused for their length
             assert response.status_code == 400 and "max_prompt_tokens" in response.json()["error"]["message"], response.text
-        assert timed.finished >= len(keys)
+        assert tokenizing.finished >= len(keys)
         assert watched.heartbeats_while_busy >= 3  # the heartbeat loop ran while the prompts were tokenized
         assert dropped == []  # and the engine was never dropped for a missed one
         assert [info.id for info in live.on_loop(service.pool.registry.alive)] == [engine.engine_id]

@@ -1,7 +1,8 @@
 """Engines that die, hang or live elsewhere: retries from the recorded prompt tokens, fail-fast,
 deadlines, heartbeat expiry, and remote engines that register over HTTP.
 
-Heartbeat windows are short (interval 0.05 s, timeout 0.4 s) so expiry takes well under a second.
+Heartbeats are asked for often (every 0.05 s) and their window (0.4 s) runs on a ManualClock: an engine
+expires when the test moves the clock past its window, never because a busy machine was slow to heartbeat.
 """
 
 from __future__ import annotations
@@ -47,27 +48,56 @@ def _call_in_thread(client, results: list) -> threading.Thread:
     return thread
 
 
-def _kill_mid_request(gw: LiveGateway, handles: dict[str, Pausable]) -> tuple[str, str, object, float]:
+def _expire_the_silent_one(gw: LiveGateway, clock: ManualClock, silent: str, live: set[str]) -> None:
+    """Move the registry's clock on until `silent` has expired, in steps shorter than the heartbeat window,
+    each once every engine in `live` has heartbeated at the new time: only a silent engine can expire,
+    however long the machine takes to ask for a heartbeat."""
+    registry = gw.service.pool.registry
+    deadline = time.monotonic() + 120  # a hang guard only
+    while True:
+        clock.advance(0.75 * FAST_HEARTBEATS["heartbeat_timeout_s"])
+        while True:
+            beats = gw.on_loop(lambda: {info.id: info.last_heartbeat for info in registry.alive()})
+            assert live <= beats.keys(), f"a live engine expired: {beats}"
+            if all(beats[engine_id] >= clock.now for engine_id in live):
+                break
+            assert time.monotonic() < deadline, "the live engines were never heartbeated"
+            time.sleep(0.005)
+        if silent not in beats:
+            return
+
+
+def _kill_mid_request(gw: LiveGateway, handles: dict[str, Pausable], clock: ManualClock) -> tuple[str, str, object, list]:
+    """Kills the home engine of a request it holds; returns the rollout, the dead engine, what the call
+    got and every deregistration meanwhile (engine id, reason)."""
+    dropped: list[tuple[str, str]] = []
+    registry = gw.service.pool.registry
+    gw.on_loop(registry.subscribe, lambda event: event.kind == "deregistered" and dropped.append((event.engine.id, event.reason)))
     rollout_id, key = gw.open()
     home = handles[_home(gw, rollout_id)]
     home.pause()
     results: list = []
     thread = _call_in_thread(gw.openai(key), results)
-    assert home.started.wait(10)
-    killed_at = time.monotonic()
+    assert home.started.wait(60)
     home.kill()
-    thread.join(20)
-    return rollout_id, home.engine_id, results[0], time.monotonic() - killed_at
+    # The request waits on its dead engine for as long as the clock stays: the heartbeat window ends the wait.
+    assert thread.is_alive() and results == []
+    _expire_the_silent_one(gw, clock, home.engine_id, set(handles) - {home.engine_id})
+    thread.join(120)  # a hang guard, far below the request deadline (request_timeout_s, 300 s)
+    assert not thread.is_alive(), "the request outlived its engine's expiry"
+    return rollout_id, home.engine_id, results[0], dropped
 
 
 def test_a_request_on_a_killed_engine_is_retried_on_another(engines, tmp_path) -> None:
     handles = {e.engine_id: Pausable(e) for e in engines}
-    with LiveGateway(make_service(open_store(tmp_path), list(handles.values()), engine_retries=1, **FAST_HEARTBEATS)) as gw:
-        rollout_id, dead, reply, waited = _kill_mid_request(gw, handles)
+    clock = ManualClock()
+    service = make_service(open_store(tmp_path), list(handles.values()), clock=clock, engine_retries=1, **FAST_HEARTBEATS)
+    with LiveGateway(service) as gw:
+        rollout_id, dead, reply, dropped = _kill_mid_request(gw, handles, clock)
         (alive,) = set(handles) - {dead}
         assert not isinstance(reply, Exception), reply
         assert reply.model_extra["asyncrl"]["engine_id"] == alive
-        assert waited < 5  # noticed by the heartbeat window, not by the request deadline (300 s)
+        assert dropped == [(dead, "heartbeat timeout")]  # noticed by the heartbeat window, not by the request deadline
         assert _live_engines(gw) == {alive}  # out of routing
         (turn,) = gw.service.store.get(rollout_id).turns
         assert turn.engine_id == alive and turn.timings["retries"] == 1.0
@@ -78,19 +108,23 @@ def test_a_request_on_a_killed_engine_is_retried_on_another(engines, tmp_path) -
 
 def test_with_no_retries_a_killed_engine_fails_fast_with_a_clear_status(engines, tmp_path) -> None:
     handles = {e.engine_id: Pausable(e) for e in engines}
-    with LiveGateway(make_service(open_store(tmp_path), list(handles.values()), engine_retries=0, **FAST_HEARTBEATS)) as gw:
-        rollout_id, dead, error, waited = _kill_mid_request(gw, handles)
+    clock = ManualClock()
+    service = make_service(open_store(tmp_path), list(handles.values()), clock=clock, engine_retries=0, **FAST_HEARTBEATS)
+    with LiveGateway(service) as gw:
+        rollout_id, dead, error, dropped = _kill_mid_request(gw, handles, clock)
         assert isinstance(error, openai.APIStatusError) and error.status_code == 503
         assert f"engine {dead} left the gateway (heartbeat timeout)" in error.message
         assert "gateway.engine_retries=0" in error.message
-        assert waited < 5
+        assert dropped == [(dead, "heartbeat timeout")]
         assert gw.service.store.get(rollout_id).turns == []  # nothing half-recorded
         assert dead not in _live_engines(gw)
 
 
 def test_a_hung_engine_cannot_hold_a_request_past_its_deadline(engines, tmp_path) -> None:
     stuck = Pausable(engines[0])
-    with LiveGateway(make_service(open_store(tmp_path), [stuck], request_timeout_s=0.5, **FAST_HEARTBEATS)) as gw:
+    # The clock never moves: however late its heartbeats come, the engine stays, and only the deadline can end the wait.
+    service = make_service(open_store(tmp_path), [stuck], clock=ManualClock(), request_timeout_s=0.5, **FAST_HEARTBEATS)
+    with LiveGateway(service) as gw:
         _, key = gw.open()
         stuck.pause()  # alive and heartbeating, but never answers
         with pytest.raises(openai.APIStatusError) as caught:
