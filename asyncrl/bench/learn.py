@@ -3,7 +3,9 @@
 Every side starts from the same SFT checkpoint (one warm start, shared; none when `policy.path` is
 set), trains on the same addition task with the same group size, prompts per step, temperature,
 learning rate and gradient clip, for the same wall budget, one side after the other, and is scored
-greedily on the same held-out problems (`eval.num_problems`, `eval.seed`) as it goes:
+greedily on the same held-out problems (`eval.num_problems`, `eval.seed`) as it goes. `loop.steps`
+(out of reach here) also ends every side, at that many optimizer steps: a side's length by count,
+whatever the machine's speed (the test's sides end so):
 
 - the engine alone (first, and again after the last side; `bench.engine_alone_s=0` skips it): the
   pipeline limit, the rollout engine fed `loop.max_inflight` requests at a time with nothing else
@@ -64,7 +66,7 @@ class LearnBenchOptions(Section):
     """Settings of `asyncrl bench learn` itself (`bench.KEY=VALUE` on the command line)."""
 
     budget_s: float = Field(300.0, gt=0)
-    """Wall seconds of training per side, from the end of its first held-out evaluation."""
+    """Wall seconds of training per side, from the end of its first held-out evaluation (or until loop.steps optimizer steps)."""
     sides: list[Side] = Field(["async", "sync", "plain", "trl"], min_length=1)
     """Sides to run, in this order."""
     trl_eval_every_s: float = Field(20.0, gt=0)

@@ -65,7 +65,7 @@ def run_trl(config: RunConfig, budget_s: float, eval_every_s: float) -> dict:
             num_iterations=1, use_cpu=True, bf16=False, max_steps=1_000_000, save_strategy="no", report_to="none",
             logging_steps=1_000_000, disable_tqdm=True, seed=config.seed, dataloader_num_workers=0,
         )  # fmt: skip
-        clock = _Clock(model, tokenizer, heldout, config.eval.max_tokens, verify, budget_s, eval_every_s, batch)
+        clock = _Clock(model, tokenizer, heldout, config.eval.max_tokens, verify, budget_s, eval_every_s, batch, config.loop.steps)
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
                                   callbacks=[type("BudgetCallback", (TrainerCallback,), {"on_step_end": clock.on_step_end})()])  # fmt: skip
         clock.start()
@@ -78,11 +78,12 @@ def run_trl(config: RunConfig, budget_s: float, eval_every_s: float) -> dict:
 
 
 class _Clock:
-    """TRL's wall budget and evaluation cadence, as a trainer callback."""
+    """TRL's wall budget and evaluation cadence, as a trainer callback; `max_steps` (loop.steps) ends it
+    by count as asyncrl's side ends at loop.steps versions, whichever of the two comes first."""
 
-    def __init__(self, model, tokenizer, heldout, max_tokens, verify, budget_s, eval_every_s, samples_per_step) -> None:
+    def __init__(self, model, tokenizer, heldout, max_tokens, verify, budget_s, eval_every_s, samples_per_step, max_steps) -> None:
         self.model, self.tokenizer, self.heldout, self.max_tokens, self.verify = model, tokenizer, heldout, max_tokens, verify
-        self.budget_s, self.eval_every_s, self.samples_per_step = budget_s, eval_every_s, samples_per_step
+        self.budget_s, self.eval_every_s, self.samples_per_step, self.max_steps = budget_s, eval_every_s, samples_per_step, max_steps
         self.curve: list[tuple] = []
         self.steps = 0
 
@@ -98,7 +99,7 @@ class _Clock:
     def on_step_end(self, args, state, control, **_):
         self.steps = state.global_step
         elapsed = self.elapsed()
-        done = elapsed >= self.budget_s  # read once: the last step always closes the curve
+        done = elapsed >= self.budget_s or self.steps >= self.max_steps  # the clock read once: the last step always closes the curve
         if done or elapsed - self.last_eval >= self.eval_every_s:
             accuracy = self.evaluate()
             self.curve.append((round(self.elapsed(), 1), self.steps * self.samples_per_step, accuracy))
