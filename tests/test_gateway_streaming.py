@@ -354,14 +354,22 @@ def test_stopping_the_gateway_waits_for_the_recordings_still_running(tmp_path) -
     engine = make_engine("drain")
     recorded: list[str] = []
     gateway = LiveGateway(make_service(open_store(tmp_path / "store"), [engine]))
+    background = gateway.service.background
+    drain, draining = background.drain, asyncio.Event()
+
+    async def drain_noted(timeout_s: float) -> None:
+        draining.set()
+        await drain(timeout_s)
+
+    background.drain = drain_noted
     with gateway:
 
         async def recording() -> None:
-            while not gateway.server.should_exit:  # still recording when the shutdown begins
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.5)
+            # Still recording when the shutdown is under way, however long it takes to get there: only
+            # the wait for it lets this end; a shutdown that does not wait cancels it first.
+            await draining.wait()
             recorded.append("turn")
 
-        gateway.on_loop(gateway.service.background.start, recording())
+        gateway.on_loop(background.start, recording())
     engine.shutdown()
     assert recorded == ["turn"]

@@ -99,7 +99,8 @@ class _Garbage(_Crashing):
 )
 def test_broken_environments_end_in_one_recorded_status(gateway, env, status, reason):
     live, store = gateway
-    rollout_id, result = _run(live, env, None, timeout_s=0.5)
+    # Only the hanging environment may meet its time limit: the others end far inside the default one, however busy the machine.
+    rollout_id, result = _run(live, env, None, **({"timeout_s": 0.5} if isinstance(env, _Hanging) else {}))
     assert isinstance(result, EpisodeResult) and result.status == status and reason in result.reason
     trajectory = store.get(rollout_id)
     assert trajectory.status == status and trajectory.reward == 0.0

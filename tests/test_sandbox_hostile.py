@@ -1,9 +1,12 @@
 """Hostile tool code against both sandbox backends: each attack is contained and reported as a tool
 error, the sandbox survives it, and nothing it started outlives the call, the episode or a cancel.
 
-Limits are tight (128 MB, 16 processes, 3 s) so the bombs stay small on a shared machine. A backend
-that cannot run here (no bubblewrap, no Docker engine or image) is skipped with the reason, except
-under CI=true, where the test script installs both and a missing one is a failure.
+Memory and process limits are tight (128 MB, 16 processes) so the bombs stay small on a shared machine.
+The time limit is not: a call's limit counts the interpreter's start at nice 10, which a busy machine
+can stretch to seconds, so only code that never ends reaches it (LOOP_LIMIT_S for the infinite loop,
+LIMITS' minute for anything else that went wrong). A backend that cannot run here (no bubblewrap, no
+Docker engine or image) is skipped with the reason, except under CI=true, where the test script
+installs both and a missing one is a failure.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from asyncrl.envs.sandbox import SandboxError, open_backend
 
 pytestmark = pytest.mark.timeout(120)
 
-LIMITS = dict(timeout_s=3.0, memory_mb=128, max_processes=16, max_output_bytes=4096, scratch_mb=8)
+LIMITS = dict(timeout_s=60.0, memory_mb=128, max_processes=16, max_output_bytes=4096, scratch_mb=8)
+LOOP_LIMIT_S = 10.0
+"""The time limit of code that loops forever: it has to be waited out, and what the code prints first
+(under a second, on a busy machine) lands far inside it."""
 REPO = Path(__file__).resolve().parents[1]
 _probed: dict[str, str | None] = {}
 
@@ -174,7 +180,7 @@ def test_memory_bomb_is_stopped_by_the_memory_limit(config) -> None:
 def test_infinite_loop_is_killed_at_the_time_limit(config) -> None:
     marker = f"loop-{uuid.uuid4().hex}"
     source = f"print('started', flush=True)  # {marker}\nwhile True:\n    pass"
-    (result,) = run(config, source, timeout_s=3.0)  # room to start and print on a busy machine
+    (result,) = run(config, source, timeout_s=LOOP_LIMIT_S)
     assert result.timed_out and result.killed == "timeout" and result.exit_code is None
     assert result.stdout == "started\n"  # what was printed before the kill still arrives
     assert processes_with(marker) == []
@@ -205,7 +211,8 @@ def test_cancelled_episode_leaves_nothing_behind(config) -> None:
     marker = f"cancel-{uuid.uuid4().hex}"
 
     async def go():
-        backend = open_backend(config.model_copy(update={"timeout_s": 60.0}))
+        # The call's own limit is out of reach: only the cancel can end the tool code within the test's time.
+        backend = open_backend(config.model_copy(update={"timeout_s": 3600.0}))
         try:
 
             async def episode():
@@ -213,15 +220,15 @@ def test_cancelled_episode_leaves_nothing_behind(config) -> None:
                     await sandbox.run_python(f"import time  # {marker}\nwhile True:\n    time.sleep(0.05)")
 
             task = asyncio.create_task(episode())
-            for _ in range(200):  # until the tool code runs
+            for _ in range(1200):  # until the tool code runs (a minute at most: a hang guard)
                 await asyncio.sleep(0.05)
                 if processes_with(marker):
                     break
             assert processes_with(marker), "the tool code never started"
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
-                # Well before the call's own 60 s limit: cancelling ends the tool code, not waits for it.
-                await asyncio.wait_for(task, 20)
+                # A hang guard: cancelling ends the tool code, where the call's limit would take an hour.
+                await asyncio.wait_for(task, 60)
             assert processes_with(marker) == []
             if config.backend == "docker":
                 assert _containers(backend) == []
