@@ -33,7 +33,7 @@ import yaml
 
 from asyncrl.configs.loader import apply_override, dump_config, validate
 from asyncrl.configs.schema import LearnerConfig, RunConfig
-from asyncrl.gateway.store import SQLITE_FILENAME
+from asyncrl.gateway.store import SQLITE_FILENAME, TrajectoryStore, open_store
 from asyncrl.records import Account
 from asyncrl.runlog import MetricsLog, Panel, plot_panels
 
@@ -147,6 +147,12 @@ class RunDir:
     def store_address(self, config: RunConfig) -> str:
         store = config.store
         return store.url if store.type == "redis" else str(store.path or self.path / SQLITE_FILENAME)
+
+    def open_store(self, config: RunConfig, *, visibility_timeout_s: float | None = None) -> TrajectoryStore:
+        """The run's trajectory store (`store_address`, `store_namespace`), its leases `store.visibility_timeout_s`
+        long unless `visibility_timeout_s` says otherwise (1e-6: every lease counts as expired, to reclaim them)."""
+        timeout = visibility_timeout_s or config.store.visibility_timeout_s
+        return open_store(self.store_address(config), namespace=self.store_namespace(config), visibility_timeout_s=timeout)
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -45,7 +45,6 @@ from asyncrl.envs.base import Environment
 from asyncrl.gateway.app import run_loop, settle_heap
 from asyncrl.gateway.replica_actors import start_gateways
 from asyncrl.gateway.serving import episode_http_client
-from asyncrl.gateway.store import open_store
 from asyncrl.policy.validate import resolve_policy
 from asyncrl.records import TERMINAL_STATUSES
 from asyncrl.sched.display import Display
@@ -185,7 +184,7 @@ async def _start_parts(
 ) -> _Started:  # fmt: skip
     """Start the run's parts in order, up to the engines serving the learner's weights, each one's teardown
     pushed onto `stack` as it starts (and each Ray actor into `ray_actors`)."""
-    store = _open_store(config, rundir)
+    store = rundir.open_store(config)
     stack.callback(store.close)
     if not resumed and any(store.counts()[status] for status in ("running", *TERMINAL_STATUSES)):
         raise RunExists(f"the trajectory store {store!r} already holds rollouts; use another store.namespace")
@@ -216,7 +215,7 @@ async def _start_parts(
     parts = Parts(
         store=store, gateway=gateways.episodes, http=http, tasks=tasks, learner=learner, workers=workers,
         supervision=supervisor, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
-        reclaim_store=lambda: _open_store(config, rundir, visibility_timeout_s=1e-6),
+        reclaim_store=lambda: rundir.open_store(config, visibility_timeout_s=1e-6),
     )  # fmt: skip
     loop = Loop(config, parts, state)
     stack.push_async_callback(loop.episodes.stop)  # on a crash, before the gateway goes
@@ -249,7 +248,7 @@ async def _resume(
     config: RunConfig, rundir: RunDir, started: _Started, state: LoopState, checkpoint: Path | None, began: float, display: Display
 ) -> dict:
     """Claim again what the interrupted run left running; returns the summary's `resumed`, also recorded in the metrics."""
-    reclaim = _open_store(config, rundir, visibility_timeout_s=1e-6)
+    reclaim = rundir.open_store(config, visibility_timeout_s=1e-6)
     recovered = await started.loop.recover(reclaim)
     reclaim.close()
     resumption = {"version": state.version, "checkpoint": str(checkpoint), "recovered": recovered,
@@ -315,11 +314,6 @@ def _stop_ray(actors: list, workers: RayWorkers | None, started_ray: bool) -> No
         workers.launcher.close()  # the engines' placement group, which would hold its resources in a caller's Ray
     if started_ray:
         ray.shutdown()
-
-
-def _open_store(config: RunConfig, rundir: RunDir, visibility_timeout_s: float | None = None):
-    timeout = visibility_timeout_s or config.store.visibility_timeout_s
-    return open_store(rundir.store_address(config), namespace=rundir.store_namespace(config), visibility_timeout_s=timeout)
 
 
 def _start_workers(config: RunConfig) -> tuple[RayWorkers, PreTrainedTokenizerBase]:

@@ -29,17 +29,6 @@ def run_directory(config: RunConfig) -> Path:
     return Path(config.runs_dir) / config.name
 
 
-def open_run_store(config: RunConfig):
-    """The run's trajectory store: config.store, SQLite under the run directory by default."""
-    from asyncrl.gateway.store import SQLITE_FILENAME, open_store
-    from asyncrl.sched.rundir import RunDir
-
-    store = config.store
-    # The file, not the directory: open_store reads a path that does not exist yet as a file name.
-    address = store.url if store.type == "redis" else (store.path or run_directory(config) / SQLITE_FILENAME)
-    return open_store(address, namespace=RunDir.store_namespace(config), visibility_timeout_s=store.visibility_timeout_s)
-
-
 def _secret(run_dir: Path) -> bytes:
     """Kept in the run directory, so rollout keys stay valid across a restart of the gateway, and shared by
     gateway replicas started with the same config (several may start at once: the file appears whole, once)."""
@@ -124,6 +113,7 @@ def build_service(config: RunConfig):
     from asyncrl.gateway.pool import EnginePool
     from asyncrl.gateway.replicas import ReplicaSet
     from asyncrl.gateway.service import GatewayService
+    from asyncrl.sched.rundir import RunDir
 
     model, tokenizer, mtp = _policy(config)
     handles = _engines(config, model, mtp)
@@ -135,7 +125,7 @@ def build_service(config: RunConfig):
     for handle in handles:
         pool.add_local(handle)
     name = Path(config.policy.path).name if config.policy.path else f"asyncrl-tiny-{config.policy.tiny.arch}"
-    store = open_run_store(config)
+    store = RunDir.for_config(config).open_store(config)
     replicas = ReplicaSet(store, gateway.replica_id, gateway.replica_ttl_s) if gateway.replica_id else None
     service = GatewayService(
         store, tokenizer, pool, gateway, config.rollout.sampling,
