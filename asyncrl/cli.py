@@ -313,8 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("rollout_id", metavar="ID")
     show.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the embedded tokenizer)")
 
+    from asyncrl.jobs.eval_cli import add_parser as add_eval_parser
+    from asyncrl.jobs.model import add_parser as add_model_parser
     from asyncrl.replay.cli import add_parser as add_replay_parser
 
+    add_eval_parser(sub)
+    add_model_parser(sub)
     add_replay_parser(sub)
     return parser
 

@@ -3,7 +3,8 @@
 Episode runners (envs/runner.py, envs/evaluation.py) depend on this small Protocol, not on the
 gateway: the gateway's HTTP clients (`gateway/client.py`) and its in-process lifecycle
 (`gateway/lifecycle.py`) implement it. A rollout opened with `evaluation=True` is played greedily
-and recorded nowhere (held-out evaluation); any other is recorded for the learner.
+(or, with `sampled=True`, as its calls ask) and recorded nowhere (held-out evaluation); any other is
+recorded for the learner.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ class RolloutLifecycle(Protocol):
     """Refusals raise `LifecycleRefused`."""
 
     async def open_rollout(
-        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False
-    ) -> Rollout: ...
+        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False, sampled: bool = False
+    ) -> Rollout:
+        """`evaluation`: greedy and recorded nowhere; with `sampled` too, sampled as its calls ask (pass@k)."""
+        ...
 
     async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> Any:
         """End the rollout with its reward. What it returns is the implementation's (the HTTP client: the

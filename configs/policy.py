@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from .models import resolve_model_path
 from .section import Section
 
 
@@ -94,9 +95,10 @@ class PolicyConfig(Section):
     """Which model is the policy."""
 
     path: str | None = None
-    """A Hugging Face causal-LM directory (config, safetensors, tokenizer); None builds the tiny policy.
-    Checked at start-up (`asyncrl/policy/validate.py`): a causal LM, with weights, a tokenizer no larger
-    than its vocabulary and a chat template."""
+    """A Hugging Face causal-LM directory (config, safetensors, tokenizer), or the name of a model
+    `asyncrl model fetch` has fetched (smollm2-135m); None builds the tiny policy. Checked at start-up
+    (`asyncrl/policy/validate.py`): a causal LM, with weights, a tokenizer no larger than its vocabulary
+    and a chat template."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The policy's dtype in the learner and the embedded engines; auto: the checkpoint's own (config.json's)."""
     chat_template: str | None = None
@@ -105,3 +107,8 @@ class PolicyConfig(Section):
     """Shape of the tiny policy built when `path` is None."""
     mtp: MTPConfig = MTPConfig()
     """The MTP module."""
+
+    @field_validator("path")
+    @classmethod
+    def _fetched_model(cls, path: str | None) -> str | None:
+        return None if path is None else resolve_model_path(path)

@@ -38,7 +38,8 @@ class RolloutBase(Section):
     max_num_seqs: int = Field(64, ge=1, le=4096)
     """Requests decoded together in one batch (KV-cache slots in flight)."""
     max_model_len: int | None = Field(None, ge=8)
-    """Longest prompt plus completion; None uses the model's max_position_embeddings."""
+    """Longest prompt plus completion; None: the model's max_position_embeddings, or as many positions as
+    the embedded engine's rollout.kv_cache_memory holds when that is fewer."""
     sampling: SamplingConfig = SamplingConfig()
     """Default sampling options."""
     fp8: bool = False
@@ -81,6 +82,11 @@ class EmbeddedRolloutConfig(RolloutBase):
     """Engine implementation: the embedded torch engine."""
     retained_prefixes: int = Field(64, ge=0, le=65536)
     """Finished requests whose KV cache is kept for the next turn of the same rollout."""
+    kv_cache_memory: float = Field(0.25, gt=0.0)
+    """Memory the KV cache may take: at most 1 is a fraction of the memory available when the engine
+    starts (the GPU's free memory, or the machine's), above 1 bytes. The cache holds max_num_seqs +
+    retained_prefixes slots of max_model_len positions; with max_model_len unset it holds as many
+    positions as fit (at most the model's), and a max_model_len that does not fit is refused."""
     record_routes: bool = False
     """Record the experts the MoE router chose for every sampled token (MoE policies), so the learner can
     route its forward the same way (learner.routing_replay)."""

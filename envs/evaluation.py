@@ -16,9 +16,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from asyncrl.lifecycle import RolloutLifecycle
 
-from .base import Environment, score
+from .base import Environment, EpisodeResult, score
+from .pass_at_k import mean_and_interval, per_problem
 from .runner import run_recorded_episode
 
 CONCURRENCY = 64
@@ -28,10 +31,26 @@ CONCURRENCY = 64
 @dataclass
 class TaskEval:
     accuracy: float
-    """Mean score (envs/base.py `score`: `correct` when reported, else the reward)."""
+    """Mean score over every episode (envs/base.py `score`: `correct` when reported, else the reward)."""
     num_problems: int
     statuses: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    samples: int = 1
+    """Episodes per problem."""
+    successes: list[int] = field(default_factory=list)
+    """Per problem, in held-out order: its episodes that succeeded (a score of 1: solved, not partly)."""
+    reasons: dict[str, str] = field(default_factory=dict)
+    """The first reason given for each status other than ok (what to fix when evaluation fails)."""
+    problem_scores: list[float] = field(default_factory=list)
+    """Per problem, the mean score of its episodes (`accuracy` is their mean)."""
+
+    def pass_at(self, k: int, *, seed: int = 0) -> tuple[float, float, float]:
+        """(pass@k, low, high): the unbiased estimate over problems and its 95% bootstrap interval."""
+        return mean_and_interval(per_problem(self.successes, self.samples, k), seed=seed)
+
+    def accuracy_interval(self, *, seed: int = 0) -> tuple[float, float]:
+        """The 95% bootstrap interval of `accuracy` over problems (pass@1's own where scores are 0 or 1)."""
+        return mean_and_interval(np.array(self.problem_scores), seed=seed)[1:]
 
 
 def heldout_tasks(env: Environment, num_problems: int, seed: int) -> list[Any]:
@@ -44,9 +63,10 @@ def heldout_tasks(env: Environment, num_problems: int, seed: int) -> list[Any]:
 
 async def evaluate_env(
     env: Environment, gateway: RolloutLifecycle, *, num_problems: int, seed: int, sandboxes: Any = None,
-    timeout_s: float = 300.0, http_client: Any = None, task_name: str | None = None,
+    timeout_s: float = 300.0, http_client: Any = None, task_name: str | None = None, samples: int = 1, sampled: bool = False,
 ) -> TaskEval:  # fmt: skip
-    """`num_problems` held-out episodes of `env` through `gateway`'s evaluation rollouts.
+    """`num_problems` held-out problems of `env`, `samples` episodes each, through `gateway`'s evaluation
+    rollouts: greedy, or with `sampled` as the environment asks (its temperature: pass@k).
 
     `http_client`: shared by the episodes' OpenAI clients (as for training episodes); `task_name`:
     the rollouts' task (default: the environment's name).
@@ -58,13 +78,25 @@ async def evaluate_env(
         async with gate:
             _, result = await run_recorded_episode(
                 env, task, gateway, group_id="eval", timeout_s=timeout_s, http_client=http_client,
-                sandboxes=sandboxes, task_name=task_name, evaluation=True,
+                sandboxes=sandboxes, task_name=task_name, evaluation=True, sampled=sampled,
             )  # fmt: skip
             return result
 
-    results = await asyncio.gather(*(one(task) for task in heldout_tasks(env, num_problems, seed)))
+    tasks = heldout_tasks(env, num_problems, seed)
+    results = await asyncio.gather(*(one(task) for task in tasks for _ in range(samples)))
+    return tally(results, samples, time.monotonic() - began)
+
+
+def tally(results: list[EpisodeResult], samples: int, wall_s: float) -> TaskEval:
+    """`results` of consecutive runs of `samples` episodes per problem, counted."""
     statuses: dict[str, int] = {}
+    reasons: dict[str, str] = {}
     for result in results:
         statuses[result.status] = statuses.get(result.status, 0) + 1
+        if result.status != "ok":
+            reasons.setdefault(result.status, result.reason)
     scores = [score(r) if r.status == "ok" else 0.0 for r in results]
-    return TaskEval(sum(scores) / max(len(scores), 1), len(scores), statuses, time.monotonic() - began)
+    chunks = [scores[i : i + samples] for i in range(0, len(scores), samples)]
+    successes = [sum(s >= 1.0 for s in chunk) for chunk in chunks]
+    problem_scores = [sum(chunk) / len(chunk) for chunk in chunks]
+    return TaskEval(sum(scores) / max(len(scores), 1), len(chunks), statuses, wall_s, samples, successes, reasons, problem_scores)

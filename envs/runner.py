@@ -39,6 +39,7 @@ async def run_recorded_episode(
     sandboxes: Any = None,
     task_name: str | None = None,
     evaluation: bool = False,
+    sampled: bool = False,
 ) -> tuple[str, EpisodeResult]:
     """(rollout id, result) of one episode; the rollout is finished (or aborted) before returning.
 
@@ -46,9 +47,10 @@ async def run_recorded_episode(
     episode builds its own (with its own SSL context: ~10 ms of CPU, most of a short episode's cost).
     `sandboxes`: the `SandboxBackend` that opens a sandbox per episode for environments that need one.
     `task_name`: recorded as the rollout's task (default: the environment's name).
-    `evaluation`: play it in an evaluation rollout (greedy, recorded nowhere) instead.
+    `evaluation`: play it in an evaluation rollout (greedy, recorded nowhere) instead; `sampled`: one
+    that samples as the environment asks (pass@k).
     """
-    rollout = await _open(gateway, task=task_name or env.name, group_id=group_id, metadata=metadata, evaluation=evaluation)
+    rollout = await _open(gateway, task=task_name or env.name, group_id=group_id, metadata=metadata, evaluation=evaluation, sampled=sampled)
     shared = {"http_client": http_client} if http_client is not None else {}
     client = rollout.async_openai(max_retries=0, timeout=timeout_s, **shared)
     try:

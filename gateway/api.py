@@ -15,7 +15,7 @@ import time
 from typing import Annotated, Any, Literal
 
 import httpx
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from asyncrl.records import FINISH_STATUSES, MAX_SCORE_SEQUENCES
 
@@ -148,6 +148,16 @@ class OpenRolloutRequest(_Closed):
     """An evaluation rollout (held-out evaluation): every call is sampled greedily (temperature 0,
     whatever the request asks) and nothing is recorded; its state lives in the gateway's memory
     until it is finished or aborted, and it never reaches the learner or the ledger."""
+    sampled: bool = False
+    """With `evaluation`: its calls are sampled as they ask instead of greedily (pass@k over n samples)."""
+
+    @model_validator(mode="after")
+    def _sampled_evaluation(self) -> OpenRolloutRequest:
+        if self.sampled and not self.evaluation:
+            raise ValueError(
+                "sampled applies to evaluation rollouts only (set evaluation: true); a recorded rollout samples as its calls ask"
+            )
+        return self
 
 
 class OpenRolloutResponse(_Closed):

@@ -41,8 +41,8 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _open_body(task: str, group_id: str, metadata: dict | None, evaluation: bool) -> dict:
-    return {"task": task, "group_id": group_id, "metadata": metadata or {}, "evaluation": evaluation}
+def _open_body(task: str, group_id: str, metadata: dict | None, evaluation: bool, sampled: bool) -> dict:
+    return {"task": task, "group_id": group_id, "metadata": metadata or {}, "evaluation": evaluation, "sampled": sampled}
 
 
 def _finish_body(reward: float, status: str, metrics: dict | None, reason: str) -> dict:
@@ -54,8 +54,10 @@ class GatewayClient:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=_headers(token))
 
-    def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
-        data = _body(self._http.post("/rollouts", json=_open_body(task, group_id, metadata, evaluation)))
+    def open_rollout(
+        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False, sampled: bool = False
+    ) -> Rollout:
+        data = _body(self._http.post("/rollouts", json=_open_body(task, group_id, metadata, evaluation, sampled)))
         return Rollout(data["rollout_id"], data["api_key"], data.get("base_url") or self.url + "/v1")
 
     def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> dict:
@@ -90,8 +92,10 @@ class AsyncGatewayClient:
     async def _post(self, path: str, body: dict) -> dict:
         return _body(await self._http.post(self.url + path, json=body, headers=self._headers, timeout=self._timeout))
 
-    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
-        data = await self._post("/rollouts", _open_body(task, group_id, metadata, evaluation))
+    async def open_rollout(
+        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False, sampled: bool = False
+    ) -> Rollout:
+        data = await self._post("/rollouts", _open_body(task, group_id, metadata, evaluation, sampled))
         return Rollout(data["rollout_id"], data["api_key"], data.get("base_url") or self.url + "/v1")
 
     async def finish(self, rollout_id: str, reward: float, status: str = "ok", metrics: dict | None = None, reason: str = "") -> dict:

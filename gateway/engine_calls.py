@@ -64,7 +64,7 @@ class EngineCalls:
     def _checked(self, rollout: Rollout, prompt: list[int], sampling: SamplingParams) -> SamplingParams:
         if len(prompt) > self.config.max_prompt_tokens:
             raise bad_request(f"prompt is {len(prompt)} tokens; gateway.max_prompt_tokens is {self.config.max_prompt_tokens}")
-        if rollout.evaluation is not None:
+        if rollout.evaluation is not None and not rollout.evaluation.sampled:
             sampling = dataclasses.replace(sampling, temperature=0.0)  # held-out evaluation decodes greedily
         return sampling
 

@@ -25,8 +25,10 @@ class InProcessLifecycle:
         self.app = app
         """The gateway's ASGI app, where this process serves it (for `InProcessTransport`), else None."""
 
-    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
-        request = api.OpenRolloutRequest(task=task, group_id=group_id, metadata=metadata or {}, evaluation=evaluation)
+    async def open_rollout(
+        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False, sampled: bool = False
+    ) -> Rollout:
+        request = api.OpenRolloutRequest(task=task, group_id=group_id, metadata=metadata or {}, evaluation=evaluation, sampled=sampled)
         opened = await _refusing(self.service.rollouts.open(request))
         return Rollout(opened.rollout_id, opened.api_key, opened.base_url or self.url + "/v1")
 

@@ -55,14 +55,16 @@ class SpreadLifecycle:
         self.on_lost: Callable[[str, str], None] | None = None
         """Told of each replica taken out of the rotation (`Gateways.watch`)."""
 
-    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
+    async def open_rollout(
+        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False, sampled: bool = False
+    ) -> Rollout:
         order = list(self.lifecycles)
         start = next(self._turn) % len(order)
         for replica in order[start:] + order[:start]:  # each replica once, from this opening's turn on
             if replica in self.lost:
                 continue
             try:
-                rollout = await self.lifecycles[replica].open_rollout(task, group_id, metadata, evaluation=evaluation)
+                rollout = await self.lifecycles[replica].open_rollout(task, group_id, metadata, evaluation=evaluation, sampled=sampled)
             except (httpx2.TransportError, LifecycleRefused) as error:
                 if isinstance(error, LifecycleRefused) and error.status < 500:
                     raise

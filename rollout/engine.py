@@ -31,6 +31,7 @@ from asyncrl.records import FinishReason, GenerationResult, ScoreResult
 
 from .front import EngineFront
 from .intake import resolve_sampling, validate_prompt
+from .kv_budget import budget_bytes, fit_max_len
 from .kv_cache import ForwardBatch, KVCache, SlotManager
 from .models import build_model
 from .models.mtp import NativeMTP
@@ -89,7 +90,8 @@ class EmbeddedEngine(EngineFront):
         eos = hf_config.eos_token_id
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         layout = self.model.cache_layout(extra_layers=1 if self.drafter else 0)  # the drafter's layer caches too
-        self.cache = KVCache(layout, config.max_num_seqs + config.retained_prefixes, self.max_model_len, dtype=dtype, device=self.device)
+        self.cache = _budgeted_cache(layout, config, self.max_model_len, dtype, self.device)
+        self.max_model_len = self.cache.max_len
         self.slots = SlotManager(self.cache, config.max_num_seqs, config.retained_prefixes)
         self.speculative = (
             SpeculativeDecoder(self.model, self.drafter, self.cache, config.mtp_draft_tokens, self.device) if self.drafter else None
@@ -297,6 +299,14 @@ def _check_drafting(config: EmbeddedRolloutConfig, mtp) -> None:
         )
     if config.mtp_drafting and mtp is None:
         raise ValueError("rollout.mtp_drafting needs the policy's MTP layer: pass mtp=, or a checkpoint directory that has one")
+
+
+def _budgeted_cache(layout, config: EmbeddedRolloutConfig, model_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+    """The KV cache, as many positions long as `rollout.kv_cache_memory` holds, at most `model_len` (kv_budget.py)."""
+    num_slots = config.max_num_seqs + config.retained_prefixes
+    budget = budget_bytes(config.kv_cache_memory, device)
+    max_len = fit_max_len(layout, num_slots, model_len, dtype=dtype, budget=budget, explicit=config.max_model_len is not None)
+    return KVCache(layout, num_slots, max_len, dtype=dtype, device=device)
 
 
 def _max_model_len(hf_config, config: EmbeddedRolloutConfig) -> int:

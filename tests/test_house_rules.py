@@ -32,12 +32,12 @@ REPO_FOLDERS = (*SOURCE_FOLDERS, "tests", "docs", "scripts", ".ci")
 LINE_BUDGETS = {
     "asyncrl": 1430,  # 1380
     "asyncrl/bench": 3420,  # 3314
-    "asyncrl/jobs": 1930,  # 1866
-    "asyncrl/policy": 1140,  # 1105
+    "asyncrl/jobs": 2250,  # 2186: asyncrl eval (issue 35) and asyncrl model fetch
+    "asyncrl/policy": 1290,  # 1249: the GGUF fetch and conversion (issue 35)
     "asyncrl/replay": 2630,  # 2544
-    "configs": 1640,  # 1585
+    "configs": 1720,  # 1662: the model catalog, rollout.kv_cache_memory (issue 35)
     "distill": 230,  # 220
-    "envs": 1750,  # 1696
+    "envs": 1830,  # 1760: pass@k and sampled evaluation (issue 35)
     "envs/dataset": 980,  # 947
     "envs/rewards": 880,  # 853
     "envs/sandbox": 930,  # 894
@@ -45,11 +45,11 @@ LINE_BUDGETS = {
     "gateway/parsers": 420,  # 404
     "gateway/store": 1280,  # 1242
     "learner": 3310,  # 3207
-    "rollout": 2870,  # 2783
+    "rollout": 2970,  # 2880: the KV cache budget (issue 35)
     "rollout/models": 970,  # 937
     "sched": 2010,  # 1945
 }
-TOTAL_LINE_BUDGET = 34_300  # 33,619
+TOTAL_LINE_BUDGET = 35_100  # 34,351 after issue 35's model fetch, eval and KV budget
 
 # From the `def` or `class` line to the body's last line: decorators are not counted; docstrings, comments and
 # nested functions are. Over the source folders and scripts/ (tests are not held to it).

@@ -1,7 +1,8 @@
 """Benchmark: time to accuracy, asyncrl against TRL's GRPOTrainer, side by side in one command.
 
 Every side starts from the same SFT checkpoint (one warm start, shared; none when `policy.path` is
-set), trains on the same addition task with the same group size, prompts per step, temperature,
+set), trains on the same task (the config's one task: the built-in addition by default, or a dataset
+file with its reward, as configs/smollm2.yaml's word problems; learn_task.py) with the same group size, prompts per step, temperature,
 learning rate and gradient clip, for the same wall budget, one side after the other, and is scored
 greedily on the same held-out problems (`eval.num_problems`, `eval.seed`) as it goes. `loop.steps`
 (out of reach here) also ends every side, at that many optimizer steps: a side's length by count,

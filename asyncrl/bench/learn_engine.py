@@ -8,7 +8,8 @@ over this is how much of the engine's capacity the rest of the system leaves it 
 shares the machine with the learner and the driver; here it has it to itself).
 
 `BareEngine` is what this and the plain loop (learn_plain.py) share: the engine on the checkpoint,
-the task, and prompts rendered by the checkpoint's own tokenizer, token ids straight to the engine.
+the task (learn_task.py), and prompts rendered by the checkpoint's own tokenizer, token ids straight to
+the engine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any, cast
 
 from asyncrl.configs.schema import EmbeddedRolloutConfig, RunConfig
 
+from .learn_task import BenchTask
+
 
 class BareEngine:
     """The run's embedded engine on `policy.path`, with no gateway in front of it."""
@@ -27,7 +30,6 @@ class BareEngine:
     def __init__(self, config: RunConfig, engine_id: str) -> None:
         from transformers import AutoTokenizer
 
-        from asyncrl.envs.arithmetic import ArithmeticTask
         from asyncrl.records import SamplingParams
         from asyncrl.rollout import EmbeddedEngine
 
@@ -36,11 +38,12 @@ class BareEngine:
             raise ValueError(f"bench learn's {engine_id} side runs the embedded engine (rollout.type: embedded) on policy.path")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.engine = EmbeddedEngine.from_pretrained(path, rollout, engine_id=engine_id)
-        self.task, self.rng = ArithmeticTask(config.tasks.arithmetic), random.Random(config.seed)
-        self.sampling = SamplingParams(temperature=config.rollout.sampling.temperature, max_tokens=config.loop.episode_max_tokens)
+        self.task, self.rng = BenchTask(config), random.Random(config.seed)
+        self.sampling = SamplingParams(temperature=config.rollout.sampling.temperature, max_tokens=self.task.max_tokens)
 
     def prompt(self, problem: Any) -> list[int]:
-        rendered = self.tokenizer.apply_chat_template(problem.messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
+        messages = self.task.messages(problem)
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return cast(list[int], rendered)
 
     def text(self, token_ids: list[int]) -> str:

@@ -4,8 +4,8 @@ The checkpoint is a Hugging Face directory (model, tokenizer, chat template), so
 user's model. The settings mirror the asyncrl config: `learner.group_size` generations per prompt,
 `learner.batch_groups` prompts per optimizer step (one generation batch per step, one pass over it),
 `rollout.sampling.temperature`, `learner.lr` (constant), `learner.grad_clip`, no KL term,
-`loop.episode_max_tokens` per completion; the reward is the environment's own check
-(`envs/arithmetic.verify`). Held-out accuracy is greedy generation on the same problems asyncrl
+the task's tokens per reply; the reward is the task's own (`learn_task.py`: the arithmetic check, or a
+dataset file's reward plug-in such as math-verify). Held-out accuracy is greedy generation on the same problems asyncrl
 evaluates, every `eval_every_s` seconds of TRL's wall, inside the budget as asyncrl's evaluations are.
 TRL runs in this process with a torch thread per CPU (it has the whole machine; asyncrl's actors
 take one thread each).
@@ -34,9 +34,8 @@ def run_trl(config: RunConfig, budget_s: float, eval_every_s: float) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from asyncrl.envs.arithmetic import ArithmeticTask, verify
-
     from .learn import _side
+    from .learn_task import BenchTask
 
     # The whole machine, whatever ran before it here (an embedded engine sets the process's threads to its own).
     torch.set_num_threads(os.cpu_count() or 1)
@@ -46,26 +45,27 @@ def run_trl(config: RunConfig, budget_s: float, eval_every_s: float) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    task = ArithmeticTask(config.tasks.arithmetic)
+    task = BenchTask(config)
     rng = random.Random(config.seed)
     problems = [task.sample(rng) for _ in range(50_000)]
-    heldout = task.heldout_set(config.eval.num_problems, config.eval.seed)
-    dataset = Dataset.from_list([{"prompt": problem.messages(), "index": i} for i, problem in enumerate(problems)])
+    heldout = task.heldout(config.eval.num_problems, config.eval.seed)
+    dataset = Dataset.from_list([{"prompt": task.messages(problem), "index": i} for i, problem in enumerate(problems)])
 
     def reward(prompts, completions, index, **_) -> list[float | None]:
-        return [1.0 if verify(completion[0]["content"], problems[i]) else 0.0 for completion, i in zip(completions, index, strict=True)]
+        texts = [completion[0]["content"] for completion in completions]
+        return [reward for reward, _ in score_all(task, [problems[i] for i in index], texts)]
 
     learner = config.learner
     batch = learner.group_size * learner.batch_groups
     with tempfile.TemporaryDirectory(prefix="bench-learn-trl-") as output_dir:
         args = trl.GRPOConfig(
             output_dir=output_dir, num_generations=learner.group_size, per_device_train_batch_size=batch,
-            max_completion_length=config.loop.episode_max_tokens, temperature=config.rollout.sampling.temperature,
+            max_completion_length=task.max_tokens, temperature=config.rollout.sampling.temperature,
             learning_rate=learner.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=learner.grad_clip, beta=0.0,
             num_iterations=1, use_cpu=True, bf16=False, max_steps=1_000_000, save_strategy="no", report_to="none",
             logging_steps=1_000_000, disable_tqdm=True, seed=config.seed, dataloader_num_workers=0,
         )  # fmt: skip
-        clock = _Clock(model, tokenizer, heldout, config.eval.max_tokens, verify, budget_s, eval_every_s, batch, config.loop.steps)
+        clock = _Clock(model, tokenizer, heldout, task, budget_s, eval_every_s, batch, config.loop.steps)
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
                                   callbacks=[type("BudgetCallback", (TrainerCallback,), {"on_step_end": clock.on_step_end})()])  # fmt: skip
         clock.start()
@@ -81,8 +81,8 @@ class _Clock:
     """TRL's wall budget and evaluation cadence, as a trainer callback; `max_steps` (loop.steps) ends it
     by count as asyncrl's side ends at loop.steps versions, whichever of the two comes first."""
 
-    def __init__(self, model, tokenizer, heldout, max_tokens, verify, budget_s, eval_every_s, samples_per_step, max_steps) -> None:
-        self.model, self.tokenizer, self.heldout, self.max_tokens, self.verify = model, tokenizer, heldout, max_tokens, verify
+    def __init__(self, model, tokenizer, heldout, task, budget_s, eval_every_s, samples_per_step, max_steps) -> None:
+        self.model, self.tokenizer, self.heldout, self.task = model, tokenizer, heldout, task
         self.budget_s, self.eval_every_s, self.samples_per_step, self.max_steps = budget_s, eval_every_s, samples_per_step, max_steps
         self.curve: list[tuple] = []
         self.steps = 0
@@ -118,10 +118,23 @@ class _Clock:
         with torch.inference_mode():
             for i in range(0, len(self.heldout), batch):
                 problems = self.heldout[i : i + batch]
-                texts = [tokenizer.apply_chat_template(p.messages(), tokenize=False, add_generation_prompt=True) for p in problems]
+                messages = [self.task.messages(p) for p in problems]
+                texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
                 inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-                out = self.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                out = self.model.generate(
+                    **inputs, max_new_tokens=self.task.max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                )
                 answers = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-                correct += sum(self.verify(answer, problem) for answer, problem in zip(answers, problems, strict=True))
+                correct += sum(ok for _, ok in score_all(self.task, problems, answers))
         self.model.train()
         return correct / len(self.heldout)
+
+
+def score_all(task, problems: list, texts: list[str]) -> list[tuple[float, bool]]:
+    """The task's (reward, correct) of each reply; TRL calls its reward functions outside any event loop."""
+    import asyncio
+
+    async def scored():
+        return await asyncio.gather(*(task.score(problem, text) for problem, text in zip(problems, texts, strict=True)))
+
+    return list(asyncio.run(scored()))

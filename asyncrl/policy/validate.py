@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from asyncrl.configs.loader import ConfigError
+from asyncrl.configs.models import CATALOG
 from asyncrl.configs.schema import PolicyConfig
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
@@ -37,6 +38,8 @@ def check_policy_directory(policy: PolicyConfig, key: str = "policy.path") -> Pr
     if policy.path is None:
         return None
     directory = Path(policy.path)
+    if policy.path in CATALOG and not directory.exists():
+        raise ConfigError(f"{key}: {policy.path} is not fetched yet: run `asyncrl model fetch {policy.path}` first")
     if not (directory / "config.json").is_file():
         raise ConfigError(f"{key}: {directory} is not a model directory (no config.json)")
     try:

@@ -121,8 +121,10 @@ class _Binding:
     def __init__(self, inner: RolloutLifecycle, engine: ReplayEngine, recorded: dict[str, Trajectory]) -> None:
         self.inner, self.engine, self.recorded = inner, engine, recorded
 
-    async def open_rollout(self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False) -> Rollout:
-        rollout = await self.inner.open_rollout(task, group_id, metadata, evaluation=evaluation)
+    async def open_rollout(
+        self, task: str = "", group_id: str = "", metadata: dict | None = None, *, evaluation: bool = False, sampled: bool = False
+    ) -> Rollout:
+        rollout = await self.inner.open_rollout(task, group_id, metadata, evaluation=evaluation, sampled=sampled)
         self.engine.expect(rollout.rollout_id, self.recorded[(metadata or {})[REPLAY_OF]])
         return rollout
 
