@@ -154,6 +154,8 @@ def test_the_command_on_a_run_directory_evaluates_each_checkpoint_and_writes_jso
     assert main(["eval", str(checkpoint)]) == 2  # a checkpoint needs a config naming the tasks
     assert "give a CONFIG" in capsys.readouterr().err
     assert main(["eval", str(checkpoint), "quickstart", "--samples", "2", "--k", "4"]) == 2
+    assert main(["eval", str(checkpoint), "quickstart", "--samples", "2", "--k", "one"]) == 2
+    assert "--k takes whole numbers" in capsys.readouterr().err
     assert torch.get_num_threads() >= 1
 
 

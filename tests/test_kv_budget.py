@@ -38,10 +38,13 @@ def test_a_set_max_model_len_that_does_not_fit_and_a_budget_too_small_are_refuse
         fit_max_len(LAYOUT, 128, 8192, dtype=torch.float32, budget=10**8, explicit=False)
 
 
-def test_the_budget_is_a_fraction_of_available_memory_up_to_1_and_bytes_above():
-    free = available_memory(torch.device("cpu"))
-    assert free > 0 and budget_bytes(3e9, torch.device("cpu")) == 3 * 10**9
-    assert 0 < budget_bytes(0.5, torch.device("cpu")) <= free
+def test_the_budget_is_a_fraction_of_available_memory_up_to_1_and_bytes_above(monkeypatch):
+    from asyncrl.rollout import kv_budget
+
+    assert available_memory(torch.device("cpu")) > 0
+    monkeypatch.setattr(kv_budget, "available_memory", lambda device: 8 * 10**9)
+    assert budget_bytes(0.25, torch.device("cpu")) == 2 * 10**9 and budget_bytes(1.0, torch.device("cpu")) == 8 * 10**9
+    assert budget_bytes(3e9, torch.device("cpu")) == 3 * 10**9
 
 
 def test_the_engine_sizes_its_cache_to_the_budget_and_refuses_a_request_past_it():

@@ -37,45 +37,23 @@ def add_parser(sub) -> None:
     ev.set_defaults(handler=cmd_eval)
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from asyncrl.configs import load_config
+class _Usage(Exception):
+    """A command line that cannot run: the message says why."""
 
+
+def cmd_eval(args: argparse.Namespace) -> int:
     source, overrides = args.config, list(args.overrides)
     if source is not None and "=" in source and not Path(source).is_file():
         source, overrides = None, [source, *overrides]
     if args.temperature is not None:
         overrides.append(f"rollout.sampling.temperature={args.temperature}")
-    target, run_dir = Target(api_key=args.api_key), None
-    if args.target.startswith(("http://", "https://")):
-        target.url = args.target
-    elif (Path(args.target) / "config.json").is_file():
-        target.checkpoints = {Path(args.target).name: Path(args.target)}
-    elif (Path(args.target) / "checkpoints").is_dir():
-        run_dir = Path(args.target)
-        target.checkpoints = run_checkpoints(run_dir)
-        if args.last:
-            target.checkpoints = dict(list(target.checkpoints.items())[-args.last :])
-    else:
-        print(
-            f"asyncrl eval: {args.target} is neither a checkpoint (config.json), a run directory (checkpoints/) nor a URL", file=sys.stderr
-        )
+    try:
+        target, run_dir = _target(args)
+        plan = _plan(args)
+        config = _config(args, target, run_dir, source, overrides)
+    except _Usage as usage:
+        print(f"asyncrl eval: {usage}", file=sys.stderr)
         return EXIT_USAGE
-    if source is None and run_dir is None:
-        print("asyncrl eval: give a CONFIG (preset or YAML) naming the tasks to evaluate on", file=sys.stderr)
-        return EXIT_USAGE
-    if run_dir is not None and source is None:
-        from asyncrl.sched.rundir import RunDir
-
-        config = RunDir(run_dir).read_config(overrides)
-        if config.policy.path and not args.last:  # the checkpoint RL started from, for the before and after
-            target.checkpoints = {"start": Path(config.policy.path), **target.checkpoints}
-    else:
-        config = load_config(source, overrides)
-    ks = sorted({int(k) for k in args.k.split(",")}) if args.k else sorted({1, args.samples}) if args.samples else [1]
-    if args.samples and max(ks) > args.samples:
-        print(f"asyncrl eval: pass@{max(ks)} needs at least {max(ks)} samples per problem (--samples {args.samples})", file=sys.stderr)
-        return EXIT_USAGE
-    plan = Plan(samples=args.samples, ks=ks)
     rows = evaluate_target(config, target, plan, say=lambda line: print(line, file=sys.stderr))
     print_table(rows, plan)
     for label, tasks in rows.items():
@@ -92,6 +70,50 @@ def cmd_eval(args: argparse.Namespace) -> int:
         plot(rows, plan, Path(plot_path))
         print(f"plot: {plot_path}")
     return 0
+
+
+def _target(args: argparse.Namespace) -> tuple[Target, Path | None]:
+    """What to evaluate, and the run directory when it is one."""
+    target, given = Target(api_key=args.api_key), Path(args.target)
+    if args.target.startswith(("http://", "https://")):
+        target.url = args.target
+        return target, None
+    if (given / "config.json").is_file():
+        target.checkpoints = {given.name: given}
+        return target, None
+    if (given / "checkpoints").is_dir():
+        kept = list(run_checkpoints(given).items())
+        target.checkpoints = dict(kept[-args.last :] if args.last else kept)
+        return target, given
+    raise _Usage(f"{args.target} is neither a checkpoint (config.json), a run directory (checkpoints/) nor a URL")
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    try:
+        ks = sorted({int(k) for k in args.k.split(",")}) if args.k else sorted({1, args.samples}) if args.samples else [1]
+    except ValueError:
+        raise _Usage(f"--k takes whole numbers separated by commas (1,4,8), not {args.k!r}") from None
+    if min(ks) < 1 or args.samples < 0:
+        raise _Usage("--k and --samples must be positive")
+    if args.samples and max(ks) > args.samples:
+        raise _Usage(f"pass@{max(ks)} needs at least {max(ks)} samples per problem (--samples {args.samples})")
+    return Plan(samples=args.samples, ks=ks)
+
+
+def _config(args: argparse.Namespace, target: Target, run_dir: Path | None, source: str | None, overrides: list[str]):
+    """The config naming the tasks: CONFIG, else a run directory's own (whose start joins the checkpoints)."""
+    from asyncrl.configs import load_config
+
+    if source is not None:
+        return load_config(source, overrides)
+    if run_dir is None:
+        raise _Usage("give a CONFIG (preset or YAML) naming the tasks to evaluate on")
+    from asyncrl.sched.rundir import RunDir
+
+    config = RunDir(run_dir).read_config(overrides)
+    if config.policy.path and not args.last:  # the checkpoint RL started from, for the before and after
+        target.checkpoints = {"start": Path(config.policy.path), **target.checkpoints}
+    return config
 
 
 def _cell(figure) -> str:
