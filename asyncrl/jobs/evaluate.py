@@ -16,6 +16,7 @@ Greedy decoding gives pass@1; `--samples N` adds N sampled episodes per problem 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +75,9 @@ def _evaluate_checkpoint(config: RunConfig, checkpoint: Path, plan: Plan) -> dic
 
     from asyncrl.rollout.engine import EmbeddedEngine
 
-    rollout = config.rollout.embedded().model_copy(update={"mtp_drafting": False})
+    # The command has the machine to itself: every core, where a run's engine shares it with the learner.
+    threads = max(config.rollout.torch_threads, os.cpu_count() or 1)
+    rollout = config.rollout.embedded().model_copy(update={"mtp_drafting": False, "torch_threads": threads})
     engine = EmbeddedEngine.from_pretrained(str(checkpoint), rollout)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     try:
