@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,20 +72,32 @@ async def evaluate_env(
     `http_client`: shared by the episodes' OpenAI clients (as for training episodes); `task_name`:
     the rollouts' task (default: the environment's name).
     """
+
+    async def one(task: Any) -> EpisodeResult:
+        _, result = await run_recorded_episode(
+            env, task, gateway, group_id="eval", timeout_s=timeout_s, http_client=http_client,
+            sandboxes=sandboxes, task_name=task_name, evaluation=True, sampled=sampled,
+        )  # fmt: skip
+        return result
+
+    return await play_heldout(env, one, num_problems=num_problems, seed=seed, samples=samples)
+
+
+async def play_heldout(
+    env: Environment, play: Callable[[Any], Awaitable[EpisodeResult]], *, num_problems: int, seed: int, samples: int = 1
+) -> TaskEval:
+    """`samples` episodes of each of `env`'s held-out problems, each played by `play` (through a gateway's
+    evaluation rollouts, or straight against a server), `CONCURRENCY` at a time, counted."""
     began = time.monotonic()
     gate = asyncio.Semaphore(CONCURRENCY)
 
-    async def one(task: Any):
+    async def one(task: Any) -> EpisodeResult:
         async with gate:
-            _, result = await run_recorded_episode(
-                env, task, gateway, group_id="eval", timeout_s=timeout_s, http_client=http_client,
-                sandboxes=sandboxes, task_name=task_name, evaluation=True, sampled=sampled,
-            )  # fmt: skip
-            return result
+            return await play(task)
 
     tasks = heldout_tasks(env, num_problems, seed)
     results = await asyncio.gather(*(one(task) for task in tasks for _ in range(samples)))
-    return tally(results, samples, time.monotonic() - began)
+    return tally(list(results), samples, time.monotonic() - began)
 
 
 def tally(results: list[EpisodeResult], samples: int, wall_s: float) -> TaskEval:

@@ -121,23 +121,17 @@ async def _evaluate_url(config: RunConfig, target: Target, plan: Plan) -> dict[s
 
 
 async def _play_url(config: RunConfig, client, samples: int) -> dict[str, Any]:
-    from asyncrl.envs.evaluation import CONCURRENCY, heldout_tasks, tally
+    from asyncrl.envs.evaluation import play_heldout
     from asyncrl.envs.runner import play_episode
     from asyncrl.sched.tasks import TaskMix
 
-    gate = asyncio.Semaphore(CONCURRENCY)
-    timeout_s = config.loop.episode_timeout_s
-
-    async def one(task, problem):
-        async with gate:
-            return await play_episode(task.env, problem, client, task.sandboxes, timeout_s)
-
     evals = {}
     for task, num_problems in TaskMix.from_config(config).evaluated(config.eval.num_problems):
-        began = time.monotonic()
-        problems = heldout_tasks(task.env, num_problems, config.eval.seed)
-        results = await asyncio.gather(*(one(task, p) for p in problems for _ in range(samples)))
-        evals[task.name] = tally(list(results), samples, time.monotonic() - began)
+
+        async def play(problem, task=task):
+            return await play_episode(task.env, problem, client, task.sandboxes, config.loop.episode_timeout_s)
+
+        evals[task.name] = await play_heldout(task.env, play, num_problems=num_problems, seed=config.eval.seed, samples=samples)
     return evals
 
 
