@@ -311,7 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--status", default=None, help="only rollouts with this status")
     listing.add_argument("--limit", type=int, default=100, help="most rows (default 100)")
     show.add_argument("rollout_id", metavar="ID")
-    show.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the embedded tokenizer)")
+    show.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory (default: that of the policy a run directory's config names, else the tiny policy's)",
+    )
 
     from asyncrl.jobs.eval_cli import add_parser as add_eval_parser
     from asyncrl.jobs.model import add_parser as add_model_parser

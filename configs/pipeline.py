@@ -28,7 +28,8 @@ class StageSpec(Section):
     distillation from the earlier RL stages' final checkpoints (`teachers`)."""
     tasks: dict[str, TaskSpec] = Field(default_factory=dict)
     """rl: the stage's task mix (task name -> environment, ratio); each task's held-out eval is a column
-    of the evaluation matrix and the stage's own eval."""
+    of the evaluation matrix and the stage's own eval. sft: the task `sft.task` names, whose environment's
+    demonstrations it trains on and whose held-out split scores it (none: the built-in ones)."""
     teachers: dict[str, float] | None = None
     """distill: earlier RL stage name -> share of the student's prompts; unset: every earlier RL stage at 1."""
     config: dict[str, Any] = Field(default_factory=dict)
@@ -38,9 +39,10 @@ class StageSpec(Section):
     def _check_kind(self) -> StageSpec:
         if self.kind == "rl" and not self.tasks:
             raise ValueError("an rl stage needs tasks (tasks.NAME.env: ENVIRONMENT)")
-        if self.kind != "rl" and self.tasks:
-            raise ValueError(f"a {self.kind} stage takes no tasks (its prompts come from "
-                             f"{'the demonstrations' if self.kind == 'sft' else 'its teachers'})")  # fmt: skip
+        if self.kind == "distill" and self.tasks:
+            raise ValueError("a distill stage takes no tasks (its prompts come from its teachers)")
+        if self.kind == "sft" and self.tasks and self.config.get("sft", {}).get("task") not in self.tasks:
+            raise ValueError(f"an sft stage's tasks are for sft.task: set config.sft.task to one of {', '.join(self.tasks)}")
         if self.kind != "distill" and self.teachers is not None:
             raise ValueError("only a distill stage has teachers")
         for section in ("policy", "name", "runs_dir"):
@@ -109,13 +111,13 @@ class PipelineConfig(Section):
         """The evaluation matrix's columns: every RL stage's tasks, in stage order (first definition wins)."""
         columns: dict[str, TaskSpec] = {}
         for stage in self.stages.values():
-            for name, task in stage.tasks.items():
+            for name, task in stage.tasks.items() if stage.kind == "rl" else ():
                 columns.setdefault(name, task)
         return columns
 
     def owner(self, task: str) -> str:
         """The first RL stage that trains `task` (its teacher in distillation)."""
-        return next(name for name, stage in self.stages.items() if task in stage.tasks)
+        return next(name for name, stage in self.stages.items() if stage.kind == "rl" and task in stage.tasks)
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +170,9 @@ def _placeholder_sections(pipeline: PipelineConfig, stage: str) -> dict[str, Any
     if pipeline.stages[stage].kind == "distill":
         teachers = {task: {"checkpoint": "<teacher>"} for task in distill_tasks(pipeline, stage)}
         return {"policy": {"path": "<previous stage>"}, "distill": {"teachers": teachers}}
-    return {"policy": {"path": "<previous stage>"}} if pipeline.stages[stage].kind == "rl" else {}
+    spec = pipeline.stages[stage]
+    tasks = {"tasks": {"mix": {name: task.model_dump() for name, task in spec.tasks.items()}}} if spec.tasks else {}
+    return {"policy": {"path": "<previous stage>"}, **tasks} if spec.kind == "rl" else tasks
 
 
 def distill_tasks(pipeline: PipelineConfig, stage: str) -> dict[str, tuple[str, TaskSpec, float]]:

@@ -87,6 +87,11 @@ class EvalConfig(Section):
     """Token budget of each answer."""
     seed: int = 1234
     """Seed of the held-out problem draw (fixed so evaluations are comparable)."""
+    engine: Literal["shared", "own"] = "shared"
+    """Where the run's periodic evaluations play (`sched/evaluation.py`): `shared`, on the serving engines
+    between pushes (training waits: fine where evaluation takes a second); `own`, on one more engine that
+    loads each evaluated push and plays beside training (it asks for no CPU of its own, and a GPU where the
+    engines use them). The evaluations before and after the RL phase use the serving engines either way."""
 
 
 class LoggingConfig(Section):
@@ -121,8 +126,10 @@ class LoopConfig(Section):
     """Stop the run when this many batches in a row took no optimizer step because in every group the
     rewards were equal (no rollout had an advantage): the policy learns nothing from its tasks, and the
     run exits with status 1 saying so. 0: never stop for that."""
-    sft_first: bool = True
-    """With policy.path unset, run the SFT warm start first and start RL from its checkpoint."""
+    sft_first: bool | None = None
+    """Run the SFT warm start first and start RL from its checkpoint: None (default) when policy.path is unset
+    (the tiny policy learns its tasks' formats there); true also from a policy.path (a pretrained model that
+    must first learn a format, e.g. a tool-call syntax: configs/smollm2_agentic.yaml); false never."""
     episode_transport: Literal["inprocess", "http"] = "inprocess"
     """How the episodes this process plays reach the gateway it hosts: inprocess hands each request to the
     gateway's app on the same event loop (no socket; the same routes and recording code); http goes over
@@ -220,6 +227,11 @@ class RunConfig(Section):
     """Cross-stage distillation."""
     cluster: ClusterConfig = ClusterConfig()
     """The Ray the actors run in (local by default) and where on it they go."""
+
+    @property
+    def sft_warm_start(self) -> bool:
+        """Whether `asyncrl run` trains the SFT warm start before RL (`loop.sft_first`)."""
+        return self.policy.path is None if self.loop.sft_first is None else self.loop.sft_first
 
     @model_validator(mode="after")
     def _check_loop(self) -> RunConfig:

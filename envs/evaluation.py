@@ -45,6 +45,11 @@ class TaskEval:
     problem_scores: list[float] = field(default_factory=list)
     """Per problem, the mean score of its episodes (`accuracy` is their mean)."""
 
+    @property
+    def failed(self) -> int:
+        """Episodes that did not end ok (a crash, a timeout, an engine gone): each scored 0."""
+        return sum(count for status, count in self.statuses.items() if status != "ok")
+
     def pass_at(self, k: int, *, seed: int = 0) -> tuple[float, float, float]:
         """(pass@k, low, high): the unbiased estimate over problems and its 95% bootstrap interval."""
         return mean_and_interval(per_problem(self.successes, self.samples, k), seed=seed)

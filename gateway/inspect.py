@@ -102,6 +102,17 @@ def _tokenizer():
     return build_tokenizer()
 
 
+def _run_policy(run: str) -> str | None:
+    """The policy directory a run directory's config names (its tokenizer decodes the run's tokens); None
+    for the tiny policy, or where `run` is no run directory."""
+    config = Path(run) / "config.yaml"
+    if not config.is_file():
+        return None
+    from asyncrl.configs.loader import load_config
+
+    return load_config(str(config)).policy.path
+
+
 def main(args) -> int:
     """The `asyncrl trajectories` command (list | show)."""
     console = Console()
@@ -115,10 +126,11 @@ def main(args) -> int:
             list_trajectories(store, console, status=args.status, limit=args.limit)
         else:
             tokenizer = None
-            if args.tokenizer:
+            source = args.tokenizer or _run_policy(args.run)
+            if source:
                 from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+                tokenizer = AutoTokenizer.from_pretrained(source)
             show_trajectory(store, args.rollout_id, console, tokenizer)
     except StoreError as error:
         console.print(f"asyncrl trajectories: {error}", style="red")

@@ -67,13 +67,21 @@ class InProcessGateway:
         self.service.close()
 
 
+EVALUATION_HEARTBEAT_TIMEOUT_S = 300.0
+"""Seconds an evaluation gateway's engine may leave health checks unanswered before it is dropped."""
+
+
 @contextlib.asynccontextmanager
 async def evaluation_gateway(config: RunConfig, engines: list, tokenizer) -> AsyncIterator[InProcessLifecycle]:
     """An `InProcessGateway` on a free port for evaluation rollouts, which write no store: its store is
     a scratch one, deleted afterwards."""
     from asyncrl.gateway.store import open_store
 
-    served = config.model_copy(update={"gateway": config.gateway.model_copy(update={"port": 0})})
+    # Its one engine is busy by design (the whole held-out set at once) and may answer health checks late on
+    # a machine shared with training: dropping it would fail every episode left, where an engine that dies
+    # fails its calls by itself.
+    timeout_s = max(config.gateway.heartbeat_timeout_s, EVALUATION_HEARTBEAT_TIMEOUT_S)
+    served = config.model_copy(update={"gateway": config.gateway.model_copy(update={"port": 0, "heartbeat_timeout_s": timeout_s})})
     with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as directory:
         store = open_store(directory)
         try:

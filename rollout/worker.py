@@ -231,6 +231,14 @@ class WorkerLauncher:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=slot)
         return RolloutWorkerActor.options(**options).remote(self.model, self.config, engine_id, mtp=self.mtp)
 
+    def start_aside(self, engine_id: str):
+        """One RolloutWorker of this configuration outside the engines' placement group, reserving no CPU
+        (an evaluation engine works now and then, beside parts that hold every core), with no MTP drafting;
+        its handle, returned before it is up."""
+        options = {**self.options, "num_cpus": 0}
+        config = {**self.config, "mtp_drafting": False} if "mtp_drafting" in self.config else self.config
+        return RolloutWorkerActor.options(**options).remote(self.model, config, engine_id)
+
     def close(self) -> None:
         """Give the placement group's resources back (the workers must be gone, or going)."""
         if self.group is not None:

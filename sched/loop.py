@@ -7,7 +7,8 @@
               by their stages' teachers first in a distillation run; when the step returns, book it
               (`sched/steps.py`), push weights and checkpoint when it made them due
               (`asyncrl.records.due_after_step`; the next step starts while the engines load the weights)
-    evaluate  each task's held-out greedy success every `loop.eval_every` versions (`sched/evaluation.py`)
+    evaluate  each task's held-out greedy success every `loop.eval_every` versions (`sched/evaluation.py`):
+              between pushes on the serving engines, or beside training on an engine of its own
     report    the live display
 
 Each round collects and trains before it admits (a group's episodes starting keep the driver busy
@@ -36,7 +37,7 @@ from asyncrl.samples import batch_of
 from . import shutdown
 from .admission import groups_to_admit
 from .episodes import Episodes
-from .evaluation import heldout_scores, record_evaluation
+from .evaluation import Finished, heldout_scores, record_evaluation
 from .groups import Group, GroupBuffer
 from .parts import LearnerDied, Parts, Weights
 from .recovery import Recovery
@@ -208,7 +209,8 @@ class Loop:
 
     async def push(self, weights: Weights | None = None) -> None:
         """The learner's weights (or `weights`, taken from it at this version) to every engine; the loop
-        waits (no admission meanwhile), the episodes do not."""
+        waits (no admission meanwhile), the episodes do not. An evaluation on its own engine that this push
+        makes due begins with these weights."""
         version = self.state.version
         weights = weights if weights is not None else await self.p.learner.weights()
         try:
@@ -217,18 +219,59 @@ class Loop:
             await self.p.learner.check()  # weights that never came, because the learner died: LearnerDied
             raise
         self.flight.pushed = version
+        aside = self.p.evaluation
+        if (
+            aside is not None
+            and not self.flight.closing
+            and not aside.playing
+            and version - self.flight.evaluated >= self.config.loop.eval_every
+        ):
+            await aside.begin(weights, version, self.books.elapsed())
+
+    async def evaluate_first(self) -> None:
+        """The held-out figure the run starts from (`state.eval_before`): now, on the serving engines; or with
+        an engine of its own, played there beside the first steps and booked when it ends."""
+        if self.p.evaluation is None:
+            self.state.eval_before = await self.evaluate(force=True)
+            return
+        await self.p.evaluation.begin(await self.p.learner.weights(), self.state.version, self.books.elapsed())
 
     async def evaluate(self, force: bool = False) -> float | None:
+        """Book an evaluation played aside that has ended; with the shared engines, evaluate now when one is
+        due (or `force`d: the run's first and last, which wait for one playing aside first)."""
         flight = self.flight
-        if not force and flight.pushed - flight.evaluated < self.config.loop.eval_every:
+        if self.p.evaluation is not None:
+            self.book_aside(await self.p.evaluation.wait() if force else self.p.evaluation.finished())
+            if not force:
+                return None  # evaluations on the own engine begin at the push that makes them due
+            if flight.evaluated == flight.pushed and flight.accuracy is not None:
+                return flight.accuracy
+        elif not force and flight.pushed - flight.evaluated < self.config.loop.eval_every:
             return None
         if not await self.recovery.serving(wait=force):  # the only engine is being replaced: later, or wait if forced
             return None
         began = time.monotonic()
-        scores = await heldout_scores(self.config, self.p)
+        scores = await heldout_scores(self.config, self.p.tasks, self.p.gateway, self.p.http)
         wall_s = time.monotonic() - began
-        flight.accuracy, flight.evaluated = record_evaluation(self.p, scores, flight.pushed, self.books.elapsed(), wall_s), flight.pushed
+        accuracy = record_evaluation(self.p, scores, flight.pushed, self.books.elapsed(), wall_s, held_training=not force)
+        flight.accuracy, flight.evaluated = accuracy, flight.pushed
         return flight.accuracy
+
+    def book_aside(self, finished: Finished | None) -> None:
+        """An evaluation played on the own engine: its result into the books; a failed one is said, and the
+        run evaluates between pushes from then on."""
+        if finished is None:
+            return
+        if finished.evals is None:
+            self.p.display.say(f"the evaluation of version {finished.version} on its own engine failed ({finished.error!r}); "
+                               "evaluating between pushes on the serving engines from now on")  # fmt: skip
+            self.p.evaluation = None
+            return
+        accuracy = record_evaluation(self.p, finished.evals, finished.version, finished.elapsed_s, finished.wall_s, aside=True)
+        if self.state.eval_before is None:  # the run's first evaluation (`evaluate_first`)
+            self.state.eval_before = accuracy
+        if finished.version >= self.flight.evaluated:
+            self.flight.accuracy, self.flight.evaluated = accuracy, finished.version
 
     def report(self) -> None:
         self.recovery.note_replacements()

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from asyncrl.runlog import MetricsLog
 
     from .display import Display
+    from .evaluation import OwnEngineEvaluation
     from .rundir import RunDir
     from .tasks import TaskMix
 
@@ -119,6 +120,9 @@ class Parts:
     display: Display
     teachers: Teachers | None = None
     """A distillation run's teachers score every batch before the learner sees it; None in RL."""
+    evaluation: OwnEngineEvaluation | None = None
+    """`eval.engine: own`: held-out evaluations on an engine of their own, beside training (`sched/evaluation.py`);
+    None: between pushes, on the serving engines."""
     reclaim_store: Callable[[], TrajectoryStore] | None = None
     """Opens this run's store with no visibility timeout (every lease counts as expired), to take back
     what a dead learner held, then closed; None: a learner that dies ends the run."""

@@ -31,8 +31,8 @@ async def close(loop: Loop) -> float | None:
     await asyncio.to_thread(abort_running, loop.p.store, "the run ended")
     if loop.state.version > flight.pushed:
         await loop.push()
-    fresh = flight.evaluated == flight.pushed and flight.accuracy is not None
-    accuracy = flight.accuracy if fresh else await loop.evaluate(force=True)
+    fresh = flight.evaluated == flight.pushed and flight.accuracy is not None and loop.p.evaluation is None
+    accuracy = flight.accuracy if fresh else await loop.evaluate(force=True)  # waits for one playing aside first
     await loop.collect()
     loop.books.book_untrained(flight.groups.drain())
     await loop.books.checkpoint()

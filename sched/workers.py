@@ -125,6 +125,31 @@ class RayWorkers:
             await next_push.wait()
 
 
+class RayEvaluationEngine:
+    """`eval.engine: own` over Ray (`sched/evaluation.py` EvaluationEngine): one more RolloutWorker from the
+    run's launcher, in no push and no training routing; it loads the weights of the pushes evaluated."""
+
+    def __init__(self, launcher: WorkerLauncher, engine_id: str) -> None:
+        self.actor = launcher.start_aside(engine_id)
+        self.handle: EngineHandle = RayEngine(self.actor, engine_id)
+
+    async def load(self, weights: Weights, version: int) -> None:
+        if isinstance(weights, DirectPush):  # the learner sent them to the engines itself: ask it for a copy
+            weights, version = await weights.current()
+        await remote(self.actor.load_weights, weights, version)
+
+
+class LocalEvaluationEngine:
+    """`eval.engine: own` in this process: an `EmbeddedEngine` of its own."""
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self.engine = engine
+        self.handle: EngineHandle = LocalEngine(engine)
+
+    async def load(self, weights: Weights, version: int) -> None:
+        await asyncio.to_thread(self.engine.update_weights, weights, version)
+
+
 class LocalWorkers:
     def __init__(self, engines: list[EmbeddedEngine]) -> None:
         self.local = engines

@@ -3,6 +3,7 @@ the real loop run over in-process parts (no Ray)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from asyncrl.configs.loader import load_config
@@ -14,13 +15,14 @@ from asyncrl.policy.checkpoint import build_policy
 from asyncrl.records import TERMINAL_STATUSES
 from asyncrl.rollout.engine import EmbeddedEngine
 from asyncrl.sched.display import Display
+from asyncrl.sched.evaluation import OwnEngineEvaluation
 from asyncrl.sched.learners import LocalLearner
 from asyncrl.sched.loop import Loop
 from asyncrl.sched.parts import Parts
 from asyncrl.sched.rundir import LoopState, RunDir
 from asyncrl.sched.supervision import Unsupervised
 from asyncrl.sched.tasks import TaskMix
-from asyncrl.sched.workers import LocalWorkers
+from asyncrl.sched.workers import LocalEvaluationEngine, LocalWorkers
 
 TINY = [
     "policy.tiny.arch=qwen3", "policy.tiny.hidden_size=32", "policy.tiny.num_layers=2", "policy.tiny.num_heads=2",
@@ -62,9 +64,10 @@ def run_config(tmp_path, *overrides: str):
     return load_config("quickstart", [*TINY, f"runs_dir={tmp_path}", *overrides])
 
 
-async def run_in_process(config, env, *, resume: bool = False) -> dict:
+async def run_in_process(config, env, *, resume: bool = False, on_loop: Callable[[Loop], None] | None = None) -> dict:
     """What `asyncrl run` does after start-up (asyncrl/jobs/run.py), over in-process parts; with `resume`, it
-    continues the run in `config`'s run directory from its last checkpoint."""
+    continues the run in `config`'s run directory from its last checkpoint. `on_loop`: called with the loop
+    once it is built (a test's environment watching it); `eval.engine: own` gets an engine of its own."""
     rundir = RunDir.for_config(config)
     checkpoint, state = rundir.latest_checkpoint() if resume else (None, LoopState())
     if not resume:
@@ -77,13 +80,19 @@ async def run_in_process(config, env, *, resume: bool = False) -> dict:
         policy.load(checkpoint)
     metrics, result = rundir.metrics(config, resume=resume), {"state": state, "rundir": rundir}
     try:
-        async with InProcessGateway(config, store, workers.engines, tokenizer) as gateway, episode_http_client(config, gateway) as http:
+        async with (
+            InProcessGateway(config, store, workers.engines, tokenizer) as gateway,
+            episode_http_client(config, gateway) as http,
+            _evaluation(config, env, tokenizer) as evaluation,
+        ):
             parts = Parts(
                 store=store, gateway=gateway, http=http, tasks=TaskMix.from_config(config, env), learner=LocalLearner(policy),
                 workers=workers, supervision=Unsupervised(len(workers.engines)), tokenizer=tokenizer, rundir=rundir,
-                metrics=metrics, display=Display(progress=False),
+                metrics=metrics, display=Display(progress=False), evaluation=evaluation,
             )  # fmt: skip
             loop = Loop(config, parts, state)
+            if on_loop is not None:
+                on_loop(loop)
             try:
                 await loop.push()
                 if resume:
@@ -91,7 +100,7 @@ async def run_in_process(config, env, *, resume: bool = False) -> dict:
                     result["recovered"] = await loop.recover(reclaim)
                     reclaim.close()
                 if state.eval_before is None:
-                    state.eval_before = await loop.evaluate(force=True)
+                    await loop.evaluate_first()
                 await loop.run()
                 result["stop_reason"] = loop.stop_reason()
                 result["eval_after"] = await loop.close()
@@ -102,6 +111,21 @@ async def run_in_process(config, env, *, resume: bool = False) -> dict:
         metrics.close()
         store.close()
     return result
+
+
+@contextlib.asynccontextmanager
+async def _evaluation(config, env, tokenizer):
+    """`eval.engine: own`: an `OwnEngineEvaluation` over an engine of its own (None with `shared`)."""
+    if config.eval.engine == "shared":
+        yield None
+        return
+    model, _, _ = build_policy(config.policy, config.seed)
+    engine = EmbeddedEngine(model, config.rollout, engine_id="local-eval")
+    try:
+        async with OwnEngineEvaluation(config, TaskMix.from_config(config, env), LocalEvaluationEngine(engine), tokenizer) as evaluation:
+            yield evaluation
+    finally:
+        engine.shutdown()
 
 
 def started(counts: dict) -> int:

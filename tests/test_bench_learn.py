@@ -82,6 +82,13 @@ def test_time_to_trl_accuracy_reads_the_mean_of_its_last_three_evaluations():
     assert compared["async_time_frac_of_trl"] == 0.4 and compared["async_over_trl_samples_per_s"] == 1.5
     assert (ours["s_to_plus_10"], ours["s_to_plus_20"], trl["s_to_plus_10"], trl["s_to_plus_20"]) == (8.0, 16.0, 10.0, 20.0)
     assert _compare({"async": ours}) == {}
+    # At each of TRL's evaluation times, async's last evaluated accuracy by then.
+    assert [(p["s"], p["trl"], p["async"]) for p in compared["at_trl_evaluations"]] == [
+        (10.0, 0.3, 0.35), (20.0, 0.5, 0.41), (30.0, 0.4, 0.41), (40.0, 0.3, 0.41)
+    ]  # fmt: skip
+    assert compared["async_ahead_at_every_trl_evaluation"] is False  # 0.41 < 0.5 at 20 s
+    later = _side([(0.0, 0, 0.2), (12.0, 150, 0.6)], trained=150, wall_s=12.0, optimizer_steps=3, cpu_s={})
+    assert _compare({"async": later, "trl": trl})["async_ahead_at_every_trl_evaluation"] is False  # still at its start at 10 s
 
 
 def test_registered_with_its_settings():

@@ -172,6 +172,22 @@ def test_the_loop_records_each_tasks_interval_and_how_long_training_waited():
     low, high = record["eval_interval/sums"]
     assert accuracy == record["eval_accuracy"] == 0.25 and low < 0.25 < high and high - low < 0.15
     assert record["eval_wall_s"] == 80.0 and "training waited 80 s" in lines[0] and "sums 25.0% [" in lines[0]
+    assert record["eval_failed/sums"] == 0 and "failed" not in lines[0] and record["eval_engine"] == "shared"
+
+
+def test_episodes_that_failed_are_counted_and_said_with_the_first_reason():
+    from types import SimpleNamespace
+
+    from asyncrl.sched.evaluation import record_evaluation
+
+    records, lines = [], []
+    parts = SimpleNamespace(metrics=SimpleNamespace(record=records.append), display=SimpleNamespace(say=lines.append))
+    results = [EpisodeResult(1.0, "ok", metrics={"correct": True}) for _ in range(3)]
+    results += [EpisodeResult(0.0, "error", reason="engine eval-0 left the gateway (heartbeat timeout)") for _ in range(5)]
+    assert record_evaluation(parts, {"tool": tally(results, 1, 9.0)}, 4, 100.0, wall_s=9.0, aside=True) == 3 / 8
+    assert records[0]["eval_failed/tool"] == 5 and records[0]["eval_engine"] == "own"
+    assert "(5 tool episodes failed and scored 0; error: engine eval-0 left the gateway (heartbeat timeout))" in lines[0]
+    assert "on its own engine in 9 s; training went on" in lines[0]
 
 
 def test_sampled_without_evaluation_is_a_clear_refusal():

@@ -80,6 +80,28 @@ def test_show_marks_sampled_tokens(tmp_path) -> None:
     assert [r[0] for r in rows if r[-1] == "0"] == ["0", "1", "4", "5"]
 
 
+def test_show_decodes_a_runs_tokens_with_the_tokenizer_of_the_policy_its_config_names(tmp_path, capsys) -> None:
+    """A run of a pretrained policy is shown in that policy's tokens, not the tiny policy's."""
+    from gguf_model import tiny_smollm2
+
+    from asyncrl.records import Turn
+
+    model, tokenizer = tiny_smollm2()
+    model.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"policy:\n  path: {tmp_path / 'policy'}\n  mtp: {{enabled: false}}\n")
+    store = open_store(run)
+    rollout_id = store.open("t")
+    prompt, reply = tokenizer.encode("what is"), tokenizer.encode(" sunny")
+    store.append(Turn(rollout_id, prompt, reply, [-0.5] * len(reply), [0] * len(reply)))
+    store.close()
+    assert main(["trajectories", "show", str(run), rollout_id]) == 0
+    shown = capsys.readouterr().out
+    assert all(repr(tokenizer.decode([token]))[1:-1] in shown for token in reply)
+
+
 @pytest.mark.slow
 def test_two_serve_replicas_over_one_store_serve_each_others_rollouts(tmp_path, capsys) -> None:
     """`asyncrl serve` twice with one config but its own gateway.replica_id (and port): a rollout opened at

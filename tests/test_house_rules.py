@@ -32,7 +32,7 @@ REPO_FOLDERS = (*SOURCE_FOLDERS, "tests", "docs", "scripts", ".ci")
 LINE_BUDGETS = {
     "asyncrl": 1430,  # 1380
     "asyncrl/bench": 3420,  # 3314
-    "asyncrl/jobs": 2250,  # 2186: asyncrl eval (issue 35) and asyncrl model fetch
+    "asyncrl/jobs": 2320,  # 2251: asyncrl eval and model fetch, the evaluation engine, sft.task scored as RL scores it (issue 35)
     "asyncrl/policy": 1290,  # 1249: the GGUF fetch and conversion (issue 35)
     "asyncrl/replay": 2630,  # 2544
     "configs": 1720,  # 1662: the model catalog, rollout.kv_cache_memory (issue 35)
@@ -47,7 +47,7 @@ LINE_BUDGETS = {
     "learner": 3310,  # 3207
     "rollout": 2970,  # 2880: the KV cache budget (issue 35)
     "rollout/models": 970,  # 937
-    "sched": 2010,  # 1945
+    "sched": 2200,  # 2143: evaluation on an engine of its own, beside training (issue 35)
 }
 TOTAL_LINE_BUDGET = 35_100  # 34,351 after issue 35's model fetch, eval and KV budget
 

@@ -54,6 +54,19 @@ def test_async_run_pushes_weights_and_survives_a_crashing_environment(ray_sessio
     assert 0 < usage["engine_busy_frac"]["a-rollout-0"] <= 1
 
 
+def test_a_run_evaluates_on_an_engine_of_its_own_over_ray(ray_session, tmp_path):
+    """eval.engine=own with Ray: a RolloutWorker of its own (reserving no CPU) plays every evaluation, the
+    first included, while the loop trains; the run ends with balanced books."""
+    from asyncrl.jobs.run import run
+
+    summary = run(config(tmp_path, "name=e", "loop.steps=4", "loop.eval_every=2", "eval.engine=own"), env=CoinEnv())
+    check_ledger(summary)
+    evals = [r for r in read_metrics(tmp_path / "e") if r.get("eval_accuracy") is not None]
+    assert evals[0]["step"] == 0 and evals[0]["eval_engine"] == "own" and evals[0]["eval_failed/coin"] == 0
+    assert summary["eval_before"] == evals[0]["eval_accuracy"] and evals[-1]["step"] == summary["version"] == 4
+    assert summary["eval_after"] == evals[-1]["eval_accuracy"]
+
+
 def test_a_run_with_gateway_replicas_opens_rollouts_on_each_and_records_them_all(ray_session, tmp_path):
     """gateway.replicas=2: the driver's gateway and a replica actor each open every other rollout and serve
     its calls (episodes call the replica over HTTP), over the one store and the same engine."""

@@ -71,13 +71,26 @@ def test_pipeline_presets_are_not_run_presets():
         ("stages.general.tasks={}", r"an rl stage needs tasks"),
         ("stages.general.config.policy.path=/x", r"config\.policy is set by the pipeline"),
         ("base.tasks.mix.x.env=reasoning", r"tasks\.mix and distill\.teachers belong to the stages"),
-        ("stages.reasoning.kind=sft", r"an sft stage can only come first|takes no tasks"),
+        ("stages.reasoning.kind=sft", r"an sft stage can only come first|tasks are for sft\.task"),
+        (
+            "stages.sft.tasks.agentic.env=agentic",
+            r"stages\.sft: .*an sft stage's tasks are for sft\.task: set config\.sft\.task to one of agentic",
+        ),
         ("stages={sft: {kind: sft}}", r"at least one rl stage"),
     ],
 )
 def test_mistakes_name_the_key_and_the_problem(override, message):
     with pytest.raises(ConfigError, match=message):
         load_pipeline("pipeline", [override])
+
+
+def test_an_sft_stage_warms_up_on_the_task_sft_task_names_which_is_no_matrix_column():
+    pipeline = load_pipeline("smollm2_pipeline")
+    assert list(pipeline.stages["sft"].tasks) == ["agentic"]
+    assert list(pipeline.eval_tasks()) == ["word_problems", "agentic", "general"]
+    assert pipeline.owner("agentic") == "agentic"  # the RL stage is its teacher, not the SFT stage
+    sft = stage_config(pipeline, "sft", "/tmp/p", {"tasks": {"mix": {"agentic": pipeline.stages["sft"].tasks["agentic"].model_dump()}}})
+    assert sft.sft.task == "agentic" and sft.sft_warm_start is False and sft.policy.chat_template.endswith("smollm2_tools.jinja")
 
 
 def test_a_pipeline_without_sft_needs_a_starting_checkpoint():

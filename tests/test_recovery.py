@@ -83,7 +83,7 @@ async def run_with_mortal_learner(run, dies: Callable[[RunDir, RLLearner], bool]
             loop = result["loop"] = Loop(run, parts, state)
             try:
                 await loop.push()
-                state.eval_before = await loop.evaluate(force=True)
+                await loop.evaluate_first()
                 await loop.run()
                 result["eval_after"] = await loop.close()
             except LearnerDied as error:

@@ -134,6 +134,23 @@ def test_held_out_evaluation_plays_the_arithmetic_episodes_through_the_gateway()
     assert twelves == 2 and accuracy == twelves / 60
 
 
+def test_held_out_evaluation_of_sft_task_plays_that_tasks_episodes_in_its_sandboxes():
+    """`sft.task: agentic`: SFT is scored as the RL loop scores the task, its episodes in sandboxes of the
+    task's backend and as many as its eval_problems (a random policy answers wrongly, but every episode
+    plays: none crashes for want of a sandbox)."""
+    overrides = ["tasks.mix={agentic: {env: agentic, eval_problems: 6}}", "sft.task=agentic", "sandbox.backend=process",
+                 *(f"policy.tiny.{key}={value}" for key, value in SMALL.items()), "policy.mtp.enabled=false"]  # fmt: skip
+    config = load_config(None, overrides)
+    model, tok, _ = build_policy(config.policy, config.seed)
+    heldout = HeldOut(config, model, tok)
+    try:
+        accuracy = heldout.accuracy(model.state_dict(), 1)
+    finally:
+        heldout.close()
+    assert heldout.last is not None and heldout.last.num_problems == 6
+    assert heldout.last.statuses == {"ok": 6} and accuracy == heldout.last.accuracy
+
+
 def test_short_sft_run_writes_a_loadable_checkpoint_metrics_and_plot(tmp_path):
     overrides = [f"{k}={v}" for k, v in SMALL.items()]
     config = load_config(None, [f"policy.tiny.{o}" for o in overrides] + [

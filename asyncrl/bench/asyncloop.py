@@ -155,14 +155,14 @@ def _tool_latencies(run_dir: Path) -> dict:
 def _warm_start(config: RunConfig) -> tuple[RunConfig, dict | None]:
     """One SFT warm start for both modes (as `asyncrl run` would do for each), or none when the policy
     is given. A policy with no reward signal (e.g. an untrained one on arithmetic) never steps."""
-    if config.policy.path is not None or not config.loop.sft_first:
+    if not config.sft_warm_start:
         return config, None
     from asyncrl.jobs.sft import run_sft
 
     _say("bench async: SFT warm start (shared by both modes)")
     result = run_sft(config)
     sft = {"accuracy": result.accuracy, "steps": result.steps, "wall_s": round(result.wall_s, 1)}
-    return _with(config, f"policy.path={result.checkpoint}"), sft
+    return _with(config, f"policy.path={result.checkpoint}", "loop.sft_first=false"), sft
 
 
 def _reasoning_env(config: RunConfig):

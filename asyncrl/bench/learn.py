@@ -184,19 +184,32 @@ def _pooled(runs: list[dict]) -> dict:
 def _compare(sides: dict[str, dict]) -> dict:
     """async against trl: the time async took to reach TRL's accuracy at the end of its budget (the mean
     of its last three evaluations: one evaluation of a few hundred problems moves by a few points), as
-    a fraction of TRL's wall, and the ratio of samples trained per second."""
+    a fraction of TRL's wall; the ratio of samples trained per second; and at each of TRL's evaluations
+    after its start, both sides' accuracy at that time of their own training (async's: of the last
+    weights it evaluated by then), and whether async was ahead at every one."""
     if not {"async", "trl"} <= sides.keys():
         return {}
     ours, theirs = sides["async"], sides["trl"]
     last = [point["accuracy"] for point in theirs["curve"][1:][-3:]] or [theirs["accuracy_final"]]
     target = round(sum(last) / len(last), 4)
     reached = next((point["s"] for point in ours["curve"] if point["accuracy"] >= target), None)
+    at_trl_evals = [
+        {"s": point["s"], "trl": point["accuracy"], "async": _accuracy_at(ours["curve"], point["s"])} for point in theirs["curve"][1:]
+    ]  # fmt: skip
     return {
         "trl_end_accuracy": target,
         "async_s_to_trl_end": reached,
         "async_time_frac_of_trl": None if reached is None else round(reached / theirs["wall_s"], 3),
         "async_over_trl_samples_per_s": round(ours["samples_per_s"] / max(theirs["samples_per_s"], 1e-9), 3),
+        "at_trl_evaluations": at_trl_evals,
+        "async_ahead_at_every_trl_evaluation": all(point["async"] > point["trl"] for point in at_trl_evals),
     }
+
+
+def _accuracy_at(curve: list[dict], seconds: float) -> float:
+    """A side's held-out accuracy at `seconds` into its training: that of the last weights it evaluated by
+    then (each curve point is timed when its weights were the newest)."""
+    return [point for point in curve if point["s"] <= seconds][-1]["accuracy"]
 
 
 def plot(sides: dict[str, dict], path: Path) -> None:

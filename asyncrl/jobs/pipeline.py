@@ -144,9 +144,12 @@ class Pipeline:
     # -- stages ---------------------------------------------------------------------------------
 
     def run_sft(self, name: str, previous: str | None) -> tuple[Path, dict]:
-        from .sft import run_sft
+        from .sft import give_back_memory, run_sft
 
-        result = run_sft(self.stage_config(name, {}))  # no intermediate checkpoints: a stopped SFT starts over
+        tasks = {task: spec.model_dump() for task, spec in self.pipeline.stages[name].tasks.items()}
+        # No intermediate checkpoints: a stopped SFT starts over.
+        result = run_sft(self.stage_config(name, {"tasks": {"mix": tasks}} if tasks else {}))
+        give_back_memory()
         return result.checkpoint, {"accuracy": result.accuracy, "steps": result.steps, "stop_reason": result.stop_reason}
 
     def run_rl(self, name: str, previous: str) -> tuple[Path, dict]:

@@ -2,7 +2,7 @@
 
 Start-up, in order:
 
-1. SFT warm start when `policy.path` is unset and `loop.sft_first` allows it; RL starts from its
+1. SFT warm start when `loop.sft_first` asks for one (by default when `policy.path` is unset); RL starts from its
    checkpoint (a resumed run starts from its own last checkpoint instead).
 2. Ray, local or the cluster of `cluster.address` (`asyncrl/jobs/cluster.py`, docs/CLUSTER.md):
    `rollout.num_workers` RolloutWorkers on `rollout.cpus_per_worker` CPUs each (one placement group)
@@ -48,14 +48,16 @@ from asyncrl.gateway.serving import episode_http_client
 from asyncrl.policy.validate import resolve_policy
 from asyncrl.records import TERMINAL_STATUSES
 from asyncrl.sched.display import Display
+from asyncrl.sched.evaluation import OwnEngineEvaluation
 from asyncrl.sched.learners import RayLearner
 from asyncrl.sched.loop import Loop
 from asyncrl.sched.parts import Parts
+from asyncrl.sched.ray_calls import remote
 from asyncrl.sched.rundir import LoopState, RunDir
 from asyncrl.sched.supervision import RaySupervisor
 from asyncrl.sched.tasks import TaskMix, distill_task_mix
 from asyncrl.sched.weight_push import direct_transport
-from asyncrl.sched.workers import RayWorkers
+from asyncrl.sched.workers import RayEvaluationEngine, RayWorkers
 
 from . import usage
 from .cluster import check_shared_run_dir, start_ray, write_shared_check
@@ -99,12 +101,18 @@ def run(
         if rundir.has_run():
             raise RunExists(f"{rundir.path} already holds a run: continue it with `asyncrl run --resume {rundir.path}`, "
                             "or pick another name= (or delete the directory)")  # fmt: skip
-        if config.policy.path is None and config.loop.sft_first:
-            from .sft import run_sft
+        if config.sft_warm_start:
+            from .sft import give_back_memory, run_sft
 
             result = run_sft(config)
+            give_back_memory()
             sft = {"accuracy": result.accuracy, "steps": result.steps, "wall_s": result.wall_s, "checkpoint": str(result.checkpoint)}
-            config = config.model_copy(update={"policy": config.policy.model_copy(update={"path": str(result.checkpoint)})})
+            # The run starts from the warm start's checkpoint; its config says so and asks for no other.
+            policy, loop = (
+                config.policy.model_copy(update={"path": str(result.checkpoint)}),
+                config.loop.model_copy(update={"sft_first": False}),
+            )
+            config = config.model_copy(update={"policy": policy, "loop": loop})
         rundir.write_config(config)
     summary = run_loop(_main(config, rundir, resume is not None, env))  # uvloop where installed
     summary.update(sft=sft, wall_s=time.monotonic() - began)
@@ -132,7 +140,7 @@ async def _main(config: RunConfig, rundir: RunDir, resumed: bool, env: Environme
         if resumed:
             resumption = await _resume(config, rundir, started, state, checkpoint, began, display)
         if state.eval_before is None:
-            state.eval_before = await started.loop.evaluate(force=True)
+            await started.loop.evaluate_first()
         rl = await _run_rl(started, rundir)
     return _summary(config, rundir, tasks, state, started, rl, resumption)
 
@@ -144,12 +152,13 @@ class _RayActors:
 
     started_ray: bool
     teachers: list = field(default_factory=list)
+    evaluation: list = field(default_factory=list)
     workers: RayWorkers | None = None
     learner: RayLearner | None = None
 
     def stop(self) -> None:
         workers, learner = self.workers, self.learner
-        actors = [*self.teachers, *(workers.actors if workers else []), *([learner.actor] if learner else [])]
+        actors = [*self.teachers, *self.evaluation, *(workers.actors if workers else []), *([learner.actor] if learner else [])]
         _stop_ray(actors, workers, self.started_ray)
 
 
@@ -212,16 +221,32 @@ async def _start_parts(
     stack.callback(metrics.close)
     gateways.watch(_on_replica_lost(display, metrics, state))
     http = await stack.enter_async_context(episode_http_client(config, gateways.own))
+    evaluation = await _start_evaluation(stack, config, tasks, workers, tokenizer, ray_actors, display)
     parts = Parts(
         store=store, gateway=gateways.episodes, http=http, tasks=tasks, learner=learner, workers=workers,
         supervision=supervisor, tokenizer=tokenizer, rundir=rundir, metrics=metrics, display=display, teachers=teachers,
-        reclaim_store=lambda: rundir.open_store(config, visibility_timeout_s=1e-6),
+        reclaim_store=lambda: rundir.open_store(config, visibility_timeout_s=1e-6), evaluation=evaluation,
     )  # fmt: skip
     loop = Loop(config, parts, state)
     stack.push_async_callback(loop.episodes.stop)  # on a crash, before the gateway goes
     await loop.push()  # the engines serve exactly the learner's weights, at its version
     supervisor.attach(gateways.routing)
     return _Started(store, workers, learner, gateways, metrics, loop, weight_transport)
+
+
+async def _start_evaluation(
+    stack: AsyncExitStack, config: RunConfig, tasks: TaskMix, workers: RayWorkers, tokenizer, ray_actors: _RayActors, display: Display
+) -> OwnEngineEvaluation | None:
+    """`eval.engine: own`: the evaluation engine, built, behind its own gateway; says where evaluations play."""
+    if config.eval.engine == "shared":
+        display.say(f"held-out evaluation every {config.loop.eval_every} versions: between pushes on the serving engines, "
+                    "training waits meanwhile (eval.engine=shared)")  # fmt: skip
+        return None
+    engine = RayEvaluationEngine(workers.launcher, f"{config.name}-eval")
+    ray_actors.evaluation.append(engine.actor)
+    await remote(engine.actor.version)  # built (its first call waits for its constructor)
+    display.say(f"held-out evaluation every {config.loop.eval_every} versions: on an engine of its own, beside training (eval.engine=own)")
+    return await stack.enter_async_context(OwnEngineEvaluation(config, tasks, engine, tokenizer))
 
 
 async def _weight_transport(config: RunConfig, learner: RayLearner, workers: RayWorkers, display: Display) -> str:

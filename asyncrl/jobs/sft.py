@@ -23,6 +23,9 @@ rule stopped it) and before the final evaluation and the save: learner/indexer_w
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +37,7 @@ from asyncrl.configs.context import EnvContext
 from asyncrl.configs.loader import dump_config
 from asyncrl.configs.schema import RunConfig
 from asyncrl.envs.base import OffersDemonstrations
-from asyncrl.envs.evaluation import evaluate_env
+from asyncrl.envs.evaluation import TaskEval, evaluate_env
 from asyncrl.envs.registry import load_environment
 from asyncrl.gateway.engines import LocalEngine
 from asyncrl.gateway.serving import episode_http_client, evaluation_gateway
@@ -49,6 +52,7 @@ from asyncrl.policy.mtp import check_plain_head
 from asyncrl.policy.validate import resolve_policy
 from asyncrl.rollout import EmbeddedEngine
 from asyncrl.runlog import MetricsLog, Panel, plot_panels
+from asyncrl.sched.tasks import TaskMix
 
 LOG_EVERY = 10
 """Optimizer steps between metrics records (evaluations are always recorded)."""
@@ -120,14 +124,25 @@ def _demonstrator(name: str, options: dict, context: EnvContext) -> OffersDemons
 
 
 class HeldOut:
-    """Held-out greedy accuracy of the weights being trained, on the arithmetic environment's episodes."""
+    """Held-out greedy accuracy of the weights being trained: on the arithmetic environment's episodes, or
+    with `sft.task` on that task's, exactly as the RL loop evaluates it (its sandboxes, its held-out count)."""
 
     def __init__(self, config: RunConfig, model, tokenizer) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.engine = EmbeddedEngine(model, config.rollout.embedded().model_copy(update={"torch_threads": config.torch_threads}))
-        # Each answer gets the evaluation's budget, as the warm start has always been scored.
-        context = EnvContext.of(config).model_copy(update={"episode_max_tokens": config.eval.max_tokens})
-        self.env = load_environment(*base_task(config), context)
+        self.sandboxes, self.num_problems = None, config.eval.num_problems
+        self.last: TaskEval | None = None
+        """The last evaluation, episode by episode counted (its statuses say why episodes failed)."""
+        if config.sft.task is None:
+            # Each answer gets the evaluation's budget, as the warm start has always been scored.
+            context = EnvContext.of(config).model_copy(update={"episode_max_tokens": config.eval.max_tokens})
+            self.env = load_environment(*base_task(config), context)
+            return
+        mix = TaskMix.from_config(config)
+        asyncio.run(mix.check_sandboxes())  # a backend that cannot start is refused here, not found episode by episode
+        task = next(task for task in mix.tasks if task.name == config.sft.task)
+        self.env, self.sandboxes = task.env, task.sandboxes
+        self.num_problems = config.eval.num_problems if task.eval_problems is None else task.eval_problems
 
     def accuracy(self, weights: dict, step: int) -> float:
         self.engine.update_weights(weights, step)
@@ -137,8 +152,8 @@ class HeldOut:
         config = self.config
         served = evaluation_gateway(config, [LocalEngine(self.engine)], self.tokenizer)
         async with served as gateway, episode_http_client(config, gateway) as http:
-            result = await evaluate_env(
-                self.env, gateway, num_problems=config.eval.num_problems, seed=config.eval.seed,
+            result = self.last = await evaluate_env(
+                self.env, gateway, num_problems=self.num_problems, seed=config.eval.seed, sandboxes=self.sandboxes,
                 timeout_s=config.loop.episode_timeout_s, http_client=http,
             )  # fmt: skip
         return result.accuracy
@@ -211,6 +226,15 @@ def _record_warmup(reporter: _Reporter, step: int, start: float, metrics: dict) 
     elif metrics["indexer_step"] == 1 or metrics["indexer_step"] % LOG_EVERY == 0:
         loss = f"  loss {metrics['sparse_loss']:.3f}" if "sparse_loss" in metrics else ""
         reporter.say(f"DSA warm-up {metrics['indexer_stage']} step {metrics['indexer_step']}  indexer KL {metrics['indexer_kl']:.4f}{loss}")
+
+
+def give_back_memory() -> None:
+    """Call once `run_sft` has returned: its model, optimizer and engine are garbage, and their pages go back
+    to the OS before the RL engines size their KV caches by the machine's available memory
+    (rollout.kv_cache_memory). glibc keeps freed heap otherwise (SmolLM2's warm start left ~8 GB held)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def run_sft(config: RunConfig) -> SFTResult:

@@ -21,8 +21,12 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.
 
 
 def read_chat_template(path: str, key: str = "policy.chat_template") -> str:
+    """The Jinja text of the template file `path` (relative paths also beside the shipped presets:
+    `configs/templates/...`)."""
+    from asyncrl.configs.paths import data_path
+
     try:
-        template = Path(path).read_text()
+        template = data_path(path).read_text()
     except OSError as err:
         raise ConfigError(f"{key}: cannot read {path}: {err.strerror}") from err
     if "{%" not in template and "{{" not in template:
