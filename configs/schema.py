@@ -91,7 +91,8 @@ class EvalConfig(Section):
     """Where the run's periodic evaluations play (`sched/evaluation.py`): `shared`, on the serving engines
     between pushes (training waits: fine where evaluation takes a second); `own`, on one more engine that
     loads each evaluated push and plays beside training (it asks for no CPU of its own, and a GPU where the
-    engines use them). The evaluations before and after the RL phase use the serving engines either way."""
+    engines use them), the first evaluation included. The final one, after the RL phase, plays on the serving
+    engines unless the last push's is already playing there."""
 
 
 class LoggingConfig(Section):

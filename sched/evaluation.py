@@ -10,7 +10,8 @@ Where they play is `eval.engine`:
     own      `OwnEngineEvaluation`: an engine of its own behind a gateway of its own, loaded with the
              weights of the push that made the evaluation due, plays them in the background while the
              loop trains on; its result is booked when it ends, at the version it evaluated. The
-             evaluations before and after the RL phase, when nothing trains, use the shared engines.
+             first (the starting weights) plays there beside the first steps; the final one, when no
+             evaluation of the last push is playing or done, on the shared engines (idle by then).
 
 `record_evaluation` books a result in the metrics and on the display.
 """
