@@ -17,6 +17,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from .loader import ConfigError, apply_override, format_validation_error, read_yaml
+from .models import resolve_model_path
 from .schema import RunConfig, Section, TaskSpec
 
 
@@ -98,6 +99,12 @@ class PipelineConfig(Section):
         if self.stages[names[0]].kind != "sft" and not self.base.get("policy", {}).get("path"):
             raise ValueError("the first stage is not sft: set base.policy.path to the checkpoint it starts from")
         return self
+
+    def start_path(self) -> str | None:
+        """The checkpoint the first stage starts from (`base.policy.path`; a fetched catalog model's name
+        resolved to its directory, as a RunConfig resolves it); None: the tiny policy."""
+        path = self.base.get("policy", {}).get("path")
+        return None if path is None else resolve_model_path(path)
 
     def teachers(self, stage: str) -> dict[str, float]:
         """A distill stage's teacher stages and their prompt shares."""

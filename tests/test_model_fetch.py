@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.cli import main
 from asyncrl.configs import ConfigError, load_config
 from asyncrl.configs.models import PROVENANCE_FILE
+from asyncrl.configs.pipeline import load_pipeline
 from asyncrl.policy.fetch import FetchError, fetch_model
 from asyncrl.policy.validate import check_policy_directory
 
@@ -91,6 +92,8 @@ def test_policy_path_names_a_fetched_catalog_model_and_explains_an_unfetched_one
     (models / "smollm2-135m").mkdir(parents=True)
     (models / "smollm2-135m" / PROVENANCE_FILE).write_text("{}")
     assert load_config("quickstart", ["policy.path=smollm2-135m"]).policy.path == str(models / "smollm2-135m")
+    # A pipeline starts (and evaluates its start row) from the directory too, not from the name.
+    assert load_pipeline("smollm2_pipeline").start_path() == str(models / "smollm2-135m")
 
 
 @pytest.mark.slow

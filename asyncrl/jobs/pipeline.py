@@ -114,7 +114,7 @@ class Pipeline:
 
     def run(self) -> dict:
         began = time.monotonic()
-        previous = self.pipeline.base.get("policy", {}).get("path")
+        previous = self.pipeline.start_path()
         if previous is not None and START_ROW not in self.state["matrix"]:
             self.evaluate(START_ROW, previous)
         for name, spec in self.pipeline.stages.items():
@@ -152,11 +152,11 @@ class Pipeline:
         give_back_memory()
         return result.checkpoint, {"accuracy": result.accuracy, "steps": result.steps, "stop_reason": result.stop_reason}
 
-    def run_rl(self, name: str, previous: str) -> tuple[Path, dict]:
+    def run_rl(self, name: str, previous: str | None) -> tuple[Path, dict]:
         tasks = {task: spec.model_dump() for task, spec in self.pipeline.stages[name].tasks.items()}
         return self._run(self.stage_config(name, {"policy": {"path": previous}, "tasks": {"mix": tasks}}), distilling=False)
 
-    def run_distill(self, name: str, previous: str) -> tuple[Path, dict]:
+    def run_distill(self, name: str, previous: str | None) -> tuple[Path, dict]:
         done = self.state["stages"]
         plan = distill_tasks(self.pipeline, name)
         sections = {
