@@ -44,16 +44,21 @@ class NativeScorer:
         *,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_rows: int = 64,
+        max_len: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        """`model`: a transformers causal LM in memory, or a directory `from_pretrained` can load."""
+        """`model`: a transformers causal LM in memory, or a directory `from_pretrained` can load.
+        `max_len`: the longest sequence it will score (None: the model's whole context). Its cache holds
+        `max_rows` sequences of that length: at SmolLM2's 8,192 positions, 64 rows are 24 GB, where the
+        512 positions a distillation's rollouts hold need 1.5% of that."""
         if isinstance(model, (str, Path)):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
         config = model.config
-        max_len, device = config.max_position_embeddings, torch.device(device)
+        max_len = min(config.max_position_embeddings, max_len or config.max_position_embeddings)
+        device = torch.device(device)
         native = build_model(config, model.state_dict(), max_len=max_len, dtype=dtype, device=device)
         self._attach(native, config.vocab_size, max_len, max_batch_tokens, max_rows, dtype, device)
 

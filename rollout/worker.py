@@ -280,14 +280,14 @@ class ScoringWorker:
     with no generation cache (a distillation teacher). Calls run one at a time: each is one batched
     forward already."""
 
-    def __init__(self, checkpoint: str, torch_threads: int, max_batch_tokens: int) -> None:
+    def __init__(self, checkpoint: str, torch_threads: int, max_batch_tokens: int, max_len: int | None = None) -> None:
         import torch
 
         from .scoring import NativeScorer
 
         torch.set_num_threads(torch_threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.scorer = NativeScorer(checkpoint, max_batch_tokens=max_batch_tokens, device=device)
+        self.scorer = NativeScorer(checkpoint, max_batch_tokens=max_batch_tokens, max_len=max_len, device=device)
 
     def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
         return self.scorer.score(sequences, temperature)

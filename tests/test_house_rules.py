@@ -32,7 +32,7 @@ REPO_FOLDERS = (*SOURCE_FOLDERS, "tests", "docs", "scripts", ".ci")
 LINE_BUDGETS = {
     "asyncrl": 1430,  # 1380
     "asyncrl/bench": 3420,  # 3314
-    "asyncrl/jobs": 2320,  # 2251: asyncrl eval and model fetch, the evaluation engine, sft.task scored as RL scores it (issue 35)
+    "asyncrl/jobs": 2400,  # 2364: eval, model fetch, the evaluation engine, sft.task, a pipeline stage per process (issue 35)
     "asyncrl/policy": 1290,  # 1249: the GGUF fetch and conversion (issue 35)
     "asyncrl/replay": 2630,  # 2544
     "configs": 1720,  # 1662: the model catalog, rollout.kv_cache_memory (issue 35)

@@ -68,3 +68,16 @@ def test_bad_input_is_a_request_error(qwen3_model, sequences, message):
 def test_bad_temperature_is_a_request_error(qwen3_model):
     with pytest.raises(RequestError, match="temperature"):
         NativeScorer(qwen3_model).score([[1, 2]], -1.0)
+
+
+def test_a_scorer_for_short_sequences_keeps_a_cache_of_their_length(qwen3_model):
+    # A distillation teacher scores the student's rollouts, at most rollout.max_model_len long; its cache is
+    # sized by that, not by the model's whole context (SmolLM2's 8,192 positions: 24 GB of cache a teacher).
+    whole, short = NativeScorer(qwen3_model), NativeScorer(qwen3_model, max_len=48)
+    assert whole.max_len == qwen3_model.config.max_position_embeddings > 48 == short.max_len
+    assert short.cache.max_len == 48 and whole.cache.max_len == whole.max_len
+    assert max(abs(a - b) for a, b in zip(short.score(SEQUENCES)[2], whole.score(SEQUENCES)[2], strict=True)) < 1e-5
+    with pytest.raises(RequestError, match="more than the model's 48"):
+        short.score([list(range(20, 70))])
+    # A length beyond the model's context is no reason to allocate more than the model can score.
+    assert NativeScorer(qwen3_model, max_len=10**6).max_len == whole.max_len

@@ -13,6 +13,9 @@ that was stopped part-way is resumed, not redone: an RL or distill stage through
 directory's last checkpoint (`asyncrl run --resume`), so it continues at that step; an SFT stage,
 which keeps no intermediate checkpoints, starts over. After each stage its checkpoint is evaluated on
 every column of the matrix (asyncrl/jobs/matrix.py), and the matrix is written and printed.
+
+Each stage and each matrix evaluation runs in a process of its own (asyncrl/jobs/fresh_process.py):
+what one leaves behind on a real model (gigabytes of freed-but-kept heap) is gone before the next starts.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from asyncrl.configs.pipeline import PipelineConfig, distill_tasks, dump_pipelin
 from asyncrl.configs.schema import RunConfig
 from asyncrl.sched.rundir import SUMMARY_FILE, RunDir
 
+from .fresh_process import in_fresh_process
 from .matrix import Column, evaluate_checkpoint, format_checks, format_matrix, matrix_checks, plot_matrix
 
 PIPELINE_FILE, STATE_FILE, MATRIX_FILE, MATRIX_PLOT = "pipeline.yaml", "state.json", "matrix.json", "matrix.png"
@@ -144,12 +148,11 @@ class Pipeline:
     # -- stages ---------------------------------------------------------------------------------
 
     def run_sft(self, name: str, previous: str | None) -> tuple[Path, dict]:
-        from .sft import give_back_memory, run_sft
+        from .sft import run_sft
 
         tasks = {task: spec.model_dump() for task, spec in self.pipeline.stages[name].tasks.items()}
         # No intermediate checkpoints: a stopped SFT starts over.
-        result = run_sft(self.stage_config(name, {"tasks": {"mix": tasks}} if tasks else {}))
-        give_back_memory()
+        result = in_fresh_process(run_sft, self.stage_config(name, {"tasks": {"mix": tasks}} if tasks else {}))
         return result.checkpoint, {"accuracy": result.accuracy, "steps": result.steps, "stop_reason": result.stop_reason}
 
     def run_rl(self, name: str, previous: str | None) -> tuple[Path, dict]:
@@ -181,7 +184,7 @@ class Pipeline:
                 # The pipeline file is the source of truth: overrides given with --resume reach the stage.
                 rundir.write_config(config)
                 self.say(f"   resuming {rundir.path} from its last checkpoint")
-            summary = distill(config, resume=resume) if distilling else run(config, resume=resume)
+            summary = in_fresh_process(distill if distilling else run, config, resume=resume)
         if summary.get("stop_reason") == "no_signal":
             raise StageLearnedNothing(
                 f"{rundir.path}: the stage stopped after loop.max_batches_without_step batches in a row without an optimizer step "
@@ -209,7 +212,8 @@ class Pipeline:
 
     def evaluate(self, row: str, checkpoint: str) -> None:
         began = time.monotonic()
-        self.state["matrix"][row] = evaluate_checkpoint(checkpoint, self.columns, self.columns[0].config.torch_threads)
+        threads = self.columns[0].config.torch_threads
+        self.state["matrix"][row] = in_fresh_process(evaluate_checkpoint, checkpoint, self.columns, threads)
         self.save()
         matrix = self.matrix()
         self.dir.write_json(MATRIX_FILE, matrix)

@@ -371,8 +371,10 @@ def _start_teachers(config: RunConfig) -> dict:
     options = dict(num_cpus=distill.cpus_per_teacher, num_gpus=distill.gpus_per_teacher, resources=config.cluster.teacher_resources)
     if config.cluster.teacher_labels:
         options["label_selector"] = dict(config.cluster.teacher_labels)
+    # The student's rollouts are what a teacher scores: no longer than the engines' context.
+    scoring = (distill.torch_threads, distill.max_batch_tokens, config.rollout.max_model_len)
     return {
-        name: RayScorer(ScoringWorkerActor.options(**options).remote(spec.checkpoint, distill.torch_threads, distill.max_batch_tokens))
+        name: RayScorer(ScoringWorkerActor.options(**options).remote(spec.checkpoint, *scoring))
         for name, spec in distill.teachers.items()
         if spec.checkpoint
     }
