@@ -121,6 +121,10 @@ class LoopConfig(Section):
     """An episode running longer ends with status timeout."""
     eval_every: int = Field(20, ge=1)
     """Held-out evaluation (eval.num_problems, greedy) every this many pushed policy versions."""
+    eval_every_s: float | None = Field(None, gt=0)
+    """Also evaluate once this many seconds of the run have passed since the last evaluation began, at the
+    next push (None: by versions only). Whichever of the two comes first; a cadence in wall time is what
+    `asyncrl bench learn` compares sides at."""
     wall_budget_s: float | None = Field(None, gt=0)
     """Stop the RL loop after this many seconds even if `steps` is not reached (None: no limit)."""
     max_batches_without_step: int = Field(1000, ge=0)

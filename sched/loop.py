@@ -59,6 +59,8 @@ class InFlight:
     """The version the engines serve."""
     evaluated: int
     """The version last evaluated."""
+    evaluated_at: float
+    """The run's time (`Books.elapsed`) when the last evaluation began."""
     accuracy: float | None
     """The last held-out accuracy."""
     groups: GroupBuffer = field(default_factory=GroupBuffer)
@@ -81,7 +83,7 @@ class Loop:
             retention=Retention.from_config(config.learner), keep_trajectories=config.store.keep_trajectories,
         )  # fmt: skip
         self.episodes = Episodes(parts.gateway, parts.http, config.loop.episode_timeout_s)
-        self.flight = InFlight(pushed=state.version, evaluated=state.version, accuracy=state.eval_before)
+        self.flight = InFlight(pushed=state.version, evaluated=state.version, evaluated_at=self.books.elapsed(), accuracy=state.eval_before)
         self.rng = random.Random(f"{config.seed}-{state.version}")
         self.t0, self.collected = time.monotonic(), 0
         self.recovery = Recovery(parts, self.books, self.episodes, self.flight, self.push)
@@ -220,13 +222,17 @@ class Loop:
             raise
         self.flight.pushed = version
         aside = self.p.evaluation
-        if (
-            aside is not None
-            and not self.flight.closing
-            and not aside.playing
-            and version - self.flight.evaluated >= self.config.loop.eval_every
-        ):
-            await aside.begin(weights, version, self.books.elapsed())
+        if aside is not None and not self.flight.closing and not aside.playing and self.evaluation_due():
+            self.flight.evaluated_at = self.books.elapsed()
+            await aside.begin(weights, version, self.flight.evaluated_at)
+
+    def evaluation_due(self) -> bool:
+        """A version served that was not evaluated, and `loop.eval_every` versions or `loop.eval_every_s`
+        seconds since the last evaluation."""
+        flight, every_s = self.flight, self.config.loop.eval_every_s
+        if flight.pushed - flight.evaluated >= self.config.loop.eval_every:
+            return True
+        return every_s is not None and flight.pushed > flight.evaluated and self.books.elapsed() - flight.evaluated_at >= every_s
 
     async def evaluate_first(self) -> None:
         """The held-out figure the run starts from (`state.eval_before`): now, on the serving engines; or with
@@ -234,7 +240,8 @@ class Loop:
         if self.p.evaluation is None:
             self.state.eval_before = await self.evaluate(force=True)
             return
-        await self.p.evaluation.begin(await self.p.learner.weights(), self.state.version, self.books.elapsed())
+        self.flight.evaluated_at = self.books.elapsed()
+        await self.p.evaluation.begin(await self.p.learner.weights(), self.state.version, self.flight.evaluated_at)
 
     async def evaluate(self, force: bool = False) -> float | None:
         """Book an evaluation played aside that has ended; with the shared engines, evaluate now when one is
@@ -246,14 +253,14 @@ class Loop:
                 return None  # evaluations on the own engine begin at the push that makes them due
             if flight.evaluated == flight.pushed and flight.accuracy is not None:
                 return flight.accuracy
-        elif not force and flight.pushed - flight.evaluated < self.config.loop.eval_every:
+        elif not force and not self.evaluation_due():
             return None
         if not await self.recovery.serving(wait=force):  # the only engine is being replaced: later, or wait if forced
             return None
-        began = time.monotonic()
+        began, flight.evaluated_at = time.monotonic(), self.books.elapsed()
         scores = await heldout_scores(self.config, self.p.tasks, self.p.gateway, self.p.http)
         wall_s = time.monotonic() - began
-        accuracy = record_evaluation(self.p, scores, flight.pushed, self.books.elapsed(), wall_s, held_training=not force)
+        accuracy = record_evaluation(self.p, scores, flight.pushed, flight.evaluated_at, wall_s, held_training=not force)
         flight.accuracy, flight.evaluated = accuracy, flight.pushed
         return flight.accuracy
 

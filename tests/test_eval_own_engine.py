@@ -88,3 +88,17 @@ def test_a_failing_evaluation_engine_falls_back_to_the_shared_engines(tmp_path, 
     assert {r["eval_engine"] for r in _evaluations(result["records"])} == {"shared"}
     assert result["eval_after"] is not None
     assert sum(result["state"].ledger.values()) == started(result["counts"])
+
+
+def test_eval_every_s_makes_an_evaluation_due_by_the_runs_time_too(tmp_path):
+    # By versions alone (eval_every 1000) only the first and the last weights are evaluated; with a cadence of a
+    # microsecond every new version the loop serves is due, whatever the machine's speed.
+    by_versions = run_config(tmp_path, "name=v", "loop.steps=4", "loop.eval_every=1000")
+    by_time = run_config(tmp_path, "name=t", "loop.steps=4", "loop.eval_every=1000", "loop.eval_every_s=1e-6")
+    versions = {
+        name: [r["step"] for r in _evaluations(asyncio.run(run_in_process(config, CoinEnv()))["records"])]
+        for name, config in (("versions", by_versions), ("time", by_time))
+    }
+    assert versions["versions"] == [0, 4]
+    assert versions["time"][0] == 0 and versions["time"][-1] == 4 and len(versions["time"]) > 2
+    assert versions["time"] == sorted(set(versions["time"]))  # each a version not evaluated before

@@ -14,8 +14,8 @@ whatever the machine's speed (the test's sides end so):
   Measured twice and pooled because one 30 s measurement moved by ±5% between runs, as much as
   the fraction's distance to its target.
 - async, sync: `asyncrl run` itself (Ray actors, the TITO gateway, the store), `loop.mode` async or
-  sync, evaluating every `loop.eval_every` versions. Its curve, samples and the CPU of each process
-  over the RL phase come from the run's own records (metrics.jsonl, summary.json `usage`).
+  sync, evaluating every `loop.eval_every` versions or `loop.eval_every_s` seconds. Its curve, samples
+  and the CPU of each process over the RL phase come from the run's own records (metrics.jsonl, summary.json `usage`).
 - plain: the floor, a synchronous GRPO loop of the project's own engine and learner in one process,
   with no Ray, gateway or store (asyncrl/bench/learn_plain.py): what the system costs on top of it.
 - trl: TRL's GRPOTrainer in this one process (asyncrl/bench/learn_trl.py), evaluating every
@@ -23,8 +23,8 @@ whatever the machine's speed (the test's sides end so):
   (`pip install -e ".[bench]"`).
 
 Wall time is each side's own clock from the end of its first evaluation (training starts there) and
-includes its later evaluations. asyncrl's budget is `loop.wall_budget_s`, which also covers that
-first evaluation (about a second here), so its sides train for slightly less than the budget.
+includes its later evaluations, each timed when the weights it scored were the newest. asyncrl's budget
+is `loop.wall_budget_s`, which also covers that first evaluation, so its sides train for slightly less.
 
 Reported per side: the curve (seconds, samples trained, held-out accuracy), samples trained per
 second, the first time at +10 and +20 points over the start, and the CPU time by process; then
@@ -71,7 +71,8 @@ class LearnBenchOptions(Section):
     sides: list[Side] = Field(["async", "sync", "plain", "trl"], min_length=1)
     """Sides to run, in this order."""
     trl_eval_every_s: float = Field(20.0, gt=0)
-    """TRL's held-out evaluation cadence, in seconds of its wall (asyncrl's is loop.eval_every versions)."""
+    """TRL's held-out evaluation cadence, in seconds of its wall. The comparison reads asyncrl at TRL's
+    evaluation times from the last weights it evaluated by then (a shorter loop.eval_every_s keeps it fresh)."""
     engine_alone_s: float = Field(30.0, ge=0)
     """Seconds of each measurement of the engine alone at loop.max_inflight requests (the pipeline limit),
     first and again after the last side; 0 skips both."""
@@ -130,8 +131,9 @@ def _asyncrl_side(config: RunConfig) -> dict:
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in records if r.get("eval_accuracy") is not None]
     steps = [r for r in records if "step_s" in r]
-    start = evals[0]["elapsed_s"]
-    curve = [(0.0, 0, evals[0]["eval_accuracy"])]
+    first = evals[0]  # training starts when it ends, or with it on an engine of its own
+    start = first["elapsed_s"] + (first["eval_wall_s"] if first.get("eval_engine") == "shared" else 0.0)
+    curve = [(0.0, 0, first["eval_accuracy"])]
     for record in evals[1:]:
         trained = sum(s["ledger"]["trained"] for s in steps if s["elapsed_s"] <= record["elapsed_s"])
         curve.append((round(record["elapsed_s"] - start, 1), trained, record["eval_accuracy"]))

@@ -102,9 +102,10 @@ class _Clock:
         done = elapsed >= self.budget_s or self.steps >= self.max_steps  # the clock read once: the last step always closes the curve
         if done or elapsed - self.last_eval >= self.eval_every_s:
             accuracy = self.evaluate()
-            self.curve.append((round(self.elapsed(), 1), self.steps * self.samples_per_step, accuracy))
+            # Timed when these weights were the newest, as asyncrl's evaluations are; the cadence counts from its end.
+            self.curve.append((round(elapsed, 1), self.steps * self.samples_per_step, accuracy))
             self.last_eval = self.elapsed()
-            print(f"trl  step {self.steps:4d}  {self.last_eval:6.0f}s  held-out {accuracy:.1%}", flush=True)
+            print(f"trl  step {self.steps:4d}  {elapsed:6.0f}s  held-out {accuracy:.1%}", flush=True)
         if done:
             control.should_training_stop = True
         return control

@@ -238,14 +238,16 @@ async def _start_evaluation(
     stack: AsyncExitStack, config: RunConfig, tasks: TaskMix, workers: RayWorkers, tokenizer, ray_actors: _RayActors, display: Display
 ) -> OwnEngineEvaluation | None:
     """`eval.engine: own`: the evaluation engine, built, behind its own gateway; says where evaluations play."""
+    every = f"held-out evaluation every {config.loop.eval_every} versions"
+    if config.loop.eval_every_s is not None:
+        every += f" or {config.loop.eval_every_s:g} s"
     if config.eval.engine == "shared":
-        display.say(f"held-out evaluation every {config.loop.eval_every} versions: between pushes on the serving engines, "
-                    "training waits meanwhile (eval.engine=shared)")  # fmt: skip
+        display.say(f"{every}: between pushes on the serving engines, training waits meanwhile (eval.engine=shared)")
         return None
     engine = RayEvaluationEngine(workers.launcher, f"{config.name}-eval")
     ray_actors.evaluation.append(engine.actor)
     await remote(engine.actor.version)  # built (its first call waits for its constructor)
-    display.say(f"held-out evaluation every {config.loop.eval_every} versions: on an engine of its own, beside training (eval.engine=own)")
+    display.say(f"{every}: on an engine of its own, beside training (eval.engine=own)")
     return await stack.enter_async_context(OwnEngineEvaluation(config, tasks, engine, tokenizer))
 
 
