@@ -274,6 +274,13 @@ class Sample:
     routes: list[list[list[int]] | None] | None = None
     """MoE routing replay: per token, the experts chosen per MoE layer when it was sampled (None where the
     mask is 0), aligned with token_ids; None for the whole sample when no turn recorded routes."""
+    top_ks: list[int] | None = None
+    """top-k each sampled token was drawn under (0: none), from its turn, aligned with token_ids (0 where the mask
+    is 0 and on greedy tokens); None for the whole sample when no turn truncated."""
+    top_ps: list[float] | None = None
+    """top-p each sampled token was drawn under (1.0: none), as `top_ks`."""
+    truncated: bool = False
+    """Its last turn ended at the token limit (finish reason `length`): `learner.overlong.filter` trains none of it."""
 
     @property
     def oldest_version(self) -> int | None:
@@ -302,6 +309,8 @@ class Account(str, Enum):
     DROPPED_STALE = "dropped_stale"
     DROPPED_CRASH = "dropped_crash"
     DROPPED_GROUP = "dropped_group"
+    DROPPED_OVERLONG = "dropped_overlong"
+    DROPPED_NO_SIGNAL = "dropped_no_signal"
     ABORTED = "aborted"
 
 

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample, Trajectory
+from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample, Trajectory, Turn
+
+
+def _truncation(turn: Turn) -> tuple[int, float]:
+    """(top_k, top_p) the turn's tokens were drawn under; (0, 1.0), none, for greedy turns (the engines report
+    their raw log-probs) and turns that recorded no options."""
+    if not turn.temperature:
+        return 0, 1.0
+    return turn.top_k or 0, turn.top_p if turn.top_p is not None else 1.0
 
 
 def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
@@ -32,6 +40,7 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
     # Stores written before turns carried their temperature give samples without one (the learner's default).
     recorded = any(turn.temperature is not None for turn in trajectory.turns)
     routed = any(turn.routes is not None for turn in trajectory.turns)
+    truncating = any(_truncation(turn) != (0, 1.0) for turn in trajectory.turns)
     for turn in trajectory.turns:
         prompt = turn.prompt_token_ids
         sample = _longest_extended(samples, prompt)
@@ -41,6 +50,7 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
                 reward=trajectory.reward, group_id=trajectory.group_id, rollout_id=trajectory.rollout_id,
                 status=trajectory.status, task=trajectory.task, branch=len(samples), temperatures=[] if recorded else None,
                 token_turns=[], routes=[] if routed else None,
+                top_ks=[] if truncating else None, top_ps=[] if truncating else None,
             )  # fmt: skip
             samples.append(sample)
         unsampled = len(prompt) - len(sample.token_ids)
@@ -51,6 +61,10 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
         sample.versions += [UNSAMPLED_VERSION] * unsampled + turn.versions
         if sample.temperatures is not None:
             sample.temperatures += [None] * unsampled + [turn.temperature] * sampled
+        if sample.top_ks is not None and sample.top_ps is not None:
+            top_k, top_p = _truncation(turn)
+            sample.top_ks += [0] * unsampled + [top_k] * sampled
+            sample.top_ps += [1.0] * unsampled + [top_p] * sampled
         assert sample.token_turns is not None
         sample.token_turns += [turn.index] * (unsampled + sampled)
         if sample.routes is not None:
@@ -58,6 +72,7 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
             routes += turn.routes if turn.routes is not None else [None] * sampled
             sample.routes += routes
         sample.turn_indices.append(turn.index)
+        sample.truncated = turn.finish_reason == "length"
     return samples
 
 

@@ -100,7 +100,8 @@ class PolicyConfig(Section):
     (`asyncrl/policy/validate.py`): a causal LM, with weights, a tokenizer no larger than its vocabulary
     and a chat template."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """The policy's dtype in the learner and the embedded engines; auto: the checkpoint's own (config.json's)."""
+    """The policy's dtype in the embedded engines (the learner keeps float32 weights: `learner.precision`);
+    auto: the checkpoint's own (config.json's)."""
     chat_template: str | None = None
     """A Jinja chat template file for a tokenizer that has none (or to replace its own)."""
     tiny: TinyModelConfig = TinyModelConfig()

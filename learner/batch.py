@@ -16,7 +16,7 @@ Rows that begin with the same tokens (the samples of one GRPO group) can share t
 
 A sample may carry `teacher_logprobs` (aligned with its tokens, as `distill.ScoredSample` does):
 it is a distillation sample, whose advantage is per token and is computed in the learner's step
-from those log-probs (`distill_advantages` in `learner/objectives.py`) instead of from its reward.
+from those log-probs (`distill_advantages` in `learner/objectives/`) instead of from its reward.
 """
 
 from __future__ import annotations
@@ -53,6 +53,12 @@ class Row:
     """The trajectory turn of each token (`Sample.token_turns`); None when not on record."""
     routes: list | None = None
     """MoE routing replay: `Sample.routes` (per token, per MoE layer, expert ids; None where not sampled)."""
+    top_k: list[int] | None = None
+    """top-k each token was sampled under (0: none); None: no token of the row was truncated."""
+    top_p: list[float] | None = None
+    """top-p each token was sampled under (1.0: none); None as `top_k`."""
+    index: int = -1
+    """Where the row came from, for a caller that maps micro-batch results back to rows (-1: not set)."""
 
 
 @dataclass
@@ -77,11 +83,24 @@ class MicroBatch:
     """[B, T] long: trajectory turn index of each token; -1 on padding and where none is on record."""
     tasks: list[str]
     """The task of each row."""
+    indices: list[int] = dataclasses.field(default_factory=list)
+    """Each row's `Row.index` (micro-batches lay rows out by length, not in the order given)."""
     routes: torch.Tensor | None = None
     """[B, T, MoE layers, top_k] the experts position p replays (`learner/routing_replay.py`; -1: routes
     itself); None when no row has routes."""
     prefix: PrefixSplit | None = None
     """The rows as shared prefixes and suffixes, to score in two passes; None: one pass over whole rows."""
+    top_k: torch.Tensor | None = None
+    """[B, T] long top-k each token was sampled under (0: none); None when no row was truncated."""
+    top_p: torch.Tensor | None = None
+    """[B, T] top-p each token was sampled under (1.0: none); None as `top_k`."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, T-1] pi_old's log-prob of token j+1 at trained positions (`learner/updates.py`); None: not scored."""
+
+    @property
+    def truncation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([B, T] top-k, [B, T] top-p) the tokens were sampled under, or None when none was truncated."""
+        return None if self.top_k is None or self.top_p is None else (self.top_k, self.top_p)
 
     def to(self, device: torch.device) -> MicroBatch:
         moved: dict[str, Any] = {
@@ -106,12 +125,14 @@ def to_rows(samples: Sequence[Sample], advantages: Sequence[float], temperature:
         teacher = getattr(sample, "teacher_logprobs", None)
         if teacher is not None and len(teacher) != n:
             raise ValueError(f"rollout {sample.rollout_id!r}: teacher_logprobs and token_ids lengths differ")
+        if any(values is not None and len(values) != n for values in (sample.top_ks, sample.top_ps)):
+            raise ValueError(f"rollout {sample.rollout_id!r}: top_ks / top_ps and token_ids lengths differ")
         if sample.token_turns is not None and len(sample.token_turns) != n:
             raise ValueError(f"rollout {sample.rollout_id!r}: token_turns and token_ids lengths differ")
         temperatures = sample.scoring_temperatures(temperature)
         rows.append(Row(
             sample.token_ids, sample.loss_mask, sample.logprobs, float(advantage), temperatures, teacher,
-            task=sample.task, turns=sample.token_turns, routes=sample.routes,
+            task=sample.task, turns=sample.token_turns, routes=sample.routes, top_k=sample.top_ks, top_p=sample.top_ps,
         ))  # fmt: skip
     return rows
 
@@ -173,12 +194,15 @@ def _collate(rows: list[Row], pad_token_id: int) -> MicroBatch:
     teacher = padded([row.teacher_logprobs or () for row in rows], width, 0.0, torch.float32)
     temperatures = padded([row.temperatures for row in rows], width, 1.0, torch.float32)  # not 0: logits / 0 is NaN
     turns = padded([row.turns or () for row in rows], width, -1, torch.long)
+    truncating = any(row.top_k is not None for row in rows)
+    top_k = padded([row.top_k or () for row in rows], width, 0, torch.long) if truncating else None
+    top_p = padded([row.top_p or () for row in rows], width, 1.0, torch.float32) if truncating else None
     return MicroBatch(
         input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"], loss_mask=tensors["loss_mask"],
         rollout_logprobs=logprobs, advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         teacher_logprobs=teacher, distill=torch.tensor([r.teacher_logprobs is not None for r in rows]),
-        temperatures=temperatures, turns=turns, tasks=[r.task for r in rows],
-        routes=routes_tensor([r.routes for r in rows], tensors["input_ids"].shape[1]),
+        temperatures=temperatures, turns=turns, tasks=[r.task for r in rows], indices=[r.index for r in rows],
+        routes=routes_tensor([r.routes for r in rows], tensors["input_ids"].shape[1]), top_k=top_k, top_p=top_p,
     )  # fmt: skip
 
 

@@ -19,6 +19,21 @@ Which parameter goes where (`partition`):
 
 Type adamw is exactly `torch.optim.AdamW(params, lr, weight_decay)`, as before this module existed.
 
+Weight decay pulls a weight toward 0, a prior that suits matrices but not every parameter: a norm's gain
+decayed toward 0 scales its layer's output down, a bias has no scale to regularize, and decay shrinks
+every embedding row every step while only the rows of the batch's tokens get a gradient (RL batches
+see a sliver of the vocabulary), so rare tokens' rows shrink unopposed. `no_decay` (the RL learner's
+`learner.no_decay`) names the kinds that take none:
+
+    norms       the 1-D parameters (but a bias) of a normalization module, by type: any whose class name
+                has "Norm" in it (LlamaRMSNorm, nn.LayerNorm, the MTP layer's enorm / hnorm)
+    biases      parameters named `bias` / `*.bias`
+    embeddings  the input embedding's weight, and the LM head when it is tied to it (the same tensor)
+
+AdamW's parameters (every one under adamw; the AdamW group under muon / muon_split) are split into a
+group with the section's weight decay and one with weight_decay 0, in `params`' order; Muon's matrices
+keep their decay. No `no_decay` (SFT) builds the optimizer exactly as before: one AdamW group.
+
 torch's Muon runs Newton-Schulz in bfloat16, which a CPU without bfloat16 units emulates: on the 2-core
 benchmark machine a Muon SFT step of the tiny GLM-5 shape took twice AdamW's. `optimizer.ns_dtype` auto
 runs the same iterations in float32 on a CPU (`newton_schulz`) and keeps torch's update on GPUs.
@@ -400,12 +415,57 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.param_groups = [g for o in self.optimizers.values() for g in o.param_groups]
 
 
+def check_param_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any], where: object) -> None:
+    """Refuse, naming the setting, an optimizer state saved with other parameter groups than `optimizer` has:
+    states saved before `no_decay` existed have one AdamW group where the default now makes two."""
+    inner = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else {"": optimizer}
+    states = saved if isinstance(optimizer, CombinedOptimizer) else {"": saved}
+    for name, part in inner.items():
+        have, found = len(part.param_groups), len(states.get(name, {}).get("param_groups", ()))
+        if name in states and have != found:
+            raise ValueError(
+                f"{where}: its optimizer state has {found} parameter group(s) where this learner's has {have}; "
+                "a state saved before learner.no_decay existed resumes with `learner.no_decay: []`"
+            )
+
+
 def resolve_ns_dtype(config: OptimizerConfig, params: Sequence[nn.Parameter]) -> torch.dtype:
     """`config.ns_dtype` resolved: auto is float32 where the parameters live on a CPU, else bfloat16."""
     if config.ns_dtype == "auto":
         on_cpu = all(p.device.type == "cpu" for p in params)
         return torch.float32 if on_cpu else torch.bfloat16
     return getattr(torch, config.ns_dtype)
+
+
+NO_DECAY_KINDS = ("norms", "biases", "embeddings")
+"""What `no_decay` may name (see the module docstring)."""
+
+
+def exempt_from_decay(model: PreTrainedModel, no_decay: Sequence[str], extra: Sequence[nn.Module] = ()) -> set[int]:
+    """ids of the parameters of `model` and the `extra` modules that `no_decay` exempts from weight decay."""
+    if unknown := sorted(set(no_decay) - set(NO_DECAY_KINDS)):
+        raise ValueError(f"no_decay: unknown {unknown}, expected some of {list(NO_DECAY_KINDS)}")
+    exempt: set[int] = set()
+    if "embeddings" in no_decay and (embedding := model.get_input_embeddings()) is not None:
+        exempt.add(id(embedding.weight))  # a tied LM head is this very tensor
+    for module in (model, *extra):
+        for name, param in module.named_parameters():
+            if "biases" in no_decay and (name == "bias" or name.endswith(".bias")):
+                exempt.add(id(param))
+        if "norms" not in no_decay:
+            continue
+        for sub in module.modules():
+            if "Norm" in type(sub).__name__:
+                exempt.update(id(p) for name, p in sub.named_parameters(recurse=False) if p.ndim == 1 and name != "bias")
+    return exempt
+
+
+def decay_groups(params: Sequence[nn.Parameter], exempt: set[int]) -> list[dict[str, Any]]:
+    """AdamW param groups of `params` (their order kept): those that decay, then those in `exempt` with
+    weight_decay 0; an empty group is left out."""
+    decayed = [p for p in params if id(p) not in exempt]
+    kept = [p for p in params if id(p) in exempt]
+    return [*([{"params": decayed}] if decayed else []), *([{"params": kept, "weight_decay": 0.0}] if kept else [])]
 
 
 def build_optimizer(
@@ -416,10 +476,15 @@ def build_optimizer(
     lr: float,
     weight_decay: float,
     extra: Sequence[nn.Module] = (),
+    no_decay: Sequence[str] = (),
 ) -> torch.optim.Optimizer:
-    """The optimizer `config.type` names over `params` (of `model` and the `extra` modules, see `partition`)."""
+    """The optimizer `config.type` names over `params` (of `model` and the `extra` modules, see `partition`),
+    AdamW's parameters that `no_decay` names without weight decay (the module docstring)."""
+    exempt = exempt_from_decay(model, no_decay, extra) if no_decay else set()
     if config.type == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        if not no_decay:
+            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(decay_groups(params, exempt), lr=lr, weight_decay=weight_decay)
     plan = partition(model, params, split_heads=config.type == "muon_split", extra=extra)
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if plan.muon:
@@ -429,5 +494,7 @@ def build_optimizer(
             ns_steps=config.ns_steps, adjust_lr_fn=config.adjust_lr_fn, ns_dtype=resolve_ns_dtype(config, params),
         )  # fmt: skip
     if plan.adamw:
-        optimizers["adamw"] = torch.optim.AdamW([p for _, p in plan.adamw], lr=config.adamw_lr or lr, weight_decay=weight_decay)
+        adamw = [p for _, p in plan.adamw]
+        groups = decay_groups(adamw, exempt) if no_decay else adamw
+        optimizers["adamw"] = torch.optim.AdamW(groups, lr=config.adamw_lr or lr, weight_decay=weight_decay)
     return CombinedOptimizer(optimizers)

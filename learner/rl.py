@@ -1,11 +1,15 @@
-"""The RL learner: one optimizer step per call on the samples of complete GRPO groups (docs/LEARNER.md, "The rules").
+"""The RL learner: one learner step per call on the samples of complete GRPO groups (docs/LEARNER.md, "The rules";
+every objective and rule: docs/ALGORITHMS.md).
 
 A step is a few named verbs:
 
     select      -> drop aborted, crashed and stale rollouts; fill or drop GRPO groups (`selection`)
-    advantages  -> group-relative advantages over the filled groups, padding repeats included
+    advantages  -> group-relative advantages over the filled groups, padding repeats included (`shaping`)
     accumulate  -> teacher-forced log-probs of every sampled token, the objective, backward
-    step        -> gradient clip, the optimizer (`learner.optimizer`: AdamW, Muon, Muon Split); the policy version goes up by one
+    step        -> gradient clip, the optimizer (`learner.optimizer`: AdamW, Muon, Muon Split) and its schedule
+
+accumulate and step repeat once per update (`updates`: `learner.mini_batches` x `learner.epochs`, one by
+default); the policy version goes up by one per learner step that stepped.
 
 Groups whose rewards are all equal have zero advantage, so their samples give exactly zero
 gradient: they are counted as trained but never run through the model. The loss is divided by the
@@ -18,13 +22,13 @@ at (recorded on the turn, carried per token by the sample, `batch.Row.temperatur
 ratio would be off by the temperature and the masks would drop good tokens. Greedy tokens (T = 0)
 are reported as raw log-probs, so T = 0 means 1 here; tokens with no temperature on record (old
 stores, hand-built samples) take the run's (`sampling_temperature`; `from_config` takes
-`rollout.sampling.temperature`). top-k / top-p renormalise over a truncated distribution the learner
-does not reproduce; such runs get a warning and ratios below 1 on every truncated step.
+`rollout.sampling.temperature`). A turn sampled under top-k / top-p is scored under them too, renormalised
+over what the engine's sampler keeps (`truncated_support`, asyncrl/policy/token_logprobs.py).
 
 Distillation samples (cross-stage distillation, `distill/`) go through the same step: selection
 (group size 1), the same objective, masks and staleness rule. They carry the teacher's log-prob of
 every token, and their advantage is per token, stop-grad(log pi_teacher - log pi_theta) with
-log pi_theta this step's own detached log-prob (`distill_advantages` in `learner/objectives.py` says why), computed after the
+log pi_theta this step's own detached log-prob (`distill_advantages` in `learner/objectives/` says why), computed after the
 forward; they are never skipped as zero-advantage.
 
 Consistency (`learner/consistency.py`): every step reports the gap between its log-probs and the
@@ -41,55 +45,45 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
+from asyncrl.configs.objectives import uses_old_policy
 from asyncrl.configs.schema import LearnerConfig, RunConfig
-from asyncrl.policy.checkpoint import build_policy, load_policy, save_policy
+from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import MTPLayer, check_plain_head
 from asyncrl.policy.routing import use_shared_selection
 from asyncrl.records import Account, Batch, StepResult, due_after_step
 
-from .batch import MicroBatch, Row, micro_batches, staleness_histogram, to_rows
+from .batch import MicroBatch, staleness_histogram, to_rows
 from .consistency import ConsistencyStats, warn_gaps
-from .distributed import all_reduce_gradients, broadcast_parameters, gather_objects, shard_rows
-from .objectives import ObjectiveOutput, distill_advantages, double_sided_is_loss, group_advantages, icepop_grpo_loss
+from .distributed import all_reduce_gradients, broadcast_parameters, gather_objects
+from .objectives import Objective, ObjectiveOutput, build_objective, distill_advantages, token_weights
 from .optim import build_optimizer
 from .prefix import sharing_refusal
+from .reference import Reference, kl_estimate, reward_penalties
+from .resume import load_learner, save_learner
+from .schedule import build_scheduler
 from .selection import Selection, select
+from .shaping import step_rows
 from .sharding import (
     MTPTargets,
     Scorer,
+    autocast_dtype,
     empty_pass,
     full_model_state,
-    full_optimizer_state,
-    load_full_model_state,
-    load_optimizer_state,
     local_bytes,
     matched_passes,
     shard,
     total_norm,
     uses_fsdp,
 )
-
-STATE_FILE = "learner_state.pt"
-"""Optimizer state and policy version, saved beside the HF checkpoint."""
-
-
-Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ObjectiveOutput]
-
-
-def make_objective(config: LearnerConfig) -> Objective:
-    """(logp, logp_rollout, advantages, loss_mask) -> ObjectiveOutput, as the config selects."""
-    if config.objective == "icepop_grpo":
-        return partial(icepop_grpo_loss, eps_low=config.eps_low, eps_high=config.eps_high, beta=config.icepop_beta)
-    return partial(double_sided_is_loss, eps_low=config.eps_low, eps_high=config.eps_high)
+from .updates import Update, computes, plan_updates, score_old
 
 
 def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
@@ -124,6 +118,23 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         layer.training = True  # this flag alone, not .train(): the submodules stay in eval mode
 
 
+def freeze_indexers(model: PreTrainedModel, mtp: MTPLayer | None) -> None:
+    """`learner.freeze_indexer`: the DSA indexers take no gradient, the MTP block's (it runs one of its own) too."""
+    for name, param in [*model.named_parameters(), *(mtp.named_parameters() if mtp is not None else ())]:
+        if ".indexer." in name:
+            param.requires_grad_(False)
+
+
+def trained_parameters(model: PreTrainedModel, mtp: MTPLayer | None) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps: the policy's trainable ones, and the trained MTP layer's, those it shares
+    with the policy (embedding, head) listed once."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if mtp is not None:
+        seen = {id(p) for p in params}
+        params += [p for p in mtp.parameters() if p.requires_grad and id(p) not in seen]
+    return params
+
+
 def learner_device(run: RunConfig) -> torch.device:
     """`learner.device` resolved in this process, refusing a CUDA learner without a GPU and a dtype its GPU
     cannot run (checked before the policy loads)."""
@@ -136,23 +147,6 @@ def learner_device(run: RunConfig) -> torch.device:
     return device
 
 
-def advantages_for(selection: Selection, normalize_std: bool) -> list[float]:
-    """Group-relative advantages of the selected batch; exactly 0 for every all-equal group.
-
-    The exact zero matters: a float mean of equal rewards can differ from them in the last bit,
-    and only an exact zero lets those samples be skipped without changing the step.
-    """
-    if not selection.batch:
-        return []
-    rewards = torch.tensor([s.reward for s in selection.batch], dtype=torch.float64)
-    index = torch.tensor(selection.group_of)
-    advantages = group_advantages(rewards, index, normalize_std=normalize_std).tolist()
-    spread: dict[int, set[float]] = {}
-    for group, reward in zip(selection.group_of, rewards.tolist(), strict=True):
-        spread.setdefault(group, set()).add(reward)
-    return [0.0 if len(spread[g]) == 1 else a for g, a in zip(selection.group_of, advantages, strict=True)]
-
-
 @dataclass
 class _StepStats:
     """Sums over the computed micro-batches of one step; the ratio and log-prob gap figures come from
@@ -160,6 +154,10 @@ class _StepStats:
 
     loss: float = 0.0
     mtp_loss: float = 0.0
+    entropy_sum: float = 0.0
+    """Sum of the policy's entropy over the trained tokens of the computed rows."""
+    kl_sum: float = 0.0
+    """Sum of the KL estimate over the trained tokens of the computed rows (`learner.kl` as a loss term)."""
     tokens: int = 0
     prefix_skipped_tokens: int = 0
     micro_batches: int = 0
@@ -191,6 +189,8 @@ class _StepStats:
         """Add another share's sums for the same step (learner/distributed.py)."""
         self.loss += other.loss
         self.mtp_loss += other.mtp_loss
+        self.kl_sum += other.kl_sum
+        self.entropy_sum += other.entropy_sum
         self.tokens += other.tokens
         self.prefix_skipped_tokens += other.prefix_skipped_tokens
         self.micro_batches += other.micro_batches
@@ -207,6 +207,7 @@ class _StepStats:
             "ratio_min": float(ratios.min()) if n else None,
             "ratio_max": float(ratios.max()) if n else None,
             "abs_logp_diff": consistency["logprob_gap_mean"],
+            "entropy": self.entropy_sum / n if n else None,
             "computed_tokens": self.tokens,
             "prefix_skipped_tokens": self.prefix_skipped_tokens,
             "computed_trainable_tokens": n,
@@ -241,13 +242,11 @@ class RLLearner:
         self.mtp_depth_weights = list(mtp_depth_weights)
         """lambda_k of the MTP loss for depths 1..len (policy.mtp.train_depth)."""
         self.version = version
-        """Policy version of the current weights: +1 per optimizer step."""
-        self.objective = make_objective(config)
+        """Policy version of the current weights: +1 per learner step that took an optimizer step (one batch,
+        however many updates `learner.mini_batches` and `learner.epochs` make of it)."""
+        self.objective: Objective = build_objective(config.objective)
         if config.freeze_indexer:
-            # The MTP block runs a DSA indexer of its own: frozen with the policy's.
-            for name, param in [*model.named_parameters(), *(mtp.named_parameters() if mtp is not None else ())]:
-                if ".indexer." in name:
-                    param.requires_grad_(False)
+            freeze_indexers(model, mtp)
         check_plain_head(model)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(model)
@@ -258,7 +257,10 @@ class RLLearner:
         """This process's place in a data-parallel learner (learner/distributed.py); (0, 1) alone."""
         if self.world > 1:  # before FSDP (if any) cuts the parameters into shards
             broadcast_parameters([*model.parameters(), *(mtp.parameters() if mtp is not None else ())])
-        self.scorer = Scorer(model, self.mtp, config.logits_chunk_tokens)
+        # learner.precision: float32 weights and optimizer state always; bf16-mixed computes under autocast.
+        for module in [model, *([mtp] if mtp is not None else [])]:
+            module.to(dtype=torch.float32)
+        self.scorer = Scorer(model, self.mtp, config.logits_chunk_tokens, autocast_dtype(config.precision, self.device))
         self.fsdp = fsdp and self.world > 1
         """Sharded over the ranks (learner/sharding.py) rather than replicated on each."""
         if self.fsdp:
@@ -268,15 +270,15 @@ class RLLearner:
         self._gathered: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         """(version, the policy's whole weights, the MTP layer's) on the CPU, of the last `gather_weights` (rank 0
         of a sharded learner)."""
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if (trained_mtp := self._trained_mtp) is not None:
-            # The MTP layer shares the policy's embedding and head; list those only once.
-            seen = {id(p) for p in self.params}
-            self.params += [p for p in trained_mtp.parameters() if p.requires_grad and id(p) not in seen]
+        self.params = trained_parameters(model, self._trained_mtp)
         self.optimizer = build_optimizer(
             config.optimizer, model, self.params, lr=config.lr, weight_decay=config.weight_decay,
-            extra=[trained_mtp] if trained_mtp is not None else [],
+            extra=[self._trained_mtp] if self._trained_mtp is not None else [], no_decay=config.no_decay,
         )  # fmt: skip
+        self.scheduler = build_scheduler(self.optimizer, config.schedule)
+        """`learner.schedule`: one step per optimizer update; saved and resumed with the optimizer."""
+        self.reference = Reference.for_learner(config, model, sharded=self.fsdp, autocast=self.scorer.autocast)
+        """`learner.kl`'s reference: the policy as this learner was built with it (the run's start)."""
 
     def _shares_prefixes(self) -> bool:
         config = self.config
@@ -292,17 +294,11 @@ class RLLearner:
         """The policy of `run.policy` (a checkpoint, or the tiny policy) at the run's sampling temperature,
         sharded over the ranks where `learner.sharding` says so."""
         sampling = run.rollout.sampling
-        if sampling.top_p < 1.0 or sampling.top_k > 0:
-            warnings.warn(
-                "rollouts sample with top-k/top-p: their log-probs are of a truncated distribution the learner "
-                "does not reproduce, so importance ratios are biased below 1",
-                stacklevel=2,
-            )
         device = learner_device(run)
+        autocast_dtype(run.learner.precision, device)  # refused before the policy loads, not after
         model, tokenizer, mtp = build_policy(run.policy, run.seed)
-        modules: list[torch.nn.Module] = [model, *([mtp] if mtp is not None else [])]
-        for module in modules:
-            module.to(device)  # in place
+        for module in [model, *([mtp] if mtp is not None else [])]:
+            module.to(device=device, dtype=torch.float32)  # in place; float32 master weights (learner.precision)
         return cls(
             run.learner, model, tokenizer, mtp,
             sampling_temperature=sampling.temperature, mtp_depth_weights=run.policy.mtp.weights_per_depth(),
@@ -325,18 +321,16 @@ class RLLearner:
             batch.groups, current_version=current, max_staleness=self.config.max_staleness,
             group_size=self.config.group_size, crash_statuses=self.config.crash_statuses,
         )  # fmt: skip
-        advantages = advantages_for(selection, self.config.normalize_adv_std)
-        rows = to_rows(selection.batch, advantages, self.temperature)
-        computed = [row for row in rows if row.advantage != 0.0 or row.teacher_logprobs is not None]
-        trainable = sum(sum(row.loss_mask[1:]) for row in rows)
-        computed_trainable = sum(sum(row.loss_mask[1:]) for row in computed)
-        stats = self._accumulate(shard_rows(computed, self.rank, self.world), trainable, computed_trainable)
-        if self.world > 1:
-            if computed and not self.fsdp:  # FSDP has reduced them already, layer by layer
-                all_reduce_gradients(self.params)
-            stats = _StepStats.combined(gather_objects(stats.portable()))  # every rank's, in rank order
-        before = self.version
-        grad_norm = self._step() if computed else None
+        rows, shaping = step_rows(selection, self.config, self.temperature, self._reward_kl(selection))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        updates = plan_updates(
+            rows, selection.group_of, self.config.mini_batches, rank=self.rank, world=self.world, pad=pad,
+            max_tokens=self.config.micro_batch_tokens, share=self.share_prefixes, every_row=self.config.entropy_coef > 0,
+        )  # fmt: skip
+        before, lr = self.version, self.scheduler.get_last_lr()[0]
+        stats, norms = self._train(updates)
+        if norms:
+            self.version += 1
         gaps = warn_gaps(stats.consistency, self.config.logprob_gap_warning, self.version)
         config = self.config
         due = due_after_step(before, self.version, push_every=config.push_every, checkpoint_every=config.checkpoint_every)
@@ -345,41 +339,79 @@ class RLLearner:
         ledger = selection.ledger()
         metrics = {
             "mtp_loss": stats.mtp_loss if self._trained_mtp is not None else None,
+            "kl": stats.kl_sum / max(stats.consistency.tokens, 1) if self.reference and config.kl.mode == "loss" else None,
             **stats.metrics(),
-            "trainable_tokens": trainable, "samples": len(rows), "skipped_zero_adv": len(rows) - len(computed),
-            "rollouts": len(selection.accounts), "groups": len(set(selection.group_of)),
+            **_norm_metrics(norms), "lr": lr, "updates": len(norms),
+            "trainable_tokens": sum(u.totals.tokens for u in updates), "samples": len(rows),
+            "skipped_zero_adv": sum(1 for row in rows if not computes(row, every_row=config.entropy_coef > 0)),
+            **shaping, "rollouts": len(selection.accounts), "groups": len(set(selection.group_of)),
             "step_s": time.perf_counter() - start,
         }  # fmt: skip
         return StepResult(
-            version=self.version, stepped=grad_norm is not None, loss=stats.loss, grad_norm=grad_norm,
+            version=self.version, stepped=bool(norms), loss=stats.loss, grad_norm=norms[-1][0] if norms else None,
             ledger={account.value: ledger.get(account.value, 0) for account in Account}, padded=selection.padded,
             staleness=staleness_histogram(batch.samples, current), consistency_warnings=gaps, metrics=metrics,
         )  # fmt: skip
+
+    def _reward_kl(self, selection: Selection) -> list[float] | None:
+        """Each selected sample's summed KL estimate to the reference, where `learner.kl` is a reward penalty."""
+        if self.reference is None or self.config.kl.mode != "reward":
+            return None
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        rows = to_rows(selection.batch, [0.0] * len(selection.batch), self.temperature)
+        return reward_penalties(self.reference, rows, pad, self.config.micro_batch_tokens, self.device, self.config.kl.estimator)
 
     @property
     def _trained_mtp(self) -> MTPLayer | None:
         """The MTP layer when this learner trains it (it has one and a positive loss weight), else None."""
         return self.mtp if self.mtp is not None and self.config.mtp_loss_weight > 0 else None
 
-    def _accumulate(self, rows: list[Row], total_trainable: int, computed_trainable: int) -> _StepStats:
-        """Forward and backward every micro-batch of `rows` (this rank's share); gradients add up to the whole
-        step's token mean (`total_trainable`: every selected row's trainable tokens; `computed_trainable`:
-        those of the computed rows, all ranks' shares)."""
-        stats = _StepStats()
+    def _train(self, updates: list[Update]) -> tuple[_StepStats, list[tuple[float, float]]]:
+        """Every update of the step, `learner.epochs` times over: (the first pass's figures, with the mean loss of
+        all updates; each optimizer step's gradient norm before and after clipping)."""
+        config = self.config
+        if config.epochs * len(updates) > 1 and uses_old_policy(config.objective):
+            for update in updates:
+                score_old(self.scorer, update.batches, self.device, routing_replay=config.routing_replay, fsdp=self.fsdp)
+        first, losses, norms = _StepStats(), [], []
+        for epoch in range(config.epochs):
+            for update in updates:
+                if not update.computes:
+                    continue
+                stats = self._accumulate(update)
+                if self.world > 1:
+                    if not self.fsdp:  # FSDP has reduced them already, layer by layer
+                        all_reduce_gradients(self.params)
+                    stats = _StepStats.combined(gather_objects(stats.portable()))  # every rank's, in rank order
+                if epoch == 0:
+                    first.merge(stats)
+                losses.append(stats.loss)
+                norms.append(self._step())
+        first.loss = sum(losses) / len(losses) if losses else 0.0
+        return first, norms
+
+    def _accumulate(self, update: Update) -> _StepStats:
+        """Forward and backward every micro-batch of `update` (this rank's share); gradients add up to the update's
+        loss as `learner.loss_aggregation` divides it."""
+        stats, config = _StepStats(), self.config
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        batches = micro_batches(rows, pad, self.config.micro_batch_tokens, self.share_prefixes)
         # FSDP: agreed before any pass, since every pass's gathers are collectives too.
-        passes = matched_passes(len(batches), self.device) if self.fsdp else len(batches)
-        mtp = MTPTargets(float(max(computed_trainable, 1)), self.mtp_depth_weights) if self._trained_mtp is not None else None
-        for batch in batches:
+        passes = matched_passes(len(update.batches), self.device) if self.fsdp else len(update.batches)
+        trained_mtp = self._trained_mtp is not None
+        mtp = MTPTargets(float(max(update.computed_trainable, 1)), self.mtp_depth_weights) if trained_mtp else None
+        for batch in update.batches:
             batch = batch.to(self.device)
             routes = batch.routes if self.config.routing_replay else None
             scored = (batch.input_ids, batch.attention_mask, batch.loss_mask, batch.temperatures, batch.rollout_logprobs)
-            logp, aux = self.scorer(*scored, routes, mtp, batch.prefix)
+            logp, aux, entropy = self.scorer(*scored, routes, mtp, batch.prefix, batch.truncation)
             mask = batch.loss_mask[:, 1:]
-            out = self.objective(logp, batch.rollout_logprobs[:, 1:], _advantages(batch, logp, mask), mask)
-            # The objective divides by this micro-batch's trainable tokens; rescale to the step's.
-            loss = out.loss * (float(mask.sum()) / max(total_trainable, 1))
+            advantages = _advantages(batch, logp, mask)
+            out = self.objective(logp, batch.rollout_logprobs[:, 1:], advantages, mask, old=batch.old_logprobs)
+            weights = token_weights(mask, self.config.loss_aggregation, update.totals, self.config.loss_constant)
+            loss = ((out.per_token + self._kl_term(batch, logp, routes, stats)) * weights).sum()
+            stats.entropy_sum += float(entropy.detach().sum())
+            if config.entropy_coef > 0:  # a bonus: the step's mean entropy at trained tokens, subtracted
+                loss = loss - config.entropy_coef * entropy.sum() / max(update.totals.tokens, 1)
             if aux is not None:
                 (loss + self.config.mtp_loss_weight * aux).backward()
                 stats.mtp_loss += aux.item()
@@ -387,16 +419,27 @@ class RLLearner:
                 loss.backward()
             stats.loss += loss.item()
             stats.add(out, logp, batch, mask)
-        for _ in range(passes - len(batches)):
+        for _ in range(passes - len(update.batches)):
             empty_pass(self.scorer, pad, self.device, mtp)
         return stats
 
-    def _step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+    def _kl_term(self, batch: MicroBatch, logp: torch.Tensor, routes: torch.Tensor | None, stats: _StepStats) -> torch.Tensor | float:
+        """coef x the KL estimate on each trained token, where `learner.kl` is a loss term (else 0); its mean is noted."""
+        if self.reference is None or self.config.kl.mode != "loss":
+            return 0.0
+        mask = batch.loss_mask[:, 1:].bool()
+        estimate = kl_estimate(logp, self.reference.logprobs(batch, routes), self.config.kl.estimator)
+        estimate = torch.where(mask, estimate, torch.zeros_like(estimate))
+        stats.kl_sum += float(estimate.detach().sum())
+        return self.config.kl.coef * estimate
+
+    def _step(self) -> tuple[float, float]:
+        """Clip, step the optimizer and the learning-rate schedule: the gradient norm before and after clipping."""
+        norm = total_norm(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-        return total_norm(grad_norm)
+        self.scheduler.step()
+        return norm, min(norm, self.config.grad_clip)
 
     # -- weights, checkpoints, optimizer ------------------------------------------------------
 
@@ -430,9 +473,9 @@ class RLLearner:
         """Gather the whole weights onto rank 0's CPU for the pushes of this version. A collective: every
         rank calls it (LearnerActor fans the call out)."""
         self._gathered = None  # the last version's copy is not kept beside the new one
-        self._gathered = (self.version, *self._whole_state())
+        self._gathered = (self.version, *self.whole_state())
 
-    def _whole_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def whole_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The policy's and the MTP layer's whole weights, gathered from the shards (a collective)."""
         whole = full_model_state(self.scorer)
         return _under(whole, "policy."), _under(whole, "mtp.")
@@ -447,47 +490,26 @@ class RLLearner:
         self.optimizer.state.clear()
 
     def save(self, directory: str | Path) -> Path:
-        """An HF checkpoint (policy + MTP layer) with the optimizer state and version beside it. Sharded, a
-        collective every rank calls; rank 0 writes."""
-        provenance = {"asyncrl": {"stage": "rl", "version": self.version}}
-        weights, mtp_weights, optimizer = None, None, self.optimizer.state_dict()
-        if self.fsdp:
-            (weights, mtp_weights), optimizer = self._whole_state(), full_optimizer_state(self.scorer, self.optimizer)
-            if self.rank > 0:
-                return Path(directory)
-        directory = save_policy(
-            directory, self.model, self.tokenizer, self.mtp, extra_config=provenance, state_dict=weights, mtp_state=mtp_weights
-        )
-        state = {"version": self.version, "optimizer": optimizer, "config": self.config.model_dump()}
-        torch.save(state, directory / STATE_FILE)
-        return directory
+        """An HF checkpoint (policy + MTP layer) with the optimizer, schedule and version beside it (learner/resume.py).
+        Sharded, a collective every rank calls; rank 0 writes."""
+        return save_learner(self, Path(directory))
 
     def load(self, directory: str | Path) -> None:
-        """Resume from `save`: weights, MTP layer, optimizer moments and version."""
-        directory = Path(directory)
-        model, _, mtp = load_policy(directory)
-        if self.fsdp:
-            whole = {f"policy.{name}": t for name, t in model.state_dict().items()}
-            if self.mtp is not None and mtp is not None:
-                whole.update({f"mtp.{name}": t for name, t in mtp.state_dict().items()})
-            # A checkpoint without an MTP layer leaves this learner's fresh one as it is.
-            load_full_model_state(self.scorer, whole, strict=self.mtp is None or mtp is not None)
-        else:
-            self.model.load_state_dict(model.state_dict())
-            if self.mtp is not None and mtp is not None:
-                self.mtp.load_state_dict(mtp.state_dict())
-        state = torch.load(directory / STATE_FILE, map_location=self.device, weights_only=True)
-        if self.fsdp:
-            load_optimizer_state(self.scorer, self.optimizer, state["optimizer"])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state["version"])
+        """Resume from `save`: weights, MTP layer, optimizer moments, schedule and version."""
+        load_learner(self, Path(directory))
         self._gathered = None
 
 
 def _under(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The entries of `state` under `prefix`, without it."""
     return {name.removeprefix(prefix): t for name, t in state.items() if name.startswith(prefix)}
+
+
+def _norm_metrics(norms: list[tuple[float, float]]) -> dict[str, float | None]:
+    """The step's gradient norms before and after clipping (the last update's; the largest over its updates)."""
+    if not norms:
+        return {"grad_norm_before_clip": None, "grad_norm_after_clip": None, "grad_norm_max": None}
+    return {"grad_norm_before_clip": norms[-1][0], "grad_norm_after_clip": norms[-1][1], "grad_norm_max": max(n for n, _ in norms)}
 
 
 def _advantages(batch: MicroBatch, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,11 @@ broadcasts the result (`BlockMuon._update_sharded`): exact, each orthogonalizati
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,8 +50,9 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from asyncrl.configs.schema import RunConfig
+from asyncrl.policy.hardware import cpu_has_bf16
 from asyncrl.policy.mtp import MTPLayer, decoder_and_head, mtp_loss, policy_hidden
-from asyncrl.policy.token_logprobs import trainable_logprobs
+from asyncrl.policy.token_logprobs import trainable_logprobs_and_entropy
 
 from .optim import CombinedOptimizer
 from .prefix import PrefixSplit, shared_hidden
@@ -73,16 +76,32 @@ class MTPTargets:
         return len(self.depth_weights)
 
 
+class Scored(NamedTuple):
+    """What the learner's forward gives for a micro-batch."""
+
+    logp: torch.Tensor
+    """[B, T-1] log-prob of token j+1 where it is trained (the fill elsewhere)."""
+    mtp_loss: torch.Tensor | None
+    """The MTP layer's loss where it is trained, else None."""
+    entropy: torch.Tensor
+    """[B, T-1] entropy of the policy's tempered distribution at trained positions, 0 elsewhere."""
+
+
 class Scorer(nn.Module):
     """The learner's forward: the policy's log-probs of the trainable tokens (its decoder, then its head on those
     positions only: `asyncrl/policy/token_logprobs.py`), under routing replay where the micro-batch has routes, and the
-    MTP layer's loss where it is trained. The head runs inside this forward so that under FSDP it is whole."""
+    MTP layer's loss where it is trained. The head runs inside this forward so that under FSDP it is whole.
+    With `autocast` (`learner.precision` bf16-mixed) the decoder runs in bfloat16 autocast, its backward too,
+    over float32 weights; the heads' logits and log-softmax stay float32."""
 
-    def __init__(self, policy: PreTrainedModel, mtp: MTPLayer | None, chunk_tokens: int) -> None:
+    def __init__(self, policy: PreTrainedModel, mtp: MTPLayer | None, chunk_tokens: int, autocast: torch.dtype | None = None) -> None:
         super().__init__()
         self.policy = policy
         self.mtp = mtp
         self.chunk_tokens = chunk_tokens
+        self.autocast = autocast
+        """The dtype the decoder's forward (and so its backward) autocasts to (`learner.precision` bf16-mixed:
+        `autocast_dtype`); None: the weights' own. The heads compute in the weights' dtype either way."""
 
     def forward(
         self,
@@ -94,29 +113,57 @@ class Scorer(nn.Module):
         routes: torch.Tensor | None = None,
         mtp: MTPTargets | None = None,
         prefix: PrefixSplit | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """([B, T-1] log-probs of the tokens `loss_mask` marks at their `temperatures`, `fill` elsewhere (see
-        `trainable_logprobs`); the MTP loss over those tokens where `mtp` is given, else None), through the
-        shared prefixes of `prefix` where given (the same figures, `learner/prefix.py`)."""
-        if prefix is not None:
-            if routes is not None:
-                raise ValueError("routing replay scores whole rows: each row's prompt has routes of its own")
-            hidden = shared_hidden(self.policy, prefix)
-        else:
-            with replay(self.policy, routes):
-                hidden = policy_hidden(self.policy, input_ids, attention_mask)
+        truncation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Scored:
+        """The log-probs and entropies of the tokens `loss_mask` marks, at their `temperatures` (`fill` and 0
+        elsewhere: `trainable_logprobs_and_entropy`), and the MTP loss over those tokens where `mtp` is given,
+        through the shared prefixes of `prefix` where given (the same figures, `learner/prefix.py`), under the
+        engine's top-k / top-p where `truncation` gives them."""
+        if prefix is not None and routes is not None:
+            raise ValueError("routing replay scores whole rows: each row's prompt has routes of its own")
+        mixed = self.autocast is not None
+        with torch.autocast(input_ids.device.type, dtype=self.autocast) if mixed else contextlib.nullcontext():
+            if prefix is not None:
+                hidden = shared_hidden(self.policy, prefix)
+            else:
+                with replay(self.policy, routes):
+                    hidden = policy_hidden(self.policy, input_ids, attention_mask)
         head = decoder_and_head(self.policy)[1]
-        logp = trainable_logprobs(head, hidden, input_ids, temperatures, loss_mask, fill, self.chunk_tokens)
+        scored = (head, hidden, input_ids, temperatures, loss_mask, fill, self.chunk_tokens)
+        logp, entropy = trainable_logprobs_and_entropy(*scored, truncation)
         if mtp is None or self.mtp is None:
-            return logp, None
+            return Scored(logp, None, entropy)
         # Detached hidden states: the drafter follows the policy without pulling the trunk toward every
         # sampled token (negative-advantage ones included). Inside this forward, so that under FSDP the
-        # embedding and head it shares with the policy are whole.
+        # embedding and head it shares with the policy are whole. The MTP layer computes in its weights'
+        # dtype, autocast or not (what it did before bf16-mixed): the states it reads come in that dtype.
+        weight = head.weight
+        assert isinstance(weight, torch.Tensor)
+        detached = hidden.detach().to(weight.dtype) if mixed else hidden.detach()
         aux = mtp_loss(
-            self.policy, self.mtp, hidden.detach(), input_ids, attention_mask, loss_mask,
+            self.policy, self.mtp, detached, input_ids, attention_mask, loss_mask,
             mtp.depth, mtp.num_tokens, mtp.depth_weights, self.chunk_tokens,
         )  # fmt: skip
-        return logp, aux
+        return Scored(logp, aux, entropy)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """What the `Scorer`'s decoder autocasts to under `learner.precision` on `device`: None (fp32) or bfloat16
+    (bf16-mixed). Refuses a GPU without bfloat16 units; warns on a CPU without bfloat16 instructions, where
+    torch emulates bfloat16 matmuls (slower than float32, not wrong)."""
+    if precision == "fp32":
+        return None
+    if precision != "bf16-mixed":
+        raise ValueError(f"learner.precision={precision!r}: expected fp32 or bf16-mixed")
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ValueError(f"learner.precision=bf16-mixed: {torch.cuda.get_device_name(device)} has no bfloat16 units; use fp32")
+    if device.type == "cpu" and not cpu_has_bf16():
+        warnings.warn(
+            "learner.precision=bf16-mixed: this CPU lists no bfloat16 instructions (avx512_bf16, amx_bf16 in "
+            "/proc/cpuinfo), so bfloat16 is emulated there: slower than fp32",
+            stacklevel=2,
+        )
+    return torch.bfloat16
 
 
 def uses_fsdp(run: RunConfig, device: torch.device) -> bool:
@@ -157,8 +204,8 @@ def empty_pass(scorer: Scorer, pad_token_id: int, device: torch.device, mtp: MTP
     trained) and adds nothing to any gradient."""
     ids = torch.full((1, 2 + (mtp.depth if mtp is not None else 0)), pad_token_id, device=device)
     none = torch.zeros_like(ids)
-    logp, aux = scorer(ids, torch.ones_like(ids), none, torch.ones_like(ids), none, None, mtp)
-    ((logp.sum() + (aux if aux is not None else 0.0)) * 0.0).backward()
+    logp, aux, entropy = scorer(ids, torch.ones_like(ids), none, torch.ones_like(ids), none, None, mtp)
+    ((logp.sum() + entropy.sum() + (aux if aux is not None else 0.0)) * 0.0).backward()
 
 
 def total_norm(norm: torch.Tensor) -> float:

@@ -10,8 +10,9 @@ learner), i.e. about ahead / batch steps from now, and the learner is already `l
 the weights the engines sample with (a step in flight counts as taken). Whole groups only: what is
 left of the bound after `ahead` rounds down to a multiple of the group size.
 
-Sync admits one whole batch only when nothing is ahead and the learner is idle, so it alternates
-generate, train, push, and every trained token comes from the weights being trained. Neither mode
+Sync admits only while the learner is idle, up to one whole batch ahead, so it alternates generate,
+train, push, and every trained token comes from the weights being trained (groups that dynamic
+sampling drops are topped up from the same weights). Neither mode
 admits once the steps left to take are covered by what the learner has taken or is taking.
 """
 
@@ -35,7 +36,7 @@ def groups_to_admit(
     if steps_left <= 0:
         return 0
     if mode == "sync":
-        return batch_groups if learner_idle and ahead == 0 else 0
+        return max(0, batch_groups - ahead // group_size) if learner_idle else 0
     fresh = batch_groups * group_size * (tau + 1 - lag) - ahead
     room = max_inflight - in_flight
     return max(0, min(fresh, room) // group_size)

@@ -8,6 +8,7 @@ the learner: admission control counts it to bound how stale the next samples can
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncrl.records import Trajectory
@@ -23,6 +24,13 @@ class Group:
     @property
     def complete(self) -> bool:
         return len(self.trajectories) >= self.size
+
+
+def uniform(group: Group, crash_statuses: Sequence[str]) -> bool:
+    """Dynamic sampling's test: more than half of the group finished (neither aborted nor crashed, so the learner
+    would train it) and every one of those earned the same reward, so no member has an advantage."""
+    finished = [t.reward for t in group.trajectories if t.status not in ("aborted", *crash_statuses) and t.reward is not None]
+    return 2 * len(finished) > group.size and len(set(finished)) == 1
 
 
 class GroupBuffer:
@@ -48,6 +56,13 @@ class GroupBuffer:
     def rollouts(self) -> int:
         """Rollouts admitted and not yet handed to the learner (running or finished)."""
         return sum(group.size for group in self._groups.values())
+
+    def drop_uniform(self, limit: int, crash_statuses: Sequence[str]) -> list[Group]:
+        """Up to `limit` complete groups without signal (`uniform`), oldest first, removed from the buffer."""
+        dropped = [group for group in self._groups.values() if group.complete and uniform(group, crash_statuses)][:limit]
+        for group in dropped:
+            del self._groups[group.group_id]
+        return dropped
 
     def take(self, n: int) -> list[Group]:
         """The `n` oldest complete groups, removed from the buffer."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.configs.schema import RunConfig
 from asyncrl.gateway.store import TrajectoryHandOff
-from asyncrl.records import StepResult, due_after_step
+from asyncrl.records import Account, StepResult, due_after_step
 from asyncrl.samples import batch_of
 
 from . import shutdown
@@ -72,6 +72,10 @@ class InFlight:
     """Batches in a row that took no optimizer step (no rollout had an advantage)."""
     last: dict = field(default_factory=dict)
     """The last step's record."""
+    dropped_uniform: int = 0
+    """Groups without signal dropped since the last step began (`learner.dynamic_sampling`)."""
+    dropped_total: int = 0
+    """Groups without signal dropped in this process."""
 
 
 class Loop:
@@ -171,10 +175,26 @@ class Loop:
 
     def start_step(self) -> None:
         flight = self.flight
+        if not self.finished():
+            self.drop_uniform()
         if flight.step is None and flight.groups.ready >= self.batch_groups and not self.finished():
+            flight.dropped_uniform = 0
             groups = flight.groups.take(self.batch_groups)
             batch = batch_of([group.trajectories for group in groups], self.config.learner.crash_statuses)
             flight.step = asyncio.ensure_future(learn(self.p, batch)), groups
+
+    def drop_uniform(self) -> None:
+        """`learner.dynamic_sampling`: complete groups whose rollouts all earned one reward leave the buffer, booked as
+        dropped_no_signal, so admission draws more in their place; at most `max_dropped` x batch_groups per step."""
+        sampling, learner = self.config.learner.dynamic_sampling, self.config.learner
+        if not sampling.enabled:
+            return
+        limit = int(sampling.max_dropped * self.batch_groups) - self.flight.dropped_uniform
+        for group in self.flight.groups.drop_uniform(max(limit, 0), learner.crash_statuses):
+            ids = [t.rollout_id for t in group.trajectories]
+            self.books.book({Account.DROPPED_NO_SIGNAL.value: len(ids)}, ids)
+            self.flight.dropped_uniform += 1
+            self.flight.dropped_total += 1
 
     async def finish_step(self) -> None:
         """Book the step in flight once it returns: its ledger, a push and a checkpoint when due, its records."""
@@ -202,6 +222,7 @@ class Loop:
             result, groups, elapsed_s=self.books.elapsed(), push_due=due.push, pushed_version=flight.pushed,
             in_flight=len(self.episodes), ahead=flight.groups.rollouts,
         )  # fmt: skip
+        flight.last["dropped_no_signal_groups"] = flight.dropped_total
         self.p.metrics.record(flight.last)
         for warning in consistency_warnings(result):
             self.p.display.say(warning)

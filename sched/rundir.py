@@ -60,6 +60,10 @@ class LoopState:
     """Rollouts this checkpoint trained, acknowledged in the store right after it is written (redone on
     resume in case the run died in between)."""
 
+    def __post_init__(self) -> None:
+        # A run saved before an account existed resumes with it at 0 (the books add to every account).
+        self.ledger = {**empty_ledger(), **self.ledger}
+
 
 @dataclass
 class BatchRecord:

@@ -41,13 +41,14 @@ ASYNC = [
 ]
 
 SYNC = [
-    # one whole batch when nothing is ahead and the learner is idle, whatever tau and max_inflight
+    # up to one whole batch ahead while the learner is idle, whatever tau and max_inflight
     (dict(tau=0), 2),
     (dict(tau=1), 2),
     (dict(tau=4), 2),
     (dict(tau=4, batch_groups=3), 3),
     (dict(tau=0, max_inflight=4), 2),
-    (dict(tau=1, ahead=4), 0),  # a batch still being generated or waiting for the learner
+    (dict(tau=1, ahead=8), 0),  # a batch still being generated or waiting for the learner
+    (dict(tau=1, ahead=4), 1),  # topped up to a batch (a group dynamic sampling dropped), from the same weights
     (dict(tau=1, ahead=0, learner_idle=False), 0),  # the learner is taking a step
     (dict(tau=4, ahead=8, learner_idle=False, lag=1), 0),
     (dict(tau=0, lag=3), 2),  # lag plays no part: sync pushes after every step

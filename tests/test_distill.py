@@ -79,9 +79,9 @@ def capture_advantages(learner) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     objective = learner.objective
 
-    def spy(logp, logp_rollout, advantages, mask):
+    def spy(logp, logp_rollout, advantages, mask, **options):
         seen.append(advantages.detach().clone())
-        return objective(logp, logp_rollout, advantages, mask)
+        return objective(logp, logp_rollout, advantages, mask, **options)
 
     learner.objective = spy
     return seen
@@ -121,7 +121,15 @@ def test_distillation_samples_follow_the_staleness_and_crash_rules():
     stale = scored(learner, teacher, "stale", [10, 11], version=3)
     crashed = scored(learner, teacher, "crashed", [10, 11], version=5, status="env_crash")
     step = learner.train_step(Batch([[fresh], [stale], [crashed]]))
-    assert step.ledger == {"trained": 1, "dropped_stale": 1, "dropped_crash": 1, "dropped_group": 0, "aborted": 0}
+    assert step.ledger == {
+        "trained": 1,
+        "dropped_stale": 1,
+        "dropped_crash": 1,
+        "dropped_group": 0,
+        "dropped_overlong": 0,
+        "dropped_no_signal": 0,
+        "aborted": 0,
+    }
 
 
 def test_a_distillation_sample_whose_teacher_logprobs_do_not_line_up_is_refused():

@@ -73,3 +73,23 @@ def test_selection_refuses_a_group_that_mixes_groups_or_outgrows_the_group_size(
     crowded = batch_of([[trajectory("a", "g"), trajectory("b", "g"), trajectory("c", "g")]], crash_statuses=())
     with pytest.raises(ValueError, match="group 'g' has 3 rollouts, more than group_size=2"):
         select(crowded.groups, current_version=0, max_staleness=1, group_size=2)
+
+
+def test_a_group_is_uniform_when_most_of_it_finished_with_one_reward():
+    from asyncrl.sched.groups import Group, GroupBuffer, uniform
+
+    def group(*outcomes):
+        trajectories = [Trajectory(f"r{i}", group_id="g", status=status, reward=reward) for i, (status, reward) in enumerate(outcomes)]
+        return Group("g", len(outcomes), trajectories)
+
+    assert uniform(group(("ok", 1.0), ("ok", 1.0), ("ok", 1.0), ("env_crash", 0.0)), ["env_crash"])
+    assert not uniform(group(("ok", 1.0), ("ok", 0.0), ("ok", 1.0), ("ok", 1.0)), ["env_crash"])
+    # Half or fewer finished: the learner drops the group itself (dropped_group), so it is not uniform here.
+    assert not uniform(group(("ok", 1.0), ("ok", 1.0), ("aborted", None), ("env_crash", 0.0)), ["env_crash"])
+    buffer = GroupBuffer()
+    for name, rewards in (("a", [1.0, 1.0]), ("b", [1.0, 0.0]), ("c", [0.0, 0.0])):
+        buffer.open(name, 2)
+        for i, reward in enumerate(rewards):
+            buffer.add(Trajectory(f"{name}{i}", group_id=name, status="ok", reward=reward))
+    assert [g.group_id for g in buffer.drop_uniform(1, [])] == ["a"]  # oldest first, at most the limit
+    assert [g.group_id for g in buffer.drop_uniform(5, [])] == ["c"] and buffer.ready == 1

@@ -10,8 +10,8 @@ import pytest
 from conftest import SMALL_SHAPE
 
 from asyncrl.configs.schema import LearnerConfig, MTPConfig, OptimizerConfig, PolicyConfig, RunConfig, TinyModelConfig
+from asyncrl.learner.batch import Row
 from asyncrl.learner.distributed import shard_rows
-from asyncrl.learner.rl import Row
 from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample
 
 pytestmark = pytest.mark.slow  # a Ray start plus five learner processes importing torch
@@ -134,9 +134,9 @@ def test_fsdp_ranks_with_unequal_micro_batch_counts_and_checkpointing_take_the_o
     import ray
 
     from asyncrl.learner.actor import create_learner
-    from asyncrl.learner.batch import micro_batches
-    from asyncrl.learner.rl import advantages_for, to_rows
+    from asyncrl.learner.batch import micro_batches, to_rows
     from asyncrl.learner.selection import select
+    from asyncrl.learner.shaping import advantages_for
 
     # One long rollout and seven short ones: the long one fills rank 0 alone; rank 1's short ones, two to a
     # micro-batch, make more micro-batches than rank 0 has, so rank 0 runs empty passes to match.

@@ -15,7 +15,7 @@ from conftest import make_tiny_model
 from asyncrl.configs.schema import LearnerConfig
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
 from asyncrl.policy.mtp import build_mtp
-from asyncrl.policy.token_logprobs import trainable_logprobs
+from asyncrl.policy.token_logprobs import trainable_logprobs_and_entropy
 from asyncrl.policy.tokenizer import build_tokenizer
 from asyncrl.records import UNSAMPLED_VERSION, Batch, Sample, due_after_step
 
@@ -59,9 +59,9 @@ def capture_hidden(monkeypatch) -> list[torch.Tensor]:
     def keep(head, hidden, *args, **kwargs):
         hidden.retain_grad()
         captured.append(hidden)
-        return trainable_logprobs(head, hidden, *args, **kwargs)
+        return trainable_logprobs_and_entropy(head, hidden, *args, **kwargs)
 
-    monkeypatch.setattr("asyncrl.learner.sharding.trainable_logprobs", keep)
+    monkeypatch.setattr("asyncrl.learner.sharding.trainable_logprobs_and_entropy", keep)
     return captured
 
 
@@ -133,7 +133,15 @@ def test_stale_and_crashed_rollouts_are_dropped_and_the_ledger_adds_up():
         group("gone", **{"0": {"status": "aborted"}, "1": {"status": "error"}}),  # 2 of 4 left, dropped
     ])  # fmt: skip
     step = learner.train_step(batch)
-    assert step.ledger == {"trained": 7, "dropped_stale": 2, "dropped_crash": 2, "dropped_group": 4, "aborted": 1}
+    assert step.ledger == {
+        "trained": 7,
+        "dropped_stale": 2,
+        "dropped_crash": 2,
+        "dropped_group": 4,
+        "dropped_overlong": 0,
+        "dropped_no_signal": 0,
+        "aborted": 1,
+    }
     assert sum(step.ledger.values()) == step.metrics["rollouts"] == 16
     assert step.metrics["groups"] == 2 and step.padded == 1 and step.metrics["samples"] == 8
     assert step.staleness == {0: 13, 2: 1, 3: 1, 4: 1}

@@ -139,3 +139,42 @@ def test_the_no_step_notice_comes_at_ten_batches_then_every_hundred():
 
     said = [n for n in range(1, 1001) if no_signal_notice(n, {"reward": 1.0, "skipped_zero_adv": 8, "ledger": {}})]
     assert said == [10, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]
+
+
+class HalfFlatEnv(CoinEnv):
+    """Every other training group's task is odd and rewards every rollout alike (no signal); even tasks reward
+    the parity of the reply."""
+
+    drawn = 0
+
+    def sample_task(self, rng, split="train") -> int:
+        self.drawn += split == "train"
+        return 2 * super().sample_task(rng, split) + (split == "train" and self.drawn % 2)
+
+    async def run_episode(self, task, client):
+        result = await super().run_episode(task, client)
+        return dataclasses.replace(result, reward=1.0) if task % 2 else result
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_dynamic_sampling_drops_groups_without_signal_and_admits_more(tmp_path, mode):
+    run = config(tmp_path, f"name=ds-{mode}", f"loop.mode={mode}", "loop.steps=3", "learner.dynamic_sampling.enabled=true")
+    result = asyncio.run(run_in_process(run, HalfFlatEnv()))
+    state, counts = result["state"], result["counts"]
+    assert state.version == 3 and state.ledger["dropped_no_signal"] > 0
+    assert sum(state.ledger.values()) == started(counts) == counts["acked"]
+    steps = [r for r in result["records"] if "loss" in r]
+    # A trained batch holds no all-equal group once they are dropped: every sample has an advantage.
+    assert all(r["skipped_zero_adv"] == 0 for r in steps)
+    assert steps[-1]["dropped_no_signal_groups"] * 4 == state.ledger["dropped_no_signal"]
+
+
+def test_dynamic_sampling_stops_dropping_at_its_cap_so_a_flat_task_cannot_stall_the_run(tmp_path):
+    run = config(tmp_path, "name=ds-flat", "loop.mode=sync", "loop.steps=5", "loop.max_batches_without_step=2",
+                 "learner.dynamic_sampling.enabled=true", "learner.dynamic_sampling.max_dropped=1")  # fmt: skip
+    result = asyncio.run(run_in_process(run, FlatEnv()))
+    state = result["state"]
+    batches = [r for r in result["records"] if "loss" in r]
+    # 2 groups dropped (1 x batch_groups) before each batch, then a batch of flat groups is trained.
+    assert result["stop_reason"] == "no_signal" and len(batches) == 2
+    assert state.ledger["dropped_no_signal"] == 2 * 2 * 4 and state.ledger["trained"] == 2 * 2 * 4

@@ -41,7 +41,7 @@ class TestDoubleSided:
         # d(-r A)/d logp = -r A, divided by 3; masked and prompt tokens get exactly 0.
         assert logp.grad.tolist()[0] == pytest.approx([-2.0 / 3, -2.4 / 3, 0.0, 0.0], abs=1e-12)
         assert logp.grad[0, 2].item() == 0.0 and logp.grad[0, 3].item() == 0.0
-        stats = out.stats(mask)
+        stats = out.stats()
         assert stats["masked_token_frac"] == pytest.approx(1 / 3)
         assert stats["ratio_max"] == pytest.approx(3.0)
 

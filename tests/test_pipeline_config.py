@@ -16,10 +16,10 @@ def test_the_preset_resolves_every_stage_from_the_base():
     assert list(pipeline.stages) == ["sft", "reasoning", "agentic", "general", "distill"]
     assert list(pipeline.eval_tasks()) == ["reasoning", "agentic", "general"]
     agentic = stage_config(pipeline, "agentic", "/tmp/p", {"policy": {"path": "/ckpt"}})
-    assert agentic.learner.objective == "double_sided_is"  # the stage's own
+    assert agentic.learner.objective.name == "double_sided_is"  # the stage's own
     assert agentic.policy.tiny.arch == "qwen3" and agentic.tasks.arithmetic.subtraction_fraction == 0.0  # the base's
     assert agentic.name == "agentic" and agentic.runs_dir == "/tmp/p" and agentic.policy.path == "/ckpt"
-    assert stage_config(pipeline, "reasoning", "/tmp/p", {}).learner.objective == "icepop_grpo"
+    assert stage_config(pipeline, "reasoning", "/tmp/p", {}).learner.objective.name == "icepop_grpo"
 
 
 def test_the_glm5_preset_trains_the_glm5_shape_with_the_sparse_path_in_reach():

@@ -40,7 +40,7 @@ HUES = {"below": (33, 102, 172), "above": (178, 24, 43), "delta": (118, 42, 131)
 
 
 def decide(ratio: float) -> dict[str, str]:
-    """What each objective does with `ratio` (the rule of learner/objectives.py, for hand-built data)."""
+    """What each objective does with `ratio` (the rule of learner/objectives/glm5.py, for hand-built data)."""
     side = "below" if ratio < 1 else "above"
     return {
         "double_sided_is": "kept" if 0.8 < ratio < 1.28 else side,
@@ -231,7 +231,7 @@ def test_report_of_a_recorded_run(tmp_path, one_torch_thread):
 
         series = [Series("nearest", None), Series("final", view.final_checkpoint())]
         scores = rescore(view, view.select(Selection(status="ok", limit=8)), series, scorer, tokenizer)
-        objective, bands, final = view.config.learner.objective, objective_bands(view.config.learner), view.final_checkpoint()
+        objective, bands, final = view.config.learner.objective.name, objective_bands(view.config.learner), view.final_checkpoint()
     path = write_report(scores, tmp_path / "report.html", title=f"asyncrl replay score {config.name}", bands=bands, objective=objective)
     assert final.version == 2 and len(scores) >= 4
     spans = token_spans(dump_dom(path, "checkpoint=nearest"))

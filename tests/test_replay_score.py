@@ -14,6 +14,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 
 from asyncrl import cli
+from asyncrl.configs.objectives import IcepopGRPOObjective
 from asyncrl.envs.base import EpisodeResult
 from asyncrl.learner.objectives import double_sided_is_loss, icepop_grpo_loss
 from asyncrl.learner.rl import sampled_logprobs
@@ -118,7 +119,7 @@ def test_a_later_checkpoint_gives_the_learners_ratios(run_dir):
 
 def test_decisions_are_the_learners_functions_on_the_same_tensors(run_dir):
     with RunView.open(run_dir) as view:
-        learner = view.config.learner.model_copy(update={"eps_low": 0.05, "eps_high": 0.05, "icepop_beta": 1.3})
+        learner = view.config.learner.model_copy(update={"objective": IcepopGRPOObjective(eps_low=0.05, eps_high=0.05, beta=1.3)})
         view.config = view.config.model_copy(update={"learner": learner})
         tokens = _sampled(_score(view, view.select(Selection()), [Series("final", view.final_checkpoint())]))
     logp = torch.tensor([[t.logprobs["final"] for t in tokens]], dtype=torch.float32)

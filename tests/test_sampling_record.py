@@ -8,6 +8,7 @@ assembly and an `RLLearner` over the same weights as the engine.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -34,6 +35,20 @@ TOLERANCE = 1e-4
 """The learner's log-prob of a sampled token against the engine's, both fp32 (seen: ~1e-6)."""
 
 
+@contextlib.contextmanager
+def recording(tmp_path, policy, run: SamplingConfig):
+    """(a live gateway over an embedded engine of a copy of `policy`, its store), the run's sampling `run`,
+    per-request options allowed; the engine and store closed after."""
+    engine = make_engine("e0", model=copy.deepcopy(policy))
+    store = open_store(tmp_path)
+    try:
+        with LiveGateway(make_service(store, [engine], sampling=run, sampling_overrides="allow")) as gateway:
+            yield gateway, store
+    finally:
+        engine.shutdown()
+        store.close()
+
+
 def learner_logprobs(learner: RLLearner, samples: list[Sample]) -> list[list[float]]:
     """The learner's log-prob of every token of each sample, through its own rows and micro-batches."""
     rows = to_rows(samples, [0.0] * len(samples), learner.temperature)
@@ -53,33 +68,26 @@ def largest_gap(samples: list[Sample], logprobs: list[list[float]]) -> float:
 
 def test_a_per_request_temperature_is_recorded_and_the_learner_scores_its_tokens_as_the_engine_did(tmp_path):
     policy = make_tiny_model("qwen3", seed=5)
-    engine = make_engine("e0", model=copy.deepcopy(policy))
-    store = open_store(tmp_path)
     run = SamplingConfig(temperature=1.0, max_tokens=6)
-    service = make_service(store, [engine], sampling=run, sampling_overrides="allow")
-    try:
-        with LiveGateway(service) as gateway:
-            # One rollout of three token calls, each extending the last: an override, the run's
-            # temperature (left unset) and greedy, so one sample holds three temperatures.
-            tokens_id, tokens_key = gateway.open(group_id="g")
-            prompt = [3, 4, 5, 6]
-            for seed, temperature in enumerate((0.6, None, 0.0)):
-                body = {"prompt_token_ids": prompt, "max_tokens": 6, "seed": seed}
-                if temperature is not None:
-                    body["temperature"] = temperature
-                reply = gateway.http.post("/v1/tokens/generate", json=body, headers={"Authorization": f"Bearer {tokens_key}"})
-                assert reply.status_code == 200, reply.text
-                prompt = prompt + reply.json()["token_ids"] + [7, 8]  # the environment's tokens
-            chat_id, chat_key = gateway.open(group_id="g")
-            gateway.openai(chat_key).chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": "hi"}], temperature=1.7, top_p=1.0, max_tokens=6, seed=9
-            )
-            for rollout_id, reward in ((tokens_id, 1.0), (chat_id, 0.0)):
-                gateway.http.post(f"/rollouts/{rollout_id}/finish", json={"reward": reward}).raise_for_status()
+    with recording(tmp_path, policy, run) as (gateway, store):
+        # One rollout of three token calls, each extending the last: an override, the run's
+        # temperature (left unset) and greedy, so one sample holds three temperatures.
+        tokens_id, tokens_key = gateway.open(group_id="g")
+        prompt = [3, 4, 5, 6]
+        for seed, temperature in enumerate((0.6, None, 0.0)):
+            body = {"prompt_token_ids": prompt, "max_tokens": 6, "seed": seed}
+            if temperature is not None:
+                body["temperature"] = temperature
+            reply = gateway.http.post("/v1/tokens/generate", json=body, headers={"Authorization": f"Bearer {tokens_key}"})
+            assert reply.status_code == 200, reply.text
+            prompt = prompt + reply.json()["token_ids"] + [7, 8]  # the environment's tokens
+        chat_id, chat_key = gateway.open(group_id="g")
+        gateway.openai(chat_key).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}], temperature=1.7, top_p=1.0, max_tokens=6, seed=9
+        )
+        for rollout_id, reward in ((tokens_id, 1.0), (chat_id, 0.0)):
+            gateway.http.post(f"/rollouts/{rollout_id}/finish", json={"reward": reward}).raise_for_status()
         tokens, chat = store.get(tokens_id), store.get(chat_id)
-    finally:
-        engine.shutdown()
-        store.close()
 
     assert [(t.temperature, t.top_p, t.top_k) for t in tokens.turns] == [(0.6, 1.0, 0), (1.0, 1.0, 0), (0.0, 1.0, 0)]
     assert [(t.temperature, t.top_p, t.top_k) for t in chat.turns] == [(1.7, 1.0, 0)]
@@ -169,3 +177,37 @@ def test_asyncrl_serve_allows_overrides_unless_the_config_says(tmp_path, overrid
         service.store.close()
         for handle in handles:
             handle.engine.shutdown()
+
+
+def test_tokens_sampled_under_top_p_and_top_k_are_scored_under_them(tmp_path):
+    policy = make_tiny_model("qwen3", seed=5)
+    run = SamplingConfig(temperature=1.0, max_tokens=8)
+    with recording(tmp_path, policy, run) as (gateway, store):
+        # One rollout of three calls, each extending the last: top-p 0.8, top-k 5 at temperature 1.3, neither.
+        rollout_id, key = gateway.open(group_id="g")
+        prompt = [3, 4, 5, 6]
+        for seed, options in enumerate(({"top_p": 0.8}, {"top_k": 5, "temperature": 1.3}, {})):
+            body = {"prompt_token_ids": prompt, "max_tokens": 8, "seed": seed, **options}
+            reply = gateway.http.post("/v1/tokens/generate", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert reply.status_code == 200, reply.text
+            prompt = prompt + reply.json()["token_ids"] + [7, 8]
+        other_id, other_key = gateway.open(group_id="g")
+        body = {"prompt_token_ids": [3, 4, 9], "max_tokens": 8, "seed": 7, "top_p": 0.5, "top_k": 3}
+        reply = gateway.http.post("/v1/tokens/generate", json=body, headers={"Authorization": f"Bearer {other_key}"})
+        assert reply.status_code == 200, reply.text
+        for finished, reward in ((rollout_id, 1.0), (other_id, 0.0)):
+            gateway.http.post(f"/rollouts/{finished}/finish", json={"reward": reward}).raise_for_status()
+        trajectories = [store.get(rollout_id), store.get(other_id)]
+
+    samples = [s for t in trajectories for s in trajectory_to_samples(t)]
+    sampled = [(k, p) for s in samples for k, p, m in zip(s.top_ks, s.top_ps, s.loss_mask, strict=True) if m]
+    assert {(0, 0.8), (5, 1.0), (0, 1.0), (3, 0.5)} == set(sampled)
+    control = RLLearner(LearnerConfig(group_size=2, lr=1e-3), copy.deepcopy(policy), build_tokenizer())
+    learner = RLLearner(LearnerConfig(group_size=2, lr=1e-3), policy, build_tokenizer(), sampling_temperature=run.temperature)
+    # The learner's real step: every importance ratio is 1 within the tolerance, truncated tokens included.
+    step = learner.train_step(Batch([samples]))
+    assert step.stepped and step.metrics["abs_logp_diff"] < TOLERANCE
+    assert math.exp(-TOLERANCE) < step.metrics["ratio_min"] <= step.metrics["ratio_max"] < math.exp(TOLERANCE)
+    # The control: the same tokens scored without the truncation are far off (the kept mass was < 1).
+    untruncated = [dataclasses.replace(s, top_ks=None, top_ps=None) for s in samples]
+    assert control.train_step(Batch([untruncated])).metrics["abs_logp_diff"] > 100 * TOLERANCE

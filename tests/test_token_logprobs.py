@@ -17,7 +17,7 @@ from learner_steps import batch_for, record_gradients
 from asyncrl.configs.schema import LearnerConfig
 from asyncrl.learner.rl import RLLearner, sampled_logprobs
 from asyncrl.policy.mtp import build_mtp, mtp_loss, policy_hidden_and_logits
-from asyncrl.policy.token_logprobs import masked_cross_entropy, trainable_logprobs
+from asyncrl.policy.token_logprobs import masked_cross_entropy, trainable_logprobs, trainable_logprobs_and_entropy
 from asyncrl.policy.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # compared to 1e-6, on one thread
@@ -164,3 +164,56 @@ def test_the_mtp_loss_in_chunks_is_the_loss_in_one():
     assert len(whole_grads) == len(chunked_grads) > 3
     for a, b in zip(chunked_grads, whole_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+
+
+def reference_entropy(projection: torch.nn.Linear, inputs: dict) -> torch.Tensor:
+    """[B, T-1] entropy of softmax(logits / T) at every position, by autograd's own softmax."""
+    logits = projection(inputs["hidden"])[:, :-1] / inputs["temperatures"][:, 1:, None]
+    logp = torch.log_softmax(logits, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 4096])
+def test_entropy_and_its_gradient_are_the_full_softmaxs_at_trained_positions(chunk_tokens):
+    inputs, projection = case(), head(bias=True)
+    logp, entropy = trainable_logprobs_and_entropy(projection, chunk_tokens=chunk_tokens, **inputs)
+    trained = inputs["loss_mask"][:, 1:].bool()
+    weights = torch.linspace(-1.0, 1.0, entropy.numel()).view_as(entropy) * trained
+    others = torch.linspace(0.7, -0.4, entropy.numel()).view_as(entropy) * trained
+    (entropy * weights + logp * others).sum().backward()  # both outputs carry gradient at once
+    got = [inputs["hidden"].grad.clone(), *(p.grad.clone() for p in projection.parameters())]
+    inputs["hidden"].grad = None
+    projection.zero_grad()
+    expected = reference_entropy(projection, inputs)
+    torch.testing.assert_close(entropy[trained], expected[trained].detach(), atol=1e-5, rtol=0)
+    assert torch.equal(entropy[~trained], torch.zeros_like(entropy[~trained]))
+    full = sampled_logprobs(projection(inputs["hidden"]), inputs["input_ids"], inputs["temperatures"][:, 1:])
+    (expected * weights + full * others).sum().backward()
+    for mine, theirs in zip(got, [inputs["hidden"].grad, *(p.grad for p in projection.parameters())], strict=True):
+        assert float(theirs.abs().sum()) > 0
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_truncated_support_is_the_samplers_own(seed):
+    """The learner's kept set of a truncated token is the engine's (rollout/sampler.py), token for token, and
+    its log-probs over it are the sampler's final ones."""
+    from asyncrl.policy.token_logprobs import truncated_support
+    from asyncrl.records import SamplingParams
+    from asyncrl.rollout.sampler import _truncate
+
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 50, generator=generator) * 3
+    logits[0, 7] = logits[0, 9]  # a tie, broken by token id in both
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k in
+              ((1.0, 0.9, 0), (0.7, 1.0, 5), (1.3, 0.5, 10), (1.0, 1.0, 0), (1.0, 0.95, 1), (2.0, 0.3, 49))]  # fmt: skip
+    final, order, keep, *_ = _truncate(logits, params)
+    engine_keep = torch.zeros_like(keep).scatter_(-1, order, keep)
+    scaled = logits / torch.tensor([p.temperature for p in params])[:, None]
+    targets = scaled.argmax(-1)  # always kept by both
+    top_k, top_p = torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params])
+    ours = truncated_support(scaled, top_k, top_p, targets)
+    assert torch.equal(ours, engine_keep) and 0 < int(ours.sum()) < ours.numel()
+    engine_logp = torch.empty_like(final).scatter_(-1, order, final)
+    learner_logp = torch.log_softmax(scaled.masked_fill(~ours, float("-inf")), -1)
+    torch.testing.assert_close(learner_logp[ours], engine_logp[ours], atol=1e-5, rtol=0)

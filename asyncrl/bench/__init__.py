@@ -116,8 +116,14 @@ def _scale(config, json_path, options=None):
     return run(config, json_path, options)
 
 
+def _objectives(config, json_path, options=None):
+    from .objectives import run
+
+    return run(config, json_path, options)
+
+
 def _registry() -> dict[str, Benchmark]:
-    from . import agentic, asyncloop, learn, learner, replay, scale, soak
+    from . import agentic, asyncloop, learn, learner, objectives, replay, scale, soak
 
     return {
         "engine": Benchmark(_engine),
@@ -129,6 +135,7 @@ def _registry() -> dict[str, Benchmark]:
         "learn": Benchmark(_learn, learn.PRESET, learn.OVERRIDES, learn.LearnBenchOptions),
         "learner": Benchmark(_learner, learner.PRESET, learner.OVERRIDES, learner.LearnerBenchOptions),
         "scale": Benchmark(_scale, scale.PRESET, options=scale.ScaleBenchOptions),
+        "objectives": Benchmark(_objectives, objectives.PRESET, objectives.OVERRIDES, objectives.ObjectivesBenchOptions),
     }
 
 

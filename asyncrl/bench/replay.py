@@ -126,7 +126,7 @@ def _measure(config: RunConfig, directory: Path, options: ReplayBenchOptions) ->
 def build_run(config: RunConfig, directory: Path, count: int) -> tuple[Path, int]:
     """A run directory with one real checkpoint and `count` trajectories written through SQLiteStore."""
     from asyncrl.gateway.store import SQLiteStore
-    from asyncrl.learner.rl import STATE_FILE
+    from asyncrl.learner.resume import STATE_FILE
     from asyncrl.policy.checkpoint import build_policy, save_policy
     from asyncrl.sched.rundir import LoopState, RunDir
 

@@ -17,14 +17,18 @@ from asyncrl.configs.schema import LearnerConfig
 
 from .records import RolloutScore
 from .report_template import page
+from .rescore import glm5_bounds
 
 
 def objective_bands(learner: LearnerConfig) -> dict[str, tuple[float, float]]:
     """Per objective, the ratio band outside which it masks a token: where the report's colours saturate."""
-    return {
-        "double_sided_is": (1.0 - learner.eps_low, 1.0 + learner.eps_high),
-        "icepop_grpo": (1.0 / learner.icepop_beta, learner.icepop_beta),
-    }
+    eps_low, eps_high, beta = glm5_bounds(learner)
+    return {"double_sided_is": (1.0 - eps_low, 1.0 + eps_high), "icepop_grpo": (1.0 / beta, beta)}
+
+
+def shown_objective(learner: LearnerConfig) -> str | None:
+    """The objective whose decisions the report opens on: the run's where it is one the report shows."""
+    return learner.objective.name if learner.objective.name in ("double_sided_is", "icepop_grpo") else None
 
 
 def write_report(

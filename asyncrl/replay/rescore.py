@@ -26,9 +26,11 @@ from functools import cached_property
 
 import torch
 
+from asyncrl.configs.learner import LearnerConfig
+from asyncrl.configs.objectives import DoubleSidedISObjective, IcepopGRPOObjective
 from asyncrl.learner.objectives import double_sided_is_loss, icepop_grpo_loss
-from asyncrl.learner.rl import advantages_for
 from asyncrl.learner.selection import select
+from asyncrl.learner.shaping import step_rows
 from asyncrl.policy.tokenizer import TOOL_CALL_OPEN
 from asyncrl.records import RequestError, Sample, Trajectory
 from asyncrl.rollout.scoring import NativeScorer
@@ -180,8 +182,8 @@ def _group_advantages(view: RunView, group_id: str, trained: dict[str, int]) -> 
         group_size=learner.group_size, crash_statuses=learner.crash_statuses,
     )  # fmt: skip
     advantages: dict[tuple[str, int], float] = {}
-    for sample, advantage in zip(selection.batch, advantages_for(selection, learner.normalize_adv_std), strict=True):
-        advantages.setdefault((sample.rollout_id, sample.branch), advantage)
+    for sample, row in zip(selection.batch, step_rows(selection, learner, 1.0)[0], strict=True):
+        advantages.setdefault((sample.rollout_id, sample.branch), row.advantage)
     return advantages, {rollout_id: account.value for rollout_id, account in selection.accounts.items()}
 
 
@@ -266,16 +268,23 @@ def _report(view: RunView, item: _Item, labels: list[str], objectives, texts: _T
     )  # fmt: skip
 
 
+def glm5_bounds(learner: LearnerConfig) -> tuple[float, float, float]:
+    """(eps_low, eps_high, beta) at which the GLM-5 masks are shown: the run's where its objective is one of
+    them (beta: icepop_grpo's), the schema's defaults otherwise."""
+    objective = learner.objective
+    if not isinstance(objective, (IcepopGRPOObjective, DoubleSidedISObjective)):
+        objective = IcepopGRPOObjective()
+    beta = objective.beta if isinstance(objective, IcepopGRPOObjective) else IcepopGRPOObjective().beta
+    return objective.eps_low, objective.eps_high, beta
+
+
 def decide(logp: torch.Tensor, rollout: torch.Tensor, learner, objectives: Sequence[str]) -> tuple[list[float], dict[str, list[str]]]:
     """Ratios and, per objective, each token's decision: [1, N] log-probs in, the learner's functions' verdict out."""
     mask, advantages = torch.ones_like(logp), torch.zeros(logp.shape[0])
+    eps_low, eps_high, beta = glm5_bounds(learner)
     outputs = {
-        "double_sided_is": lambda: double_sided_is_loss(
-            logp, rollout, advantages, mask, eps_low=learner.eps_low, eps_high=learner.eps_high
-        ),
-        "icepop_grpo": lambda: icepop_grpo_loss(
-            logp, rollout, advantages, mask, eps_low=learner.eps_low, eps_high=learner.eps_high, beta=learner.icepop_beta
-        ),
+        "double_sided_is": lambda: double_sided_is_loss(logp, rollout, advantages, mask, eps_low=eps_low, eps_high=eps_high),
+        "icepop_grpo": lambda: icepop_grpo_loss(logp, rollout, advantages, mask, eps_low=eps_low, eps_high=eps_high, beta=beta),
     }
     ratios: list[float] = []
     decisions: dict[str, list[str]] = {}

@@ -85,10 +85,10 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             write_json_lines(scores, Path(args.json))
         if args.html:
-            from .html import objective_bands, write_report  # imported only when asked for
+            from .html import objective_bands, shown_objective, write_report  # imported only when asked for
 
             learner, title = view.config.learner, f"replay score: {view.path.name}"
-            write_report(scores, Path(args.html), title=title, bands=objective_bands(learner), objective=learner.objective)
+            write_report(scores, Path(args.html), title=title, bands=objective_bands(learner), objective=shown_objective(learner))
         if not args.quiet:
             render(scores, Console(), shown=args.show)
         outputs = [f"{kind} {path}" for kind, path in (("JSON lines", args.json), ("HTML", args.html)) if path]

@@ -224,17 +224,19 @@ def _shares(learner: RLLearner, batch: Batch, current_version: int, top: int) ->
     """Each row's and each token's share of the loss, from the learner's own functions, no gradient."""
     import torch
 
-    from asyncrl.learner.batch import micro_batches, to_rows
-    from asyncrl.learner.rl import advantages_for
+    from asyncrl.learner.batch import micro_batches
+    from asyncrl.learner.objectives import StepTotals, token_weights
     from asyncrl.learner.selection import select
     from asyncrl.learner.sft_data import length_buckets
+    from asyncrl.learner.shaping import step_rows
+    from asyncrl.learner.updates import computes
 
     config = learner.config
     selection = select(batch.groups, current_version=current_version, max_staleness=config.max_staleness,
                        group_size=config.group_size, crash_statuses=config.crash_statuses)  # fmt: skip
-    rows = to_rows(selection.batch, advantages_for(selection, config.normalize_adv_std), learner.temperature)
-    computed = [row for row in rows if row.advantage != 0.0 or row.teacher_logprobs is not None]
-    total = max(sum(sum(row.loss_mask[1:]) for row in rows), 1)
+    rows = step_rows(selection, config, learner.temperature)[0]
+    computed = [row for row in rows if computes(row)]
+    totals = StepTotals(tokens=sum(sum(row.loss_mask[1:]) for row in rows), samples=sum(1 for row in rows if any(row.loss_mask[1:])))
     index = {id(row): i for i, row in enumerate(rows)}
     # micro_batches lays rows out in length-bucket order; that order maps its tensors back to rows.
     order = iter([row for bucket in length_buckets(computed) for row in bucket])
@@ -242,18 +244,13 @@ def _shares(learner: RLLearner, batch: Batch, current_version: int, top: int) ->
     shares = {i: (0.0, 0) for i in range(len(rows))}
     tokens: list[TokenShare] = []
 
-    def one_token(lp: torch.Tensor, lr: torch.Tensor, a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return learner.objective(lp.view(1, 1), lr.view(1, 1), a.view(1), m.view(1, 1)).loss
-
     with torch.no_grad():
         for micro in micro_batches(computed, pad, config.micro_batch_tokens):
             micro = micro.to(learner.device)
-            logp, _ = learner.scorer(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.temperatures, micro.rollout_logprobs)
+            logp = learner.scorer(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.temperatures, micro.rollout_logprobs).logp
             mask, rollout = micro.loss_mask[:, 1:], micro.rollout_logprobs[:, 1:]
             out = learner.objective(logp, rollout, micro.advantages, mask)
-            advantages = micro.advantages[:, None].expand_as(logp)
-            per_token = torch.vmap(one_token)(logp.flatten(), rollout.flatten(), advantages.flatten(), mask.flatten())
-            per_token = per_token.view_as(logp) / total
+            per_token = out.per_token * token_weights(mask, config.loss_aggregation, totals, config.loss_constant)
             for b in range(logp.shape[0]):
                 row = next(order)
                 n = len(row.token_ids)
