@@ -9,7 +9,7 @@ the PPO family clips pi_theta / pi_old and corrects the gap between pi_old and p
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, Tag, model_validator
 
@@ -113,6 +113,30 @@ ObjectiveConfig = Annotated[
     choice("name", *OBJECTIVE_NAMES),
 ]
 """`learner.objective`: `name` picks the loss; a bare name (`objective: ppo`) takes that loss's defaults."""
+
+
+class LearnerObjective(Section):
+    """A task of the mix that trains under the learner's objective (`learner.objective`)."""
+
+    name: Literal["learner"] = "learner"
+    """Picks the learner's objective."""
+
+
+TaskObjectiveConfig = Annotated[
+    Annotated[LearnerObjective, Tag("learner")]
+    | Annotated[IcepopGRPOObjective, Tag("icepop_grpo")]
+    | Annotated[DoubleSidedISObjective, Tag("double_sided_is")]
+    | Annotated[PPOObjective, Tag("ppo")]
+    | Annotated[GSPOObjective, Tag("gspo")]
+    | Annotated[CISPOObjective, Tag("cispo")],
+    choice("name", "learner", *OBJECTIVE_NAMES),
+]
+"""`tasks.mix.NAME.objective`: `learner` (the default) or an objective of the task's own."""
+
+
+def by_name(value: Any) -> Any:
+    """`objective: NAME` is that objective with its defaults (a before-validator of the sections holding one)."""
+    return {"name": value} if isinstance(value, str) else value
 
 
 def uses_old_policy(objective: ObjectiveConfig) -> bool:

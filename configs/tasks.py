@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from .objectives import LearnerObjective, TaskObjectiveConfig, by_name
 from .section import Section
 
 
@@ -83,6 +84,16 @@ class TaskSpec(Section):
     """Most episodes started per second for this task (a token bucket, burst of one group); None: unlimited."""
     eval_problems: int | None = Field(None, ge=0, le=100000)
     """Held-out episodes per evaluation of this task; None: eval.num_problems; 0: not evaluated."""
+    objective: TaskObjectiveConfig = LearnerObjective()
+    """This task's RL loss: learner (learner.objective), or an objective of its own (a name, or a section as
+    learner.objective)."""
+    loss_weight: float = Field(1.0, ge=0.0, le=1000.0)
+    """Multiplies the loss of this task's tokens in the step (0: its rollouts are accounted for, not trained)."""
+
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _objective_by_name(cls, value: Any) -> Any:
+        return by_name(value)
 
 
 class TasksConfig(Section):

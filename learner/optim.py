@@ -17,7 +17,8 @@ Which parameter goes where (`partition`):
             each MoE expert's matrix of a stacked 3-D expert tensor on its own, and under muon_split
             the per-head blocks of `head_layout`.
 
-Type adamw is exactly `torch.optim.AdamW(params, lr, weight_decay)`, as before this module existed.
+Type adamw is `torch.optim.AdamW(params, lr, weight_decay)`, as before this module existed, where no
+`no_decay` applies (SFT); the RL learner's default splits it in two groups (below).
 
 Weight decay pulls a weight toward 0, a prior that suits matrices but not every parameter: a norm's gain
 decayed toward 0 scales its layer's output down, a bias has no scale to regularize, and decay shrinks

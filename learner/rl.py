@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from asyncrl.configs.objectives import uses_old_policy
+from asyncrl.configs.objectives import LearnerObjective, uses_old_policy
 from asyncrl.configs.schema import LearnerConfig, RunConfig
 from asyncrl.policy.checkpoint import build_policy
 from asyncrl.policy.mtp import MTPLayer, check_plain_head
@@ -63,7 +63,7 @@ from asyncrl.records import Account, Batch, StepResult, due_after_step
 from .batch import MicroBatch, staleness_histogram, to_rows
 from .consistency import ConsistencyStats, warn_gaps
 from .distributed import all_reduce_gradients, broadcast_parameters, gather_objects
-from .objectives import Objective, ObjectiveOutput, build_objective, distill_advantages, token_weights
+from .objectives import Objective, ObjectiveOutput, TaskLoss, build_objective, by_task, distill_advantages, token_weights
 from .optim import build_optimizer
 from .prefix import sharing_refusal
 from .reference import Reference, kl_estimate, reward_penalties
@@ -133,6 +133,19 @@ def trained_parameters(model: PreTrainedModel, mtp: MTPLayer | None) -> list[tor
         seen = {id(p) for p in params}
         params += [p for p in mtp.parameters() if p.requires_grad and id(p) not in seen]
     return params
+
+
+def task_losses(run: RunConfig) -> dict[str, TaskLoss]:
+    """The tasks of `tasks.mix` with an objective or a loss weight of their own."""
+    return {
+        name: TaskLoss(
+            None if isinstance(spec.objective, LearnerObjective) else build_objective(spec.objective),
+            spec.loss_weight,
+            reads_old=not isinstance(spec.objective, LearnerObjective) and uses_old_policy(spec.objective),
+        )
+        for name, spec in run.tasks.mix.items()
+        if not isinstance(spec.objective, LearnerObjective) or spec.loss_weight != 1.0
+    }
 
 
 def learner_device(run: RunConfig) -> torch.device:
@@ -230,6 +243,7 @@ class RLLearner:
         mtp_depth_weights: Sequence[float] = (1.0,),
         version: int = 0,
         fsdp: bool = False,
+        task_losses: Mapping[str, TaskLoss] | None = None,
     ) -> None:
         self.config = config
         # Eval mode: no dropout, so the learner scores the very function the engines sample from
@@ -242,9 +256,9 @@ class RLLearner:
         self.mtp_depth_weights = list(mtp_depth_weights)
         """lambda_k of the MTP loss for depths 1..len (policy.mtp.train_depth)."""
         self.version = version
-        """Policy version of the current weights: +1 per learner step that took an optimizer step (one batch,
-        however many updates `learner.mini_batches` and `learner.epochs` make of it)."""
+        """Policy version of the current weights: +1 per learner step (batch) that took an optimizer step."""
         self.objective: Objective = build_objective(config.objective)
+        self.task_losses = dict(task_losses or {})  # the tasks of the mix whose objective or weight is their own
         if config.freeze_indexer:
             freeze_indexers(model, mtp)
         check_plain_head(model)
@@ -257,8 +271,7 @@ class RLLearner:
         """This process's place in a data-parallel learner (learner/distributed.py); (0, 1) alone."""
         if self.world > 1:  # before FSDP (if any) cuts the parameters into shards
             broadcast_parameters([*model.parameters(), *(mtp.parameters() if mtp is not None else ())])
-        # learner.precision: float32 weights and optimizer state always; bf16-mixed computes under autocast.
-        for module in [model, *([mtp] if mtp is not None else [])]:
+        for module in [model, *([mtp] if mtp is not None else [])]:  # learner.precision: float32 weights, always
             module.to(dtype=torch.float32)
         self.scorer = Scorer(model, self.mtp, config.logits_chunk_tokens, autocast_dtype(config.precision, self.device))
         self.fsdp = fsdp and self.world > 1
@@ -302,7 +315,7 @@ class RLLearner:
         return cls(
             run.learner, model, tokenizer, mtp,
             sampling_temperature=sampling.temperature, mtp_depth_weights=run.policy.mtp.weights_per_depth(),
-            fsdp=uses_fsdp(run, device),
+            fsdp=uses_fsdp(run, device), task_losses=task_losses(run),
         )  # fmt: skip
 
     # -- one optimizer step -------------------------------------------------------------------
@@ -370,7 +383,8 @@ class RLLearner:
         """Every update of the step, `learner.epochs` times over: (the first pass's figures, with the mean loss of
         all updates; each optimizer step's gradient norm before and after clipping)."""
         config = self.config
-        if config.epochs * len(updates) > 1 and uses_old_policy(config.objective):
+        reads_old = uses_old_policy(config.objective) or any(loss.reads_old for loss in self.task_losses.values())
+        if config.epochs * len(updates) > 1 and reads_old:
             for update in updates:
                 score_old(self.scorer, update.batches, self.device, routing_replay=config.routing_replay, fsdp=self.fsdp)
         first, losses, norms = _StepStats(), [], []
@@ -406,7 +420,8 @@ class RLLearner:
             logp, aux, entropy = self.scorer(*scored, routes, mtp, batch.prefix, batch.truncation)
             mask = batch.loss_mask[:, 1:]
             advantages = _advantages(batch, logp, mask)
-            out = self.objective(logp, batch.rollout_logprobs[:, 1:], advantages, mask, old=batch.old_logprobs)
+            scored_tokens = (logp, batch.rollout_logprobs[:, 1:], advantages, mask)
+            out = by_task(self.objective, self.task_losses, batch.tasks, *scored_tokens, old=batch.old_logprobs)
             weights = token_weights(mask, self.config.loss_aggregation, update.totals, self.config.loss_constant)
             loss = ((out.per_token + self._kl_term(batch, logp, routes, stats)) * weights).sum()
             stats.entropy_sum += float(entropy.detach().sum())

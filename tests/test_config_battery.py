@@ -26,7 +26,7 @@ from asyncrl.configs.loader import _choice_key, _choices
 from asyncrl.configs.schema import RunConfig
 
 ENTRY = "entry"
-BY_NAME = {"learner.objective"}
+BY_NAME = {"learner.objective", "tasks.mix.entry.objective"}
 """Sections with choices that also take a bare choice (`learner.objective: ppo`): a wrong word is a wrong choice."""
 """The name given to one entry of a section kept by name (tasks.mix.entry, distill.teachers.entry)."""
 

@@ -35,7 +35,7 @@ LINE_BUDGETS = {
     "asyncrl/jobs": 2400,  # 2364: eval, model fetch, the evaluation engine, sft.task, a pipeline stage per process (issue 35)
     "asyncrl/policy": 1400,  # 1362: the GGUF fetch (issue 35); CPU bf16 detection, the head's entropy and top-k/p (issue 37)
     "asyncrl/replay": 2630,  # 2544
-    "configs": 1960,  # 1909: the model catalog, rollout.kv_cache_memory (issue 35); the objectives, schedule, KL, overlong (issue 37)
+    "configs": 2000,  # 1963: the model catalog, rollout.kv_cache_memory (issue 35); the objectives, schedule, KL, overlong (issue 37)
     "distill": 230,  # 220
     "envs": 1830,  # 1760: pass@k and sampled evaluation (issue 35)
     "envs/dataset": 980,  # 947
@@ -45,7 +45,7 @@ LINE_BUDGETS = {
     "gateway/parsers": 420,  # 404
     "gateway/store": 1280,  # 1242
     "learner": 3660,  # 3563: updates per batch, KL reference, schedule, overlong shaping, precision (issue 37)
-    "learner/objectives": 460,  # 438: the objective registry, a module per objective (issue 37)
+    "learner/objectives": 520,  # 501: the objective registry, a module per objective, objectives by task (issue 37)
     "rollout": 2970,  # 2880: the KV cache budget (issue 35)
     "rollout/models": 970,  # 937
     "sched": 2270,  # 2209: evaluation on an engine of its own, beside training (issue 35); dynamic sampling (issue 37)

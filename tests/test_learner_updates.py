@@ -7,6 +7,8 @@ steps once per update and resumes with the optimizer.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_learner_rl import make_learner, sample
@@ -222,3 +224,61 @@ def test_an_entropy_bonus_computes_zero_advantage_rows_too():
     step = learner.train_step(Batch([group]))
     assert step.stepped and step.metrics["skipped_zero_adv"] == 0
     assert make_learner().train_step(Batch([group])).metrics["skipped_zero_adv"] == 2
+
+
+def test_a_task_of_the_mix_trains_under_its_own_objective_and_loss_weight():
+    from asyncrl.configs.objectives import DoubleSidedISObjective, IcepopGRPOObjective
+    from asyncrl.learner.objectives import TaskLoss, build_objective, by_task
+
+    generator = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(4, 5, generator=generator) * 3
+    logp = rollout + 0.4 * torch.randn(4, 5, generator=generator)
+    mask, advantages = torch.ones(4, 5), torch.tensor([1.0, -1.0, 0.5, 2.0])
+    default, own = build_objective(IcepopGRPOObjective()), build_objective(DoubleSidedISObjective(eps_low=0.1, eps_high=0.1))
+    losses = {"b": TaskLoss(own, 2.0), "c": TaskLoss(None, 0.5)}
+    out = by_task(default, losses, ["a", "b", "c", "a"], logp, rollout, advantages, mask)
+    plain, theirs = default(logp, rollout, advantages, mask), own(logp, rollout, advantages, mask)
+    assert torch.equal(out.per_token[[0, 3]], plain.per_token[[0, 3]])
+    assert torch.equal(out.per_token[1], 2.0 * theirs.per_token[1]) and torch.equal(out.kept[1], theirs.kept[1])
+    assert torch.equal(out.per_token[2], 0.5 * plain.per_token[2])
+    assert not torch.equal(theirs.kept[1], plain.kept[1])  # the two objectives disagree on that row's tokens
+
+
+def test_task_losses_come_from_the_mix():
+    from asyncrl.configs import load_config
+    from asyncrl.learner.rl import task_losses
+
+    run = load_config("quickstart", ["tasks.mix.x.env=reasoning", "tasks.mix.x.objective=ppo", "tasks.mix.y.env=reasoning",
+                                     "tasks.mix.y.loss_weight=0.5", "tasks.mix.z.env=reasoning"])  # fmt: skip
+    losses = task_losses(run)
+    assert set(losses) == {"x", "y"} and losses["x"].objective is not None and losses["x"].weight == 1.0
+    assert losses["x"].reads_old and not losses["y"].reads_old  # ppo's pi_old is scored when a batch takes several updates
+    assert losses["y"].objective is None and losses["y"].weight == 0.5 and run.tasks.mix["z"].objective.name == "learner"
+    assert run.tasks.mix["x"].objective.name == "ppo"
+
+
+def test_a_task_weighted_zero_is_accounted_for_but_not_trained():
+    from asyncrl.learner.objectives import TaskLoss
+
+    learner = make_learner()
+    learner.task_losses = {"muted": TaskLoss(None, 0.0)}
+    groups = [[dataclasses.replace(s, task="muted") for s in group] for group in two_groups(learner)]
+    step = learner.train_step(Batch(groups))
+    assert step.ledger["trained"] == 4 and step.loss == 0.0
+
+
+def test_a_tasks_own_ppo_objective_gets_pi_old_when_the_batch_takes_several_updates():
+    from asyncrl.configs.objectives import PPOObjective
+    from asyncrl.learner.objectives import TaskLoss, build_objective
+
+    learner = make_learner(objective="double_sided_is", mini_batches=2, share_prefixes=False)
+    ppo, olds = build_objective(PPOObjective()), []
+
+    def spy(logp, logp_rollout, advantages, mask, *, old=None):
+        olds.append(old)
+        return ppo(logp, logp_rollout, advantages, mask, old=old)
+
+    learner.task_losses = {"t": TaskLoss(spy, reads_old=True)}
+    groups = [[dataclasses.replace(s, task="t") for s in group] for group in even_groups(learner)]
+    assert learner.train_step(Batch(groups)).metrics["updates"] == 2
+    assert len(olds) == 2 and all(old is not None for old in olds)

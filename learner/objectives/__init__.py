@@ -14,6 +14,7 @@ from asyncrl.configs.objectives import DoubleSidedISObjective, GSPOObjective, Ic
 from .advantages import distill_advantages, group_advantages
 from .aggregation import StepTotals, token_weights
 from .base import Objective, ObjectiveOutput, importance_ratio
+from .by_task import TaskLoss, by_task
 from .cispo import cispo_loss
 from .correction import rollout_correction
 from .glm5 import double_sided_is_loss, icepop_grpo_loss
@@ -21,9 +22,22 @@ from .gspo import gspo_loss
 from .ppo import ppo_loss
 
 __all__ = [
-    "Objective", "ObjectiveOutput", "StepTotals", "build_objective", "cispo_loss", "distill_advantages",
-    "double_sided_is_loss", "group_advantages", "gspo_loss", "icepop_grpo_loss", "importance_ratio", "ppo_loss",
-    "rollout_correction", "token_weights",
+    "Objective",
+    "ObjectiveOutput",
+    "StepTotals",
+    "TaskLoss",
+    "build_objective",
+    "by_task",
+    "cispo_loss",
+    "distill_advantages",
+    "double_sided_is_loss",
+    "group_advantages",
+    "gspo_loss",
+    "icepop_grpo_loss",
+    "importance_ratio",
+    "ppo_loss",
+    "rollout_correction",
+    "token_weights",
 ]  # fmt: skip
 
 
