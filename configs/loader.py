@@ -60,6 +60,10 @@ def read_yaml(source: str) -> dict[str, Any]:
     return data
 
 
+BY_NAME = ("objective",)
+"""Keys of sections that a config may also write as a bare name (`learner.objective: ppo`, `tasks.mix.X.objective`)."""
+
+
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Apply one `dotted.key=value` override; the value is parsed as YAML (`0.7`, `true`, `[1, 2]`)."""
     key, sep, raw = override.partition("=")
@@ -73,6 +77,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     parts = key.split(".")
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
+        if isinstance(child, str) and part in BY_NAME:
+            child = node[part] = {"name": child}  # `objective: ppo`, then `objective.eps_high=...`
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is not a section")
         node = child

@@ -26,7 +26,7 @@ from asyncrl.configs.loader import _choice_key, _choices
 from asyncrl.configs.schema import RunConfig
 
 ENTRY = "entry"
-BY_NAME = {"learner.objective", "tasks.mix.entry.objective"}
+NAMED_CHOICES = {"learner.objective", "tasks.mix.entry.objective"}
 """Sections with choices that also take a bare choice (`learner.objective: ppo`): a wrong word is a wrong choice."""
 """The name given to one entry of a section kept by name (tasks.mix.entry, distill.teachers.entry)."""
 
@@ -141,7 +141,7 @@ def cases_for(model: type[BaseModel], prefix: str = "", picks: tuple[str, ...] =
         if choices:  # a section with choices: each choice's fields, after the override that picks it
             picker = _choice_key(field)
             cases.append(Case((*picks, f"{key}.{picker}=no_such_choice"), f"{key}.{picker}", "Input should be"))
-            if key in BY_NAME:
+            if key in NAMED_CHOICES:
                 cases.append(Case((*picks, f"{key}=just-one-word"), f"{key}.{picker}", "Input should be"))
             else:
                 cases.append(Case((*picks, f"{key}=just-one-word"), key, "mapping"))

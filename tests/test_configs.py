@@ -245,3 +245,10 @@ def test_learner_sharding_resolves_auto_by_device_and_refuses_unknown_values() -
     assert not uses_fsdp(load_config("quickstart", ["learner.num_ranks=2", "learner.sharding=replicate"]), cuda)
     assert not uses_fsdp(load_config("quickstart", []), cuda)  # one rank
     assert uses_fsdp(load_config("quickstart", fsdp), cpu)
+
+
+def test_an_objective_written_by_name_takes_overrides_of_its_keys():
+    config = load_config("smollm2_agentic", ["learner.objective.eps_high=0.5"])  # the preset writes `objective: double_sided_is`
+    assert config.learner.objective.name == "double_sided_is" and config.learner.objective.eps_high == 0.5
+    mixed = load_config("quickstart", ["tasks.mix.a.objective=ppo", "tasks.mix.a.objective.correction.kind=truncate"])
+    assert mixed.tasks.mix["a"].objective.name == "ppo" and mixed.tasks.mix["a"].objective.correction.kind == "truncate"
