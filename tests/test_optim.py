@@ -332,6 +332,9 @@ def _sharded_muon_rank(rank: int, init_file: str, out_dir: str) -> None:
     optimizer._orthogonalized = lambda update, group: (calls.append(tuple(update.shape)), orthogonalized(update, group))[1]
     _muon_steps(optimizer, params, lambda whole: distribute_tensor(whole, mesh, [Shard(0)]))
     torch.save({"params": [p.full_tensor() for p in params], "calls": calls}, f"{out_dir}/rank{rank}.pt")
+    # Both ranks past their last collective before either tears gloo down: a rank that exits while its peer's
+    # pair threads still talk to it was seen to abort the peer ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
