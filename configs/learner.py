@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .objectives import IcepopGRPOObjective, ObjectiveConfig
+from .objectives import IcepopGRPOObjective, ObjectiveConfig, by_name
 from .section import Section
 
 
@@ -217,16 +217,16 @@ class LearnerConfig(Section):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        objective = data.get("objective", {})
-        objective = {"name": objective} if isinstance(objective, str) else objective
         legacy = {key: data.pop(key) for key in ("eps_low", "eps_high", "icepop_beta") if key in data}
+        if "objective" not in data and not legacy:
+            return data
+        objective = by_name(data.get("objective", {}))
         if legacy and isinstance(objective, dict):
-            objective = {**objective}
-            for key, value in legacy.items():
-                if key != "icepop_beta" or objective.get("name", "icepop_grpo") == "icepop_grpo":
-                    objective.setdefault("beta" if key == "icepop_beta" else key, value)
-        if objective != {} or "objective" in data:
-            data["objective"] = objective
+            moved = {"beta" if key == "icepop_beta" else key: value for key, value in legacy.items()}
+            if objective.get("name", "icepop_grpo") != "icepop_grpo":
+                moved.pop("beta", None)  # only icepop_grpo has one
+            objective = {**moved, **objective}  # the objective's own keys win
+        data["objective"] = objective
         return data
 
     @model_validator(mode="after")

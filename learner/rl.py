@@ -249,7 +249,7 @@ class RLLearner:
         # Eval mode: no dropout, so the learner scores the very function the engines sample from
         # (gradients flow all the same).
         self.model = model.eval()
-        self.tokenizer = tokenizer
+        self.tokenizer, self.pad = tokenizer, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.mtp = mtp.eval() if mtp is not None else None
         self.temperature = sampling_temperature if sampling_temperature > 0 else 1.0
         """The run's sampling temperature, for tokens with none on record."""
@@ -311,7 +311,7 @@ class RLLearner:
         autocast_dtype(run.learner.precision, device)  # refused before the policy loads, not after
         model, tokenizer, mtp = build_policy(run.policy, run.seed)
         for module in [model, *([mtp] if mtp is not None else [])]:
-            module.to(device=device, dtype=torch.float32)  # in place; float32 master weights (learner.precision)
+            module.to(device)  # in place; the learner casts to its float32 master weights
         return cls(
             run.learner, model, tokenizer, mtp,
             sampling_temperature=sampling.temperature, mtp_depth_weights=run.policy.mtp.weights_per_depth(),
@@ -335,9 +335,8 @@ class RLLearner:
             group_size=self.config.group_size, crash_statuses=self.config.crash_statuses,
         )  # fmt: skip
         rows, shaping = step_rows(selection, self.config, self.temperature, self._reward_kl(selection))
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         updates = plan_updates(
-            rows, selection.group_of, self.config.mini_batches, rank=self.rank, world=self.world, pad=pad,
+            rows, selection.group_of, self.config.mini_batches, rank=self.rank, world=self.world, pad=self.pad,
             max_tokens=self.config.micro_batch_tokens, share=self.share_prefixes, every_row=self.config.entropy_coef > 0,
         )  # fmt: skip
         before, lr = self.version, self.scheduler.get_last_lr()[0]
@@ -370,9 +369,8 @@ class RLLearner:
         """Each selected sample's summed KL estimate to the reference, where `learner.kl` is a reward penalty."""
         if self.reference is None or self.config.kl.mode != "reward":
             return None
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         rows = to_rows(selection.batch, [0.0] * len(selection.batch), self.temperature)
-        return reward_penalties(self.reference, rows, pad, self.config.micro_batch_tokens, self.device, self.config.kl.estimator)
+        return reward_penalties(self.reference, rows, self.pad, self.config.micro_batch_tokens, self.device, self.config.kl.estimator)
 
     @property
     def _trained_mtp(self) -> MTPLayer | None:
@@ -408,11 +406,10 @@ class RLLearner:
         """Forward and backward every micro-batch of `update` (this rank's share); gradients add up to the update's
         loss as `learner.loss_aggregation` divides it."""
         stats, config = _StepStats(), self.config
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # FSDP: agreed before any pass, since every pass's gathers are collectives too.
         passes = matched_passes(len(update.batches), self.device) if self.fsdp else len(update.batches)
-        trained_mtp = self._trained_mtp is not None
-        mtp = MTPTargets(float(max(update.computed_trainable, 1)), self.mtp_depth_weights) if trained_mtp else None
+        trains_mtp = self._trained_mtp is not None
+        mtp = MTPTargets(float(max(update.computed_trainable, 1)), self.mtp_depth_weights) if trains_mtp else None
         for batch in update.batches:
             batch = batch.to(self.device)
             routes = batch.routes if self.config.routing_replay else None
@@ -435,7 +432,7 @@ class RLLearner:
             stats.loss += loss.item()
             stats.add(out, logp, batch, mask)
         for _ in range(passes - len(update.batches)):
-            empty_pass(self.scorer, pad, self.device, mtp)
+            empty_pass(self.scorer, self.pad, self.device, mtp)
         return stats
 
     def _kl_term(self, batch: MicroBatch, logp: torch.Tensor, routes: torch.Tensor | None, stats: _StepStats) -> torch.Tensor | float:

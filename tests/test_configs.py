@@ -252,3 +252,15 @@ def test_an_objective_written_by_name_takes_overrides_of_its_keys():
     assert config.learner.objective.name == "double_sided_is" and config.learner.objective.eps_high == 0.5
     mixed = load_config("quickstart", ["tasks.mix.a.objective=ppo", "tasks.mix.a.objective.correction.kind=truncate"])
     assert mixed.tasks.mix["a"].objective.name == "ppo" and mixed.tasks.mix["a"].objective.correction.kind == "truncate"
+
+
+def test_a_config_from_before_objective_sections_keeps_its_bounds():
+    from asyncrl.configs.learner import LearnerConfig
+
+    old = LearnerConfig.model_validate({"objective": "icepop_grpo", "eps_low": 0.1, "eps_high": 0.3, "icepop_beta": 3.0})
+    assert (old.objective.name, old.objective.eps_low, old.objective.eps_high, old.objective.beta) == ("icepop_grpo", 0.1, 0.3, 3.0)
+    sided = LearnerConfig.model_validate({"objective": "double_sided_is", "eps_high": 0.5, "icepop_beta": 3.0})
+    assert sided.objective.name == "double_sided_is" and sided.objective.eps_high == 0.5  # beta had no place there
+    assert LearnerConfig.model_validate({"eps_low": 0.15}).objective.eps_low == 0.15  # the default objective, moved into
+    written = LearnerConfig.model_validate({"objective": {"name": "ppo", "eps_low": 0.05}, "eps_low": 0.3})
+    assert written.objective.eps_low == 0.05  # the objective's own key wins
