@@ -64,7 +64,7 @@ def generate_from_checkpoint(args: argparse.Namespace) -> int:
     console = Console()
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     # One call, no later turns: no slots kept for prefix reuse (a real model's context is then 0.4 GB a slot, not 48 GB).
-    rollout = EmbeddedRolloutConfig(max_num_seqs=max(1, args.num_samples), retained_prefixes=0)
+    rollout = EmbeddedRolloutConfig(max_num_seqs=max(1, args.num_samples))
     engine = EmbeddedEngine.from_pretrained(args.checkpoint, rollout)
     try:
         prompt = _prompt_ids(args, tokenizer)

@@ -7,8 +7,9 @@ project, so any component can use them without importing another.
 
 These are the ground truth the learner trains from, so they keep the engine's numbers exactly:
 token ids as sampled, log-probs as floats that survive a JSON round trip bit for bit (Python writes
-the shortest repr that reads back to the same double), the policy version of every token, and the
-sampling options of every turn, so the learner takes each log-prob at the temperature it was drawn at.
+the shortest repr that reads back to the same double), the policy version of every token (and, where the
+engine records it, the oldest version among the KV the token attended to), and the sampling options of every
+turn, so the learner takes each log-prob at the temperature it was drawn at.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ class GenerationResult:
     routes: list[list[list[int]]] | None = None
     """rollout.record_routes: per sampled token, per MoE layer, the expert ids (ascending) chosen at the
     position whose output sampled it (`asyncrl.policy.routing`). None when not recorded."""
+    kv_versions: list[int] | None = None
+    """KV provenance: per sampled token, the oldest policy version among the KV entries its forward attended
+    to (every earlier position and its own). Older than `versions` where weights were pushed mid-request
+    under `rollout.kv_on_push: keep`. None when the engine does not record it (vLLM)."""
 
 
 @dataclass
@@ -115,6 +120,20 @@ class TokenDelta:
     versions: list[int]
     engine_id: str = ""
     """The engine that sampled them (set by the gateway's pool), so a stream cut short records where it ran."""
+    kv_versions: list[int] | None = None
+    """As `GenerationResult.kv_versions`, for these tokens."""
+
+    def extend(self, more: TokenDelta) -> None:
+        """Append `more`'s tokens. KV provenance stays on record only while every delta carries it."""
+        if more.kv_versions is None or (self.kv_versions is None and self.token_ids):
+            self.kv_versions = None
+        elif self.kv_versions is None:
+            self.kv_versions = list(more.kv_versions)
+        else:
+            self.kv_versions += more.kv_versions
+        self.token_ids += more.token_ids
+        self.logprobs += more.logprobs
+        self.versions += more.versions
 
 
 @dataclass
@@ -172,6 +191,9 @@ class Turn:
     routes: list[list[list[int]]] | None = None
     """MoE routing replay: for each completion token, per MoE layer, the experts the engine's router chose
     (rollout.record_routes). None when not recorded."""
+    kv_versions: list[int] | None = None
+    """For each completion token, the oldest policy version among the KV it attended to
+    (`GenerationResult.kv_versions`). None when not recorded (vLLM, turns stored before it was)."""
 
     def __post_init__(self) -> None:
         # A misaligned turn would silently shift every importance ratio after it; refuse it here.
@@ -183,6 +205,11 @@ class Turn:
             )
         if self.routes is not None and len(self.routes) != n:
             raise ValueError(f"turn of rollout {self.rollout_id!r}: {n} completion tokens but routes for {len(self.routes)}")
+        if self.kv_versions is not None and len(self.kv_versions) != n:
+            raise ValueError(
+                f"turn of rollout {self.rollout_id!r}: {n} completion tokens but {len(self.kv_versions)} kv_versions; "
+                "they must be aligned one to one"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON. Not `dataclasses.asdict`: its deep copy of every token id made it the
@@ -190,6 +217,8 @@ class Turn:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("prompt_token_ids", "completion_token_ids", "logprobs", "versions", "timings"):
             data[name] = data[name].copy()
+        if self.kv_versions is not None:
+            data["kv_versions"] = self.kv_versions.copy()
         return data
 
     @classmethod
@@ -241,6 +270,8 @@ class Trajectory:
 
 UNSAMPLED_VERSION = -1
 """Version recorded for tokens the policy did not sample (prompt, tool and environment tokens)."""
+StalenessBy = Literal["sampled", "kv"]
+"""Which version a token's staleness counts from (`learner.staleness_by`, `Sample.staleness_versions`)."""
 
 
 @dataclass
@@ -281,10 +312,26 @@ class Sample:
     """top-p each sampled token was drawn under (1.0: none), as `top_ks`."""
     truncated: bool = False
     """Its last turn ended at the token limit (finish reason `length`): `learner.overlong.filter` trains none of it."""
+    kv_versions: list[int] | None = None
+    """Oldest policy version among the KV each sampled token attended to (`Turn.kv_versions`), aligned with
+    token_ids, UNSAMPLED_VERSION where the mask is 0; a turn that recorded none gives its `versions` (see
+    `asyncrl/samples.py`). None for the whole sample when no turn recorded it."""
 
     @property
     def oldest_version(self) -> int | None:
         return oldest_version(self.versions, self.loss_mask)
+
+    def staleness_versions(self, by: StalenessBy) -> list[int]:
+        """Per token, the version its staleness counts from (`learner.staleness_by`): the one that sampled it,
+        or with "kv" the oldest one among the KV it attended to (the sampling one where that is not on record)."""
+        if by == "sampled" or self.kv_versions is None:
+            return self.versions
+        if len(self.kv_versions) != len(self.token_ids):
+            raise ValueError(
+                f"sample of rollout {self.rollout_id!r}: {len(self.token_ids)} tokens but {len(self.kv_versions)} kv_versions; "
+                "they must be aligned with token_ids"
+            )
+        return self.kv_versions
 
     def scoring_temperatures(self, default: float) -> list[float]:
         """The temperature at which the learner (and a teacher) takes the log-prob of each token, so that

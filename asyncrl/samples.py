@@ -10,6 +10,12 @@ agent that alternates between two contexts yields two samples, not one per turn.
 
 Every sampled token carries its turn's temperature, so a sample whose turns were drawn at different
 temperatures is still scored exactly, token by token.
+
+KV provenance (`Sample.kv_versions`) is kept when any turn recorded it. A turn that did not (an engine
+that records none, a turn stored before turns carried it) gives its sampling versions instead: the KV a
+token attended to is never newer than the weights that sampled it, so these are the newest versions it
+can have had. That is the optimistic choice: under `learner.staleness_by: kv` such a token counts as
+stale as its sampling version says, never more.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
     # Stores written before turns carried their temperature give samples without one (the learner's default).
     recorded = any(turn.temperature is not None for turn in trajectory.turns)
     routed = any(turn.routes is not None for turn in trajectory.turns)
+    provenanced = any(turn.kv_versions is not None for turn in trajectory.turns)
     truncating = any(_truncation(turn) != (0, 1.0) for turn in trajectory.turns)
     for turn in trajectory.turns:
         prompt = turn.prompt_token_ids
@@ -51,6 +58,7 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
                 status=trajectory.status, task=trajectory.task, branch=len(samples), temperatures=[] if recorded else None,
                 token_turns=[], routes=[] if routed else None,
                 top_ks=[] if truncating else None, top_ps=[] if truncating else None,
+                kv_versions=[] if provenanced else None,
             )  # fmt: skip
             samples.append(sample)
         unsampled = len(prompt) - len(sample.token_ids)
@@ -59,6 +67,8 @@ def trajectory_to_samples(trajectory: Trajectory) -> list[Sample]:
         sample.loss_mask += [0] * unsampled + [1] * sampled
         sample.logprobs += [0.0] * unsampled + turn.logprobs
         sample.versions += [UNSAMPLED_VERSION] * unsampled + turn.versions
+        if sample.kv_versions is not None:
+            sample.kv_versions += [UNSAMPLED_VERSION] * unsampled + (turn.kv_versions if turn.kv_versions is not None else turn.versions)
         if sample.temperatures is not None:
             sample.temperatures += [None] * unsampled + [turn.temperature] * sampled
         if sample.top_ks is not None and sample.top_ps is not None:

@@ -130,6 +130,10 @@ class LearnerConfig(Section):
     """Divide group-centred rewards by the group's standard deviation."""
     max_staleness: int = Field(4, ge=0)
     """tau: drop a rollout when learner version - oldest version among its sampled tokens > tau."""
+    staleness_by: Literal["sampled", "kv"] = "sampled"
+    """The version a token's staleness counts from, for max_staleness and the reported lags: "sampled", the weights
+    that sampled it; "kv", the oldest weights among the KV it attended to, older than those under
+    rollout.kv_on_push: keep when a push came mid-request (turns that recorded no KV versions, vLLM's: the sampling one)."""
     crash_statuses: list[Literal["env_crash", "timeout", "error"]] = ["env_crash", "error"]
     """Finish statuses that count as environment crashes and are dropped."""
     lr: float = Field(1e-4, gt=0, le=1.0)

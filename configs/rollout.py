@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import warnings
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, Tag, model_validator
 
@@ -76,24 +77,46 @@ class RolloutBase(Section):
 
 
 class EmbeddedRolloutConfig(RolloutBase):
-    """The embedded torch engine (rollout/engine.py): paged KV cache, prefix retention, FP8 and MTP drafting on CPU or GPU."""
+    """The embedded torch engine (rollout/engine.py): paged KV cache with prefix sharing, FP8 and MTP drafting on CPU or GPU."""
 
     type: Literal["embedded"] = "embedded"
     """Engine implementation: the embedded torch engine."""
-    retained_prefixes: int = Field(64, ge=0, le=65536)
-    """Finished requests whose KV cache is kept for the next turn of the same rollout."""
     kv_cache_memory: float = Field(0.25, gt=0.0)
-    """Memory the KV cache may take: at most 1 is a fraction of the memory available when the engine
-    starts (the GPU's free memory, or the machine's), above 1 bytes. The cache holds max_num_seqs +
-    retained_prefixes slots of max_model_len positions; with max_model_len unset it holds as many
-    positions as fit (at most the model's), and a max_model_len that does not fit is refused."""
+    """Memory the paged KV cache may take: at most 1 is a fraction of the memory available when the engine
+    starts (the GPU's free memory, or the machine's), above 1 bytes; never more than twice what max_num_seqs
+    requests of max_model_len positions need. Blocks no request holds keep their KV for reuse (a GRPO group's prompt,
+    a rollout's earlier turns) until fresh blocks are needed. With max_model_len unset the engine's length
+    is the model's, cut to what the cache holds; a max_model_len that does not fit is refused."""
+    kv_block_size: int = Field(16, ge=1, le=1024)
+    """Positions per KV cache block: the unit of allocation and of prefix sharing (only whole blocks are
+    shared, so a smaller block shares more of a prompt, at a larger block table)."""
     record_routes: bool = False
     """Record the experts the MoE router chose for every sampled token (MoE policies), so the learner can
     route its forward the same way (learner.routing_replay)."""
+    kv_on_push: Literal["keep", "recompute"] = "recompute"
+    """What a weight push does to KV computed by the older weights. recompute: prefix-cache blocks computed
+    by older weights are never reused by requests admitted after the push, and requests running at the push
+    have their context prefilled again under the new weights before they sample on. keep: such blocks are
+    reused, and running requests go on over their old KV; either way every sampled token records the oldest
+    version among the KV it attended to (Turn.kv_versions), which learner.staleness_by: kv measures by."""
     prefill_chunk_tokens: int = Field(4096, ge=16, le=1_048_576)
     """Most prompt tokens of one request prefilled in one step; a longer prompt is prefilled piece by piece
     over several steps (each piece attends to the cache), so a step's attention scores take pieces x context
     entries instead of context squared (an agent harness's 20k-token prompt: 0.3 GB a head instead of 1.6)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retained_prefixes(cls, data: Any) -> Any:
+        # Configs written before the paged cache (run directories' config.yaml among them) still load:
+        # every finished block now stays cached for reuse, so the count of retained slots means nothing.
+        if isinstance(data, dict) and "retained_prefixes" in data:
+            data = {key: value for key, value in data.items() if key != "retained_prefixes"}
+            warnings.warn(
+                "rollout.retained_prefixes is ignored: the paged KV cache keeps every finished block for reuse while "
+                "memory allows (rollout.kv_cache_memory)",
+                DeprecationWarning, stacklevel=2,
+            )  # fmt: skip
+        return data
 
 
 class VLLMRolloutConfig(RolloutBase):

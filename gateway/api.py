@@ -119,6 +119,8 @@ class TokenGenerateResponse(_Closed):
     versions: list[int]
     finish_reason: str
     engine_id: str
+    kv_versions: list[int] | None = None
+    """Per token, the oldest policy version among the KV it attended to; None where the engine records none."""
 
 
 class TokenScoreRequest(_Closed):

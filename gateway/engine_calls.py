@@ -29,7 +29,9 @@ class EngineCalls:
         began = time.perf_counter()
         self.in_flight += 1
         try:
-            result, retries = await self.pool.generate(rollout.id, prompt, sampling, deadline=self._deadline(), abandon=rollout.abandon)
+            result, retries = await self.pool.generate(
+                rollout.id, prompt, sampling, route_key=rollout.route_key, deadline=self._deadline(), abandon=rollout.abandon
+            )
         finally:
             self.in_flight -= 1
         return result, {**result.timings, "engine_call_s": time.perf_counter() - began, "retries": float(retries)}
@@ -43,7 +45,9 @@ class EngineCalls:
         began = time.perf_counter()
         self.in_flight += 1
         try:
-            engine = self.pool.stream(rollout.id, prompt, sampling, deadline=self._deadline(), abandon=rollout.abandon)
+            engine = self.pool.stream(
+                rollout.id, prompt, sampling, route_key=rollout.route_key, deadline=self._deadline(), abandon=rollout.abandon
+            )
             async with contextlib.aclosing(engine):
                 async for item in engine:
                     if isinstance(item, GenerationResult):

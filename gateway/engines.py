@@ -287,7 +287,8 @@ async def _whole(generate: Callable[[], Awaitable[GenerationResult]]) -> Streame
     gateway may still retry it elsewhere."""
     result = await generate()
     if result.token_ids and result.finish_reason not in ("error", "abort"):
-        yield TokenDelta(list(result.token_ids), list(result.logprobs), list(result.versions))
+        kv_versions = None if result.kv_versions is None else list(result.kv_versions)
+        yield TokenDelta(list(result.token_ids), list(result.logprobs), list(result.versions), kv_versions=kv_versions)
     yield result
 
 

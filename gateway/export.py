@@ -3,7 +3,8 @@
 JSONL (one trajectory a line, always available) or Parquet (one row a trajectory, turns as a nested
 list; needs pyarrow). The file is written beside its final name and renamed at the end, so an
 interrupted export never leaves a file that looks complete. Files written before turns carried their
-sampling options read back with those options unset (None: the learner assumes the run's).
+sampling options, MoE routes or KV versions read back with those unset (None: the learner assumes the
+run's sampling options, and takes each token's KV as new as its sampling version).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def _parquet_schema(pa: Any) -> Any:
         ("temperature", pa.float64()),
         ("top_p", pa.float64()),
         ("top_k", pa.int64()),
+        ("routes", pa.list_(pa.list_(pa.list_(pa.int64())))),
+        ("kv_versions", pa.list_(pa.int64())),
     ])  # fmt: skip
     return pa.schema([
         ("rollout_id", pa.string()),

@@ -81,13 +81,15 @@ def _as_finished(t: Trajectory) -> Trajectory:
 def _token_table(sample, tokenizer) -> Table:
     title = f"fork {sample.branch}: turns {sample.turn_indices}, {len(sample.token_ids)} tokens, {sum(sample.loss_mask)} sampled"
     table = Table(title=title, header_style="bold", show_edge=False, pad_edge=False)
-    for column in ("pos", "text", "token id", "log-prob", "version", "mask"):
+    # The KV version column only where the engine recorded one: elsewhere it would repeat the version.
+    kv_versions = sample.kv_versions
+    for column in ("pos", "text", "token id", "log-prob", "version", *(("kv version",) if kv_versions else ()), "mask"):
         table.add_column(column, justify="left" if column == "text" else "right")
     columns = zip(sample.token_ids, sample.loss_mask, sample.logprobs, sample.versions, strict=True)
     for pos, (token, mask, logprob, version) in enumerate(columns):
         text = Text(repr(tokenizer.decode([token], skip_special_tokens=False))[1:-1], style="bold green" if mask else "dim")
-        shown = (f"{logprob:.4f}", str(version)) if mask else ("", "")
-        table.add_row(str(pos), text, str(token), *shown, str(mask), style=None if mask else "dim")
+        shown = [f"{logprob:.4f}", str(version), *((str(kv_versions[pos]),) if kv_versions else ())]
+        table.add_row(str(pos), text, str(token), *(shown if mask else [""] * len(shown)), str(mask), style=None if mask else "dim")
     return table
 
 

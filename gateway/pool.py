@@ -150,17 +150,21 @@ class EnginePool:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         *,
+        route_key: str | None = None,
         deadline: float,
         abandon: set[asyncio.Future] | None = None,
     ) -> tuple[GenerationResult, int]:
-        """(result, retries used). `key` routes (a rollout id: its turns share an engine's KV cache);
-        `deadline` is on the event loop's clock; a future put in `abandon` and resolved with a reason
-        gives the request up. Raises RequestError, EngineUnavailable, GenerationTimeout, Abandoned."""
+        """(result, retries used). `key` is the engine's session (a rollout id: its turns share the engine's
+        retained KV); `route_key` (default `key`) picks the engine on the ring (a rollout's GRPO group id:
+        its members share the engine that holds their prompt). `deadline` is on the event loop's clock; a
+        future put in `abandon` and resolved with a reason gives the request up. Raises RequestError,
+        EngineUnavailable, GenerationTimeout, Abandoned."""
 
         async def call(handle: EngineHandle, engine_id: str) -> GenerationResult:
             return _completed(await handle.generate(prompt_token_ids, sampling, key), engine_id)
 
-        route = lambda failed: self.router.route(key, self.registry.loads(), exclude=failed)  # noqa: E731
+        home = route_key or key
+        route = lambda failed: self.router.route(home, self.registry.loads(), exclude=failed)  # noqa: E731
         return await self._with_retries(route, call, "generating", deadline, abandon)
 
     async def stream(
@@ -169,6 +173,7 @@ class EnginePool:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         *,
+        route_key: str | None = None,
         deadline: float,
         abandon: set[asyncio.Future] | None = None,
     ) -> AsyncGenerator[TokenDelta | GenerationResult, None]:
@@ -180,7 +185,7 @@ class EnginePool:
         errors: list[str] = []
         while True:
             try:
-                engine_id = self.router.route(key, self.registry.loads(), exclude=failed)
+                engine_id = self.router.route(route_key or key, self.registry.loads(), exclude=failed)
             except NoEngineError as error:
                 tried = f"; failed here: {'; '.join(errors)}" if errors else ""
                 raise EngineUnavailable(f"no engine can take the request ({error}){tried}") from None
@@ -358,10 +363,13 @@ class _Inbox:
             self._arrived.clear()
             await self._arrived.wait()
         item = self._items.popleft()
-        while isinstance(item, TokenDelta) and self._items and isinstance(self._items[0], TokenDelta):
-            more = self._items.popleft()
-            item = TokenDelta(item.token_ids + more.token_ids, item.logprobs + more.logprobs, item.versions + more.versions)
-        return item
+        if not (isinstance(item, TokenDelta) and self._items and isinstance(self._items[0], TokenDelta)):
+            return item
+        merged = TokenDelta([], [], [])
+        merged.extend(item)
+        while self._items and isinstance(self._items[0], TokenDelta):
+            merged.extend(self._items.popleft())
+        return merged
 
 
 async def _pump(handle: EngineHandle, prompt_token_ids: list[int], sampling: SamplingParams, key: str, inbox: _Inbox) -> None:

@@ -40,6 +40,8 @@ class Rollout:
     conversation: Conversation
     budget: RolloutBudget
     """Its turns and sampled tokens against gateway.max_rollout_turns and max_rollout_tokens."""
+    group_id: str = ""
+    """Its GRPO group, as opened (evaluation rollouts: none, so held-out problems spread over the engines)."""
     texts: list[tuple[str, list[int]]] = field(default_factory=list)
     """(text, its exact tokens) of recent text-completion turns, prompt plus completion."""
     abandon: set[asyncio.Future] = field(default_factory=set)
@@ -51,6 +53,12 @@ class Rollout:
     """Turns an evaluation rollout has taken (the store counts a recorded rollout's)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     """Held while the conversation prepares or commits a turn (preparing may run on a worker thread)."""
+
+    @property
+    def route_key(self) -> str:
+        """What places its calls on the engines' ring (gateway/routing.py): its group, so that every member
+        reaches the engine that already holds the group's prompt; its own id when it has none."""
+        return self.group_id or self.id
 
     def reserve(self, max_tokens: int) -> Reservation:
         """A call's hold on this rollout's turns and tokens, taken before any work; the service's `drop` gives it back."""
@@ -100,7 +108,7 @@ class RolloutTable:
         else:
             chosen = replicas.rollout_id(uuid.uuid4().hex) if replicas else None
             rollout_id = await self._io(self.store.open, request.task, request.group_id, request.metadata, rollout_id=chosen)
-            self.live[rollout_id] = self._new(rollout_id)
+            self.live[rollout_id] = self._new(rollout_id, request.group_id)
         base_url = replicas.base_url if replicas else None
         return api.OpenRolloutResponse(rollout_id=rollout_id, api_key=self.key(rollout_id), base_url=base_url)
 
@@ -156,11 +164,11 @@ class RolloutTable:
             if not wake.done():
                 wake.set_result(f"rollout {rollout_id} was {status or 'ended'} while this request was running; nothing was recorded")
 
-    def _new(self, rollout_id: str, recorded: Sequence[Turn] = ()) -> Rollout:
+    def _new(self, rollout_id: str, group_id: str = "", recorded: Sequence[Turn] = ()) -> Rollout:
         """A rollout's in-memory state; `recorded`: its turns in the store (one a restarted gateway picks up)."""
         conversation = Conversation(self.tokenizer, max_branches=self.config.max_branches, template=self.template)
         budget = RolloutBudget(self.config.max_rollout_turns, self.config.max_rollout_tokens).resume(recorded)
-        return Rollout(rollout_id, conversation, budget)
+        return Rollout(rollout_id, conversation, budget, group_id=group_id)
 
     def key(self, rollout_id: str) -> str:
         return f"rk-{rollout_id}.{self._mac(rollout_id)}"
@@ -192,7 +200,7 @@ class RolloutTable:
                 raise GatewayError(401, "invalid_api_key", f"rollout {rollout_id} is not in this gateway's store") from None
             status = stored.status
             if status == "running":
-                return self.live.setdefault(rollout_id, self._new(rollout_id, stored.turns))
+                return self.live.setdefault(rollout_id, self._new(rollout_id, stored.group_id, stored.turns))
         raise GatewayError(409, "rollout_closed", f"rollout {rollout_id} is {status}; it takes no more calls")
 
 

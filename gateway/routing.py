@@ -1,11 +1,15 @@
 """Which engine serves a rollout: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018).
 
-Every turn of a rollout should reach the same engine, whose KV cache still holds the earlier turns
+The key is the rollout's GRPO group id (`Rollout.route_key`, gateway/rollouts.py), or its own id when it
+has no group (evaluation rollouts, agents served by hand). Every turn of a rollout should reach the same
+engine, whose KV cache still holds the earlier turns, and every member of a group the engine that holds
+the group's prompt, so that the prompt is prefilled once for the group rather than once per member
 (prefix reuse). A hash ring gives that stickiness, and adding or removing an engine moves only the
-keys next to it (about 1/N of them). Plain consistent hashing lets a few hot keys swamp one engine,
-so an engine whose in-flight load has reached ceil((1 + eps) * average) is skipped and the walk goes
-on clockwise to the next engine. The bound is counted with the new request included, so some engine
-is always under it; a key only leaves its home engine while that engine is overloaded.
+keys next to it (about 1/N of them). Plain consistent hashing lets a few hot keys swamp one engine (a
+group is a hot key: its members arrive together), so an engine whose in-flight load has reached
+ceil((1 + eps) * average) is skipped and the walk goes on clockwise to the next engine. The bound is
+counted with the new request included, so some engine is always under it; a key only leaves its home
+engine while that engine is overloaded, and a group's members spill to the next engine only then.
 
 Engines may have unequal capacities: an engine's share of the ring (virtual nodes) and its load
 bound both scale with its capacity. Changing one engine hashes only that engine's points, and no
@@ -101,7 +105,7 @@ class HashRing:
 
 
 class Router:
-    """Rollout id -> engine id, given the engines' in-flight loads at the moment of the call.
+    """Routing key (a group or rollout id) -> engine id, given the engines' in-flight loads at the moment of the call.
 
     `load_factor` is eps: 0 balances tightly (keys move as soon as an engine is above average),
     larger values keep more keys at home (and let the busiest engine run further above average).

@@ -255,6 +255,7 @@ class GatewayService:
         return api.TokenGenerateResponse(
             rollout_id=rollout.id, turn_index=index, token_ids=result.token_ids, logprobs=result.logprobs,
             versions=result.versions, finish_reason=result.finish_reason, engine_id=result.engine_id,
+            kv_versions=result.kv_versions,
         )  # fmt: skip
 
     async def score_tokens(self, request: api.TokenScoreRequest) -> api.TokenScoreResponse:
@@ -285,9 +286,7 @@ class GatewayService:
                     if isinstance(item, GenerationResult):
                         finished = True
                     else:
-                        sampled.token_ids += item.token_ids
-                        sampled.logprobs += item.logprobs
-                        sampled.versions += item.versions
+                        sampled.extend(item)
                         sampled.engine_id = item.engine_id
                     yield item
         except (GeneratorExit, asyncio.CancelledError):
@@ -309,6 +308,7 @@ class GatewayService:
             "abort",
             sampled.engine_id,
             error="the client left",
+            kv_versions=sampled.kv_versions,
         )
         timings = {"engine_call_s": engine_s}
         ending = self.end_chat(turn, result, timings) if isinstance(turn, ChatTurn) else self.end_text(turn, result, timings)
@@ -332,6 +332,7 @@ class GatewayService:
             rollout.id, list(prompt), result.token_ids, result.logprobs, result.versions, result.finish_reason,
             branch=branch, engine_id=result.engine_id, timings=timings, created_at=time.time(),
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, routes=result.routes,
+            kv_versions=result.kv_versions,
         )  # fmt: skip
         try:
             return await self.io(self.store.append, turn)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.records import Sample
+from asyncrl.records import Sample, StalenessBy, oldest_version
 
 from .prefix import MIN_SAVED_FRACTION, PrefixSplit, prefix_groups, saved_fraction, split_rows
 from .routing_replay import routes_tensor
@@ -206,11 +206,12 @@ def _collate(rows: list[Row], pad_token_id: int) -> MicroBatch:
     )  # fmt: skip
 
 
-def staleness_histogram(samples: Sequence[Sample], current_version: int) -> dict[int, int]:
-    """Rollouts per version lag (current version - oldest sampled-token version), before any drop."""
+def staleness_histogram(samples: Sequence[Sample], current_version: int, by: StalenessBy = "sampled") -> dict[int, int]:
+    """Rollouts per version lag (current version - oldest sampled-token version, or with `by="kv"` oldest
+    KV version: what the staleness rule reads, `learner.staleness_by`), before any drop."""
     lags: dict[str, int] = {}
     for sample in samples:
-        oldest = sample.oldest_version
+        oldest = oldest_version(sample.staleness_versions(by), sample.loss_mask)
         if oldest is not None:
             lag = current_version - oldest
             lags[sample.rollout_id] = max(lag, lags.get(sample.rollout_id, lag))

@@ -331,7 +331,7 @@ class RLLearner:
         start = time.perf_counter()
         current = self.version if current_version is None else current_version
         selection = select(
-            batch.groups, current_version=current, max_staleness=self.config.max_staleness,
+            batch.groups, current_version=current, max_staleness=self.config.max_staleness, staleness_by=self.config.staleness_by,
             group_size=self.config.group_size, crash_statuses=self.config.crash_statuses,
         )  # fmt: skip
         rows, shaping = step_rows(selection, self.config, self.temperature, self._reward_kl(selection))
@@ -362,7 +362,7 @@ class RLLearner:
         return StepResult(
             version=self.version, stepped=bool(norms), loss=stats.loss, grad_norm=norms[-1][0] if norms else None,
             ledger={account.value: ledger.get(account.value, 0) for account in Account}, padded=selection.padded,
-            staleness=staleness_histogram(batch.samples, current), consistency_warnings=gaps, metrics=metrics,
+            staleness=staleness_histogram(batch.samples, current, config.staleness_by), consistency_warnings=gaps, metrics=metrics,
         )  # fmt: skip
 
     def _reward_kl(self, selection: Selection) -> list[float] | None:

@@ -5,7 +5,9 @@ The rules (GLM-5 report; docs/LEARNER.md, "The rules"), applied per rollout in t
 1. aborted rollouts -> `aborted`;
 2. environment crashes (status in `crash_statuses`) -> `dropped_crash`;
 3. stale rollouts, where current version - oldest version among its sampled tokens > max_staleness,
-   -> `dropped_stale`;
+   -> `dropped_stale`; with `staleness_by="kv"` a token's version is the oldest one among the KV it
+   attended to (`Sample.staleness_versions`), which a push mid-request under `rollout.kv_on_push: keep`
+   leaves older than the version that sampled it;
 4. per GRPO group of `group_size` rollouts: if more than half survived 1-3, the group is padded to
    full size by repeating its surviving rollouts (in order, cyclically) and they are `trained`;
    otherwise every survivor is `dropped_group`.
@@ -20,7 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from asyncrl.records import Account, Sample, oldest_version
+from asyncrl.records import Account, Sample, StalenessBy, oldest_version
 
 
 @dataclass
@@ -45,6 +47,7 @@ def select(
     max_staleness: int,
     group_size: int,
     crash_statuses: Sequence[str] = ("env_crash", "error"),
+    staleness_by: StalenessBy = "sampled",
 ) -> Selection:
     """Apply the drop and group-fill rules to complete groups (a `Batch`'s), each the samples of its rollouts."""
     if group_size < 1:
@@ -60,7 +63,7 @@ def select(
             raise ValueError(f"group {group[0].group_id!r} has {len(by_rollout)} rollouts, more than group_size={group_size}")
         survivors = []
         for rollout_id, samples in by_rollout.items():
-            account = _individual_account(samples, current_version, max_staleness, crash_statuses)
+            account = _individual_account(samples, current_version, max_staleness, crash_statuses, staleness_by)
             if account is None:
                 survivors.append(rollout_id)
             else:
@@ -79,13 +82,16 @@ def select(
     return selection
 
 
-def _individual_account(samples: list[Sample], current_version: int, max_staleness: int, crash_statuses: Sequence[str]) -> Account | None:
+def _individual_account(
+    samples: list[Sample], current_version: int, max_staleness: int, crash_statuses: Sequence[str], staleness_by: StalenessBy
+) -> Account | None:
     status = samples[0].status
     if status == "aborted":
         return Account.ABORTED
     if status in crash_statuses:
         return Account.DROPPED_CRASH
-    versions = [v for v in (oldest_version(s.versions, s.loss_mask) for s in samples) if v is not None]
+    oldest = (oldest_version(s.staleness_versions(staleness_by), s.loss_mask) for s in samples)
+    versions = [v for v in oldest if v is not None]
     if versions and current_version - min(versions) > max_staleness:
         return Account.DROPPED_STALE
     return None

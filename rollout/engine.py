@@ -1,8 +1,9 @@
-"""The embedded rollout engine: continuous batching over a native forward pass and a slot KV cache.
+"""The embedded rollout engine: continuous batching over a native forward pass and a paged KV cache.
 
 `advance()` is the whole engine core, synchronous and readable: schedule (admit waiting requests
-into free slots, or decode everything running), execute (one forward, one sampling call), update
-(append tokens, finish requests, release slots). The engine front (`rollout/front.py`) does the
+while blocks last, reusing cached prefix blocks, or decode everything running; preempt the latest
+admitted when blocks run out), execute (one forward, one sampling call), update (append tokens,
+key full blocks for reuse, finish requests, release their blocks). The engine front (`rollout/front.py`) does the
 rest: it takes requests from any thread, steps the core on a background thread while there is
 work, and applies weight updates at the start of a step, so in-flight requests carry on and their
 later tokens carry the new version. `step()` is one such step by hand (an engine not serving).
@@ -21,7 +22,6 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -31,19 +31,17 @@ from asyncrl.records import FinishReason, GenerationResult, ScoreResult
 
 from .front import EngineFront
 from .intake import resolve_sampling, validate_prompt
-from .kv_budget import budget_bytes, fit_max_len
-from .kv_cache import ForwardBatch, KVCache, SlotManager
+from .kv_budget import budget_bytes, plan_blocks
+from .kv_cache import ForwardBatch, KVCache
 from .models import build_model
 from .models.mtp import NativeMTP
 from .request import Request
 from .sampler import sample
+from .scheduler import Scheduler
 from .scoring import NativeScorer
 from .speculative import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
-
-MAX_PREFILL_TOKENS = 8192
-"""Padded prompt tokens (rows x longest piece) admitted into one prefill step; bounds its memory."""
 
 
 class EmbeddedEngine(EngineFront):
@@ -92,10 +90,12 @@ class EmbeddedEngine(EngineFront):
         layout = self.model.cache_layout(extra_layers=1 if self.drafter else 0)  # the drafter's layer caches too
         self.cache = _budgeted_cache(layout, config, self.max_model_len, dtype, self.device)
         self.max_model_len = self.cache.max_len
-        self.slots = SlotManager(self.cache, config.max_num_seqs, config.retained_prefixes)
         self.speculative = (
             SpeculativeDecoder(self.model, self.drafter, self.cache, config.mtp_draft_tokens, self.device) if self.drafter else None
         )
+        # The core's state: only the stepping thread (or a caller holding the front's step lock) touches it.
+        self.scheduler = Scheduler(self.cache, config, drafts=config.mtp_draft_tokens if self.drafter else 0)
+        self.prefill_tokens = 0  # tokens fed by prefill forwards (what prefix reuse saves is not counted)
         self.verify_steps = 0
         self.verify_tokens = 0
         # What the rejection rule accepted (+1), before a stop token or max_tokens cut the step short.
@@ -104,9 +104,6 @@ class EmbeddedEngine(EngineFront):
         self.generated_tokens = 0
         self.last_error: str | None = None
         self._ids = itertools.count()
-        # The core's state: only the stepping thread (or a caller holding the front's step lock) touches it.
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
         self._scorer: NativeScorer | None = None  # built by the first scoring call
         super().__init__(name=f"engine-{engine_id}")
 
@@ -148,9 +145,13 @@ class EmbeddedEngine(EngineFront):
             "alive": self.alive,
             "version": self.version,
             "max_model_len": self.max_model_len,
-            "running": len(self._running),
-            "waiting": len(self._waiting) + self.queued,
-            "retained_prefixes": self.slots.num_retained,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + self.queued,
+            "kv_blocks": self.cache.num_blocks - 1,
+            "kv_blocks_free": self.scheduler.blocks.available - self.scheduler.blocks.cached,
+            "kv_blocks_cached": self.scheduler.blocks.cached,
+            "prefill_tokens": self.prefill_tokens,
+            "preemptions": self.scheduler.preemptions,
             "generated_tokens": self.generated_tokens,
             "fp8": self.model.fp8,
             "mtp_accept_len": self.verify_tokens / self.verify_steps if self.verify_steps else None,
@@ -177,16 +178,17 @@ class EmbeddedEngine(EngineFront):
         )
 
     def admit(self, requests: list[Request]) -> None:
-        self._waiting.extend(requests)
+        self.scheduler.waiting.extend(requests)
 
     def cancel(self, request_ids: set[str], error: str | None = None) -> list[GenerationResult]:
-        return [self._finish(r, "abort", error) for r in [r for r in (*self._waiting, *self._running) if r.id in request_ids]]
+        held = (*self.scheduler.waiting, *self.scheduler.running)
+        return [self._finish(r, "abort", error) for r in [r for r in held if r.id in request_ids]]
 
     def busy(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self.scheduler.running or self.scheduler.waiting)
 
-    def sampled(self, request: Request) -> tuple[list[int], list[float], list[int]]:
-        return request.output, request.logprobs, request.versions
+    def sampled(self, request: Request) -> tuple[list[int], list[float], list[int], list[int]]:
+        return request.output, request.logprobs, request.versions, request.kv_versions
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         # Keys "mtp.*" (MTPLayer names) update the drafter; without them it keeps its weights,
@@ -196,40 +198,19 @@ class EmbeddedEngine(EngineFront):
             self.drafter.load_state_dict(mtp_state)
         self.model.load_state_dict(state_dict)  # builds every tensor before swapping: all or nothing
         self.version = version
-        # Retained prefixes hold KV of the old weights; reusing it would mix policies in one turn.
-        self.slots.drop_retained()
+        if self.config.kv_on_push == "recompute":
+            self.scheduler.recompute_all()
 
     def advance(self) -> list[GenerationResult]:
         """One engine iteration: schedule -> execute -> update. Returns the requests it finished."""
-        batch = self._schedule()
+        batch = self.scheduler.schedule(self.version)
         return self._execute_and_update(batch) if batch else []
 
-    def _schedule(self) -> list[Request]:
-        """Requests whose prompt is partly prefilled (its next piece), else newly admitted requests (their
-        prefill), else every running request (one decode token)."""
-        prefilling = [r for r in self._running if not r.output]  # a prompt longer than prefill_chunk_tokens
-        if prefilling:
-            return prefilling
-        admitted: list[Request] = []
-        longest = 0
-        while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
-            request = self._waiting[0]
-            longest = max(longest, min(len(request.prompt), self.config.prefill_chunk_tokens))
-            if admitted and (len(admitted) + 1) * longest > MAX_PREFILL_TOKENS:
-                break
-            self._waiting.popleft()
-            request.slot, request.computed = self.slots.acquire(request.session_id, request.prompt)
-            request.cached_prompt_tokens = request.computed
-            request.scheduled = time.perf_counter()
-            admitted.append(request)
-        if admitted:
-            self._running = sorted(self._running + admitted, key=lambda r: r.slot)
-            return sorted(admitted, key=lambda r: r.slot)
-        return list(self._running)  # a copy: finishing requests leave _running while the batch is updated
-
     def _execute_and_update(self, batch: list[Request]) -> list[GenerationResult]:
-        prefill = not batch[0].output  # _schedule never mixes prefill and decode
+        prefill = batch[0].prefilling  # the scheduler never mixes prefill and decode
         rows = [r.pending_tokens(self.config.prefill_chunk_tokens) for r in batch]
+        for request in batch:  # what this step computes, the current weights compute
+            request.kv_oldest = self.version if request.kv_oldest is None else min(request.kv_oldest, self.version)
         hidden, drafted = None, [0] * len(batch)
         routes: list[list] = [[] for _ in batch]
         try:
@@ -239,15 +220,17 @@ class EmbeddedEngine(EngineFront):
                     recorded = self.model.recorded_routes(len(batch))
                     routes = [recorded[b, : len(tokens[b])].tolist() for b in range(len(batch))]
             else:
-                forward = ForwardBatch.build([r.slot for r in batch], rows, [r.computed for r in batch], self.device)
+                forward = ForwardBatch.build(
+                    [r.blocks for r in batch], rows, [r.computed for r in batch], self.cache.block_size, self.device
+                )
                 if self.speculative is not None:  # the MTP layer will need every prompt position's hidden state
                     hidden = self.model.hidden_states(forward, self.cache)
                     logits = self.model.logits(hidden[torch.arange(len(batch)), forward.last_index])
                 else:
                     logits = self.model.forward(forward, self.cache)
-                # Only rows whose prompt this step completes sample (a partly prefilled one must not draw
+                # Only rows whose context this step completes sample (a partly prefilled one must not draw
                 # from its random stream: a seeded request samples the same tokens however it is prefilled).
-                done = [b for b, r in enumerate(batch) if r.output or r.computed + len(rows[b]) == len(r.prompt)]
+                done = [b for b, r in enumerate(batch) if r.completes(len(rows[b]))]
                 tokens, logprobs = [[] for _ in batch], [[] for _ in batch]
                 if done:
                     picked = logits if len(done) == len(batch) else logits[done]
@@ -262,12 +245,15 @@ class EmbeddedEngine(EngineFront):
             self.last_error = f"{type(error).__name__}: {error}"
             return [self._finish(r, "error", error=self.last_error) for r in batch]
         now = time.perf_counter()
+        if prefill:
+            self.prefill_tokens += sum(map(len, rows))
         finished = []
         for b, request in enumerate(batch):
             kept, reason = request.take(tokens[b], logprobs[b], routes[b], self.version)
-            if prefill and tokens[b]:
+            if prefill and tokens[b] and not request.first_token:
                 request.first_token = now
             request.advance(len(rows[b]), kept, prefill, None if hidden is None else hidden[b])
+            self.scheduler.computed(request)
             if drafted[b]:
                 request.verify_steps += 1
                 request.verify_tokens += kept
@@ -280,15 +266,7 @@ class EmbeddedEngine(EngineFront):
         return finished
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> GenerationResult:
-        if request in self._running:
-            self._running.remove(request)
-            cached = (request.prompt + request.output)[: request.computed]
-            # A turn that spans a weight push holds K/V of two policies: retaining it would carry the old
-            # policy into the next turn's prompt, which the learner scores under the new one alone.
-            mixed = bool(request.versions) and request.versions[0] != self.version
-            self.slots.release(request.slot, request.session_id if reason != "error" and not mixed else None, cached)
-        elif request in self._waiting:
-            self._waiting.remove(request)
+        self.scheduler.remove(request)
         return request.result(reason, self.engine_id, error)
 
 
@@ -302,11 +280,12 @@ def _check_drafting(config: EmbeddedRolloutConfig, mtp) -> None:
 
 
 def _budgeted_cache(layout, config: EmbeddedRolloutConfig, model_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-    """The KV cache, as many positions long as `rollout.kv_cache_memory` holds, at most `model_len` (kv_budget.py)."""
-    num_slots = config.max_num_seqs + config.retained_prefixes
-    budget = budget_bytes(config.kv_cache_memory, device)
-    max_len = fit_max_len(layout, num_slots, model_len, dtype=dtype, budget=budget, explicit=config.max_model_len is not None)
-    return KVCache(layout, num_slots, max_len, dtype=dtype, device=device)
+    """The paged KV cache, as many blocks as `rollout.kv_cache_memory` holds (kv_budget.py)."""
+    blocks, max_len = plan_blocks(
+        layout, block_size=config.kv_block_size, max_num_seqs=config.max_num_seqs, model_len=model_len, dtype=dtype,
+        budget=budget_bytes(config.kv_cache_memory, device), explicit=config.max_model_len is not None,
+    )  # fmt: skip
+    return KVCache(layout, blocks, config.kv_block_size, max_len=max_len, dtype=dtype, device=device)
 
 
 def _max_model_len(hf_config, config: EmbeddedRolloutConfig) -> int:

@@ -89,8 +89,9 @@ class EngineCore(ABC):
         """Whether admitted requests are unfinished."""
 
     @abstractmethod
-    def sampled(self, request) -> tuple[list[int], list[float], list[int]]:
-        """An unfinished request's tokens, log-probs and versions so far (only appended to: `stream` reads what is new)."""
+    def sampled(self, request) -> tuple[list[int], list[float], list[int], list[int] | None]:
+        """An unfinished request's tokens, log-probs, versions and KV versions (None: not recorded) so far (only
+        appended to: `stream` reads what is new)."""
 
     @abstractmethod
     def load_weights(self, weights: Any, version: int) -> None:
@@ -305,8 +306,7 @@ class EngineFront(EngineCore):
         with self._cv:
             streams = [(request, sink) for request_id, (request, sink) in self._streams.items() if request_id not in done]
         for request, sink in streams:
-            token_ids, logprobs, versions = self.sampled(request)
-            sink.take(token_ids, logprobs, versions)
+            sink.take(*self.sampled(request))
 
     def _deliver(self, results: list[GenerationResult]) -> None:
         for result in results:
@@ -419,12 +419,15 @@ class _Sink:
         self.loop = loop
         self.sent = 0  # tokens handed over so far; the stepping thread's
         self._lock = threading.Lock()
-        self._delta = TokenDelta([], [], [])
+        self._delta = _empty_delta()
         self._result: GenerationResult | None = None
         self._woken = False  # a wake-up is on its way to the loop and the caller has not looked since
         self._arrived = asyncio.Event()  # the loop's
 
-    def take(self, token_ids: list[int], logprobs: list[float], versions: list[int], result: GenerationResult | None = None) -> None:
+    def take(
+        self, token_ids: list[int], logprobs: list[float], versions: list[int], kv_versions: list[int] | None,
+        result: GenerationResult | None = None,
+    ) -> None:  # fmt: skip
         """The request's tokens so far (and its result, once finished): queue what is new and wake the caller."""
         new = slice(self.sent, len(token_ids))
         self.sent = len(token_ids)
@@ -432,6 +435,10 @@ class _Sink:
             self._delta.token_ids += token_ids[new]
             self._delta.logprobs += logprobs[new]
             self._delta.versions += versions[new]
+            if kv_versions is None:
+                self._delta.kv_versions = None
+            elif self._delta.kv_versions is not None:
+                self._delta.kv_versions += kv_versions[new]
             if result is not None:
                 self._result = result
             if self._woken or not (self._delta.token_ids or self._result):
@@ -442,7 +449,7 @@ class _Sink:
             self.loop.call_soon_threadsafe(self._arrived.set)
 
     def finish(self, result: GenerationResult) -> None:
-        self.take(result.token_ids, result.logprobs, result.versions, result)
+        self.take(result.token_ids, result.logprobs, result.versions, result.kv_versions, result)
 
     async def next(self) -> TokenDelta | GenerationResult:
         """What arrived since the last call, waiting for it if nothing has: a delta, else the result."""
@@ -451,11 +458,15 @@ class _Sink:
             with self._lock:
                 self._woken = False
                 if self._delta.token_ids:
-                    delta, self._delta = self._delta, TokenDelta([], [], [])
+                    delta, self._delta = self._delta, _empty_delta()
                     return delta
                 if self._result is not None:
                     return self._result
             await self._arrived.wait()
+
+
+def _empty_delta() -> TokenDelta:
+    return TokenDelta([], [], [], kv_versions=[])
 
 
 def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result=None, error: Exception | None = None) -> None:

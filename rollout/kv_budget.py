@@ -1,12 +1,12 @@
-"""How long a sequence the embedded engine's KV cache can hold within `rollout.kv_cache_memory`.
+"""How many KV blocks the embedded engine's paged cache holds within `rollout.kv_cache_memory`.
 
-The cache is dense (`rollout/kv_cache.py`): every slot holds `max_len` positions of every layer, so its
-size is slots x max_len x (bytes per position). A real model's own context (SmolLM2: 8,192 positions,
-46 KB a position in fp32) times 128 slots is 48 GB, which the kernel's OOM killer answered with no
-message. So the budget decides: with `rollout.max_model_len` unset, the cache holds as many positions as
-fit (at most the model's); set, a cache that does not fit is refused with the numbers and the settings
-that change them. A request that does not fit the engine's length is refused when it arrives
-(`rollout/intake.py`), naming `rollout.max_model_len`.
+The cache is paged (`rollout/kv_cache.py`): memory goes to positions requests actually hold, in blocks of
+`rollout.kv_block_size`, not to every slot's worst case. The budget decides how many blocks there are, up
+to twice what `rollout.max_num_seqs` requests at the full model length could ever need; no request can be
+longer than all the blocks, so the engine's max_model_len is at most that. With `rollout.max_model_len`
+unset the engine takes the model's own context, cut to the cache; set, a length the cache cannot hold is
+refused with the numbers and the settings that change them. A request that does not fit the engine's
+length is refused when it arrives (`rollout/intake.py`), naming both settings.
 """
 
 from __future__ import annotations
@@ -24,11 +24,14 @@ log = logging.getLogger(__name__)
 ALIGN = 16
 """Positions are granted in multiples of this (attention kernels like aligned lengths)."""
 MIN_POSITIONS = 64
-"""Fewer positions per slot than this hold no useful request: refused instead."""
+CACHE_SHARE = 2
+"""The cache never takes more than this times what every running request at full length needs: the rest
+keeps finished requests' blocks for reuse (a rollout's next turn), as much again."""
+"""A cache of fewer positions than this holds no useful request: refused instead."""
 
 
 def bytes_per_position(layout: CacheLayout, dtype: torch.dtype) -> int:
-    """Cache bytes one position of one slot takes in every layer."""
+    """Cache bytes one position of one sequence takes in every layer."""
     return sum(heads * dim for spec in layout for heads, dim in spec.values()) * torch.empty((), dtype=dtype).element_size()
 
 
@@ -59,31 +62,31 @@ def budget_bytes(setting: float, device: torch.device) -> int:
     return int(setting * available_memory(device)) if setting <= 1 else int(setting)
 
 
-def fit_max_len(
-    layout: CacheLayout, num_slots: int, model_len: int, *, dtype: torch.dtype, budget: int, explicit: bool
-) -> int:  # fmt: skip
-    """Positions per slot: `model_len` when the cache fits `budget` bytes; else, unless `explicit`
-    (rollout.max_model_len was set, and is refused), the most that fit."""
-    per_position = bytes_per_position(layout, dtype) * num_slots
-    fits = budget // per_position
-    if fits >= model_len:
-        return model_len
-    need = f"{num_slots} slots (rollout.max_num_seqs + rollout.retained_prefixes) x {{}} positions need {{:.2f}} GB of KV cache"
-    over = f"above rollout.kv_cache_memory's {budget / 1e9:.2f} GB"
-    if explicit:
+def plan_blocks(
+    layout: CacheLayout, *, block_size: int, max_num_seqs: int, model_len: int, dtype: torch.dtype, budget: int, explicit: bool
+) -> tuple[int, int]:  # fmt: skip
+    """(blocks, max_model_len): as many blocks as `budget` bytes hold (one of them the zero block), at most
+    CACHE_SHARE x what `max_num_seqs` requests of `model_len` positions need; the length cut to what the blocks
+    hold unless `explicit` (rollout.max_model_len was set), which is refused instead."""
+    per_block = bytes_per_position(layout, dtype) * block_size
+    wanted = CACHE_SHARE * max_num_seqs * -(-model_len // block_size) + 1
+    blocks = min(wanted, budget // per_block)
+    positions = (blocks - 1) * block_size
+    over = f"rollout.kv_cache_memory's {budget / 1e9:.2f} GB holds {max(positions, 0)} positions"
+    if positions < MIN_POSITIONS:
+        raise ValueError(f"{over} ({per_block / block_size / 1e3:.1f} KB each), fewer than {MIN_POSITIONS}: raise rollout.kv_cache_memory")
+    if explicit and positions < model_len:
         raise ValueError(
-            f"{need.format(model_len, per_position * model_len / 1e9)} (rollout.max_model_len={model_len}), {over}: "
-            "lower rollout.max_model_len or the slots, or raise rollout.kv_cache_memory"
+            f"rollout.max_model_len={model_len} does not fit: {over}; lower rollout.max_model_len or raise rollout.kv_cache_memory"
         )
-    granted = fits // ALIGN * ALIGN
-    if granted < MIN_POSITIONS:
-        raise ValueError(
-            f"{need.format(MIN_POSITIONS, per_position * MIN_POSITIONS / 1e9)} at least, {over}: "
-            "lower rollout.max_num_seqs or rollout.retained_prefixes, or raise rollout.kv_cache_memory"
-        )
-    log.warning(
-        "KV cache: %d slots x %d positions (%.2f GB of rollout.kv_cache_memory's %.2f GB); the model supports %d: "
-        "set rollout.max_model_len or rollout.kv_cache_memory to choose",
-        num_slots, granted, per_position * granted / 1e9, budget / 1e9, model_len,
+    max_len = min(model_len, positions // ALIGN * ALIGN)
+    if max_len < model_len:
+        log.warning(
+            "KV cache: %s, fewer than the model's %d: max_model_len is %d (set rollout.max_model_len or rollout.kv_cache_memory to choose)",
+            over, model_len, max_len,
+        )  # fmt: skip
+    log.info(
+        "KV cache: %d blocks of %d positions (%d tokens, %.2f GB of rollout.kv_cache_memory's %.2f GB), max_model_len %d",
+        blocks, block_size, positions, blocks * per_block / 1e9, budget / 1e9, max_len,
     )  # fmt: skip
-    return granted
+    return blocks, max_len

@@ -6,7 +6,7 @@ the engine's (`EngineFront`) rather than a mode of `generate`: an engine samples
 
 `NativeScorer` runs the embedded engine's native forward (`rollout/models/`, the same code that
 samples rollouts and matches the transformers forward within 1e-4) over whole sequences at once,
-in a private KV cache, so scoring never competes with an engine's slots or retained prefixes.
+in a private KV cache, so scoring never competes with an engine's blocks or its cached prefixes.
 Built from a checkpoint it holds its own copy of the weights (a distillation teacher);
 `NativeScorer.over` wraps an engine's own native model instead, which is how `EmbeddedEngine.score`
 scores with the engine's current weights (the gateway's `POST /v1/tokens/score`).
@@ -23,11 +23,14 @@ import torch
 
 from asyncrl.records import MIN_TEMPERATURE, RequestError
 
-from .kv_cache import ForwardBatch, KVCache
+from .kv_cache import ForwardBatch, KVCache, contiguous_tables
 from .models import build_model
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
 """Padded tokens (rows x longest row) in one scoring forward; bounds its memory."""
+SCORE_BLOCK = 64
+"""Positions per block of the scorer's cache, which it uses as fixed rows (`contiguous_tables`): a block
+only ever belongs to one row, so its size is a matter of table length alone."""
 
 
 def effective_temperature(temperature: float) -> float:
@@ -89,7 +92,9 @@ class NativeScorer:
         self.vocab_size = vocab_size
         self.max_batch_tokens = max(max_batch_tokens, self.max_len)  # the longest sequence always fits
         self.max_rows = max_rows
-        self.cache = KVCache(native.cache_layout(), max_rows, max_len, dtype=dtype, device=device)
+        self.tables = contiguous_tables(max_rows, max_len, SCORE_BLOCK)
+        blocks = max_rows * len(self.tables[0])
+        self.cache = KVCache(native.cache_layout(), blocks, SCORE_BLOCK, max_len=max_len, dtype=dtype, device=device)
 
     def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Per sequence, the log-prob of each token given the ones before it, aligned with the
@@ -132,8 +137,8 @@ class NativeScorer:
     @torch.inference_mode()
     def _forward(self, rows: list[list[int]], temperature: float) -> list[list[float]]:
         # Every row starts at position 0 and writes its own K/V before reading it, so whatever an
-        # earlier chunk left in these slots is never seen by a real token.
-        batch = ForwardBatch.build(list(range(len(rows))), rows, [0] * len(rows), self.device)
+        # earlier chunk left in its blocks is never seen by a real token.
+        batch = ForwardBatch.build(self.tables[: len(rows)], rows, [0] * len(rows), SCORE_BLOCK, self.device)
         logits = self.model.logits(self.model.hidden_states(batch, self.cache)).float() / temperature
         chosen = logits[:, :-1].gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
         logprobs = (chosen - torch.logsumexp(logits[:, :-1], dim=-1)).cpu()

@@ -12,8 +12,9 @@ Every random number comes from the request's own stream, a fixed count per step 
 drawn, one per draft tested, one for the last token), so a seeded request samples the same tokens
 whatever else is batched.
 
-KV rollback is free in the slot cache: a rejected draft's K/V sits past the request's `computed`
-frontier, where no later query looks before it is overwritten.
+KV rollback is free in the paged cache: a rejected draft's K/V sits past the request's `computed`
+frontier, in its own blocks, where no later query looks before it is overwritten (a block is shared
+only once every position in it is computed).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def verify(
 class SpeculativeDecoder:
     """One decode step for a batch of running requests: draft with the MTP layer, verify, accept.
 
-    Request state it reads and keeps (fields of the engine's `Request`, rollout/request.py): `slot`, `computed`,
+    Request state it reads and keeps (fields of the engine's `Request`, rollout/request.py): `blocks`, `computed`,
     `prompt` + `output`, `params`, `rng`, and `mtp_computed` / `mtp_hidden`: the MTP layer's K/V
     covers positions before `mtp_computed`, and `mtp_hidden` holds the target's hidden states of
     positions mtp_computed..computed-1, fed to the MTP layer at the next step.
@@ -104,7 +105,7 @@ class SpeculativeDecoder:
         last = torch.tensor([(r.output or r.prompt)[-1] for r in batch], dtype=torch.long, device=device)
         ragged = None if min(counts) == depth else [n + 1 for n in counts]
         forward = ForwardBatch.from_tokens(
-            [r.slot for r in batch], torch.cat([last[:, None], drafts], 1), [r.computed for r in batch], ragged
+            [r.blocks for r in batch], torch.cat([last[:, None], drafts], 1), [r.computed for r in batch], self.cache.block_size, ragged
         )
         hidden = self.model.hidden_states(forward, self.cache)
         logits = self.model.logits(hidden).reshape(-1, vocab)
@@ -142,16 +143,17 @@ class SpeculativeDecoder:
         # Depth 1 catches the MTP layer up on every position the target computed since its last
         # step (the prompt, after prefill; the kept tokens, after a verify).
         catch_up = ForwardBatch.build(
-            [r.slot for r in requests],
-            [_tokens(r, r.mtp_computed + 1, r.computed + 1) for r in requests],
+            [r.blocks for r in requests],
+            [r.context(r.mtp_computed + 1, r.computed + 1) for r in requests],
             [r.mtp_computed for r in requests],
+            self.cache.block_size,
             self.device,
         )
         logits, hidden = self.mtp.forward(catch_up, self.cache, pad_sequence([r.mtp_hidden for r in requests], batch_first=True))
         for r in requests:
             r.mtp_computed, r.mtp_hidden = r.computed, None
         step_rows = rows if index is None else rows.select(index)
-        slots, starts = [r.slot for r in requests], [r.computed for r in requests]
+        tables, starts = [r.blocks for r in requests], [r.computed for r in requests]
         forward: ForwardBatch | None = None
         for step in range(max(counts)):
             probs, _ = distributions(logits, step_rows)
@@ -169,20 +171,12 @@ class SpeculativeDecoder:
                 active = [active[i] for i in going]
                 index = torch.tensor(active, device=self.device)
                 step_rows = rows.select(index)
-                slots, starts = [slots[i] for i in going], [starts[i] for i in going]
+                tables, starts = [tables[i] for i in going], [starts[i] for i in going]
                 tokens, hidden = tokens[keep], hidden[keep]
                 forward = None
             # Depth k > 1 sits one position further on, fed the MTP layer's own output as the hidden state.
             if forward is None:
-                forward = ForwardBatch.from_tokens(slots, tokens[:, None], [s + step for s in starts])
+                forward = ForwardBatch.from_tokens(tables, tokens[:, None], [s + step for s in starts], self.cache.block_size)
             else:
                 forward = forward.next_position(tokens[:, None])
             logits, hidden = self.mtp.forward(forward, self.cache, hidden.unsqueeze(1), chained=True)
-
-
-def _tokens(request, lo: int, hi: int) -> list[int]:
-    """Tokens lo..hi-1 of the request's prompt + output, without concatenating the two lists."""
-    split = len(request.prompt)
-    if lo >= split:
-        return request.output[lo - split : hi - split]
-    return (request.prompt + request.output)[lo:hi]

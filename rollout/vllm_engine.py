@@ -184,8 +184,8 @@ class VLLMEngine(EngineFront):
     def busy(self) -> bool:
         return bool(self._running)
 
-    def sampled(self, request: _Request) -> tuple[list[int], list[float], list[int]]:
-        return request.token_ids, request.logprobs, request.versions
+    def sampled(self, request: _Request) -> tuple[list[int], list[float], list[int], None]:
+        return request.token_ids, request.logprobs, request.versions, None  # vLLM does not say which KV a token attended to
 
     def load_weights(self, weights: tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]], version: int) -> None:
         """`weights`: (the policy's, the MTP drafter's or []), as `prepare_weights` checked them."""

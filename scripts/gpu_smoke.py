@@ -73,7 +73,7 @@ def engine_checks(device: str, results: dict, size: int, scale: dict) -> None:
     for path in ("native", "generic", "native", "generic"):
         native = ARCHITECTURES.pop("llama") if path == "generic" else None
         try:
-            engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=64, retained_prefixes=0, device=device))
+            engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=64, device=device))
         finally:
             if native is not None:
                 ARCHITECTURES["llama"] = native

@@ -22,7 +22,7 @@ PROMPT_TOKENS = 20_000
 
 def main(chunk: int) -> None:
     model = build_model(build_tokenizer())
-    config = EmbeddedRolloutConfig(max_num_seqs=1, retained_prefixes=0, torch_threads=1, prefill_chunk_tokens=chunk)
+    config = EmbeddedRolloutConfig(max_num_seqs=1, torch_threads=1, prefill_chunk_tokens=chunk)
     engine = EmbeddedEngine(model, config)
     prompt = [(i * 7919) % 16000 + 10 for i in range(PROMPT_TOKENS)]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -44,9 +44,9 @@ TOOL_PARSER = "hermes"
 MAX_TOKENS = 256
 """gateway.max_tokens: harnesses ask for far more (Claude Code: 64000 a call), which the gateway clamps."""
 SERVE_OVERRIDES = [
-    f"gateway.tool_parser={TOOL_PARSER}", f"gateway.max_tokens={MAX_TOKENS}", "rollout.max_num_seqs=2", "rollout.retained_prefixes=4",
+    f"gateway.tool_parser={TOOL_PARSER}", f"gateway.max_tokens={MAX_TOKENS}", "rollout.max_num_seqs=2",
 ]  # fmt: skip
-"""`asyncrl serve` overrides for this policy: its KV cache holds max_num_seqs + retained_prefixes slots of 32k positions."""
+"""`asyncrl serve` overrides for this policy: its paged KV cache holds at most two requests of 32k positions."""
 
 SHAPE = TinyModelConfig(arch="qwen3", hidden_size=64, num_layers=1, num_heads=1, intermediate_size=128, max_position_embeddings=32768)
 """One layer and one head: the embedded engine's prefill holds a prompt-by-prompt attention matrix per head, so
@@ -171,9 +171,7 @@ def agent_service(store_path: Path, **gateway: Any) -> tuple[GatewayService, Any
     from asyncrl.rollout import EmbeddedEngine
 
     tokenizer, model = agent_policy()
-    engine = EmbeddedEngine(
-        model, EmbeddedRolloutConfig(device="cpu", torch_threads=1, max_num_seqs=2, retained_prefixes=4), engine_id="e0"
-    )
+    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(device="cpu", torch_threads=1, max_num_seqs=2), engine_id="e0")
     config = GatewayConfig(**{"tool_parser": TOOL_PARSER, "max_tokens": MAX_TOKENS, "sampling_overrides": "allow", **gateway})
     pool = EnginePool(config)
     pool.add_local(LocalEngine(engine))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -95,3 +97,21 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+REDIS_URL = os.environ.get("ASYNCRL_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def redis_or_skip():
+    """A client of the real Redis server the tests use; the test is skipped without one, and fails under CI (the
+    test script starts one there)."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as error:
+        if os.environ.get("CI"):
+            pytest.fail(f"Redis unreachable at {REDIS_URL}: {error}")
+        pytest.skip(f"Redis unreachable at {REDIS_URL}: {error}")
+    return client

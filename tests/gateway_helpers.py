@@ -2,7 +2,10 @@
 tiny engines, and a policy whose weights are set so it writes a tool call.
 
 `ScriptedEngine` is an engine handle that writes exact replies, for tests of what goes around the
-policy (environments, evaluation). The scripted policy is a real model run by the real engine: every layer's output projections are
+policy (environments, evaluation); `KVEngine` an engine whose reply carries KV provenance (a request that
+ran across weight pushes), for the recording and routing tests.
+
+The scripted policy is a real model run by the real engine: every layer's output projections are
 zero, so the final hidden state is the last token's embedding and the model is a bigram table. Its
 embeddings and LM head are set so that after `<|assistant|>` it writes the SCRIPT below, each step
 with a logit margin of SHARPNESS: at temperature 1 it strays from the script with probability
@@ -328,3 +331,53 @@ def serve_banner(process) -> tuple[str, str]:
     url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "".join(banner))
     assert url, "".join(banner)
     return url[1], "".join(banner)
+
+
+KV_REPLY = [*TOKENIZER.encode("sunny", add_special_tokens=False), TOKENIZER.eos_token_id]
+SAMPLED_BY = 7
+KV_VERSIONS = [5, 5, 6, 6, 7, 7]
+"""What `KVEngine`'s reply attended to: KV of versions 5 to 7 under weights of version 7, as a request that ran
+across two pushes under `rollout.kv_on_push: keep` records it."""
+
+
+class KVEngine:
+    """An engine with the verbs `LocalEngine` and `engine_app` call, replying KV_REPLY sampled by version SAMPLED_BY
+    over KV of KV_VERSIONS (none with `records_kv=False`, as vLLM records none). It keeps the session id of every
+    request; with `hold` its stream stops after that many tokens until it is closed (`closed` is set then); with
+    `gate` every request waits until the event is set (`waiting` counts those that arrived)."""
+
+    def __init__(self, engine_id: str = "kv", *, records_kv: bool = True, hold: int | None = None, gate: threading.Event | None = None):
+        self.engine_id, self.records_kv, self.hold, self.gate = engine_id, records_kv, hold, gate
+        self.sessions: list[str | None] = []
+        self.waiting = 0
+        self.closed = threading.Event()
+
+    async def generate(self, prompt_token_ids, sampling, session_id=None) -> GenerationResult:
+        self.sessions.append(session_id)
+        if self.gate is not None:
+            self.waiting += 1
+            while not self.gate.is_set():
+                await asyncio.sleep(0.005)
+        ids = KV_REPLY[: sampling.max_tokens]
+        logprobs = [-0.125 * (i + 1) for i in range(len(ids))]
+        kv_versions = KV_VERSIONS[: len(ids)] if self.records_kv else None
+        versions = [SAMPLED_BY] * len(ids)
+        return GenerationResult(
+            "kv", list(prompt_token_ids), ids, logprobs, versions, "stop", engine_id=self.engine_id, kv_versions=kv_versions
+        )
+
+    async def stream(self, prompt_token_ids, sampling, session_id=None):
+        try:
+            result = await self.generate(prompt_token_ids, sampling, session_id)
+            for i, token in enumerate(result.token_ids):
+                if i == self.hold:
+                    await asyncio.Event().wait()
+                kv_versions = None if result.kv_versions is None else [result.kv_versions[i]]
+                yield TokenDelta([token], [result.logprobs[i]], [SAMPLED_BY], kv_versions=kv_versions)
+                await asyncio.sleep(0)
+            yield result
+        finally:
+            self.closed.set()
+
+    def health(self) -> dict:
+        return {"alive": True, "engine_id": self.engine_id}

@@ -169,7 +169,7 @@ CASES = cases_for(RunConfig)
 def test_the_battery_reaches_every_section_and_choice() -> None:
     keys = {case.key for case in CASES}
     for expected in (
-        "rollout.sampling.temperature", "rollout.mtp_draft_tokens", "rollout.retained_prefixes", "store.url",
+        "rollout.sampling.temperature", "rollout.mtp_draft_tokens", "rollout.kv_block_size", "store.url",
         "store.visibility_timeout_s", "sandbox.docker_host", "sandbox.memory_mb", "tasks.mix.entry.ratio",
         "distill.teachers.entry.ratio", "gateway.max_body_bytes", "policy.tiny.hidden_size", "learner.crash_statuses.0",
     ):  # fmt: skip

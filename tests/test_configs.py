@@ -138,7 +138,7 @@ def test_cli_bad_config_is_exit_2_with_message(capsys) -> None:
         ([], "store", SQLiteStoreConfig()),
         (["store.path=x.db"], "store", SQLiteStoreConfig(path="x.db")),
         (["store.type=redis", "store.namespace=n"], "store", RedisStoreConfig(namespace="n")),
-        (["rollout.retained_prefixes=2"], "rollout", EmbeddedRolloutConfig(retained_prefixes=2)),
+        (["rollout.kv_block_size=32"], "rollout", EmbeddedRolloutConfig(kv_block_size=32)),
         (["rollout.type=vllm", "rollout.max_num_seqs=8"], "rollout", VLLMRolloutConfig(max_num_seqs=8)),
         (["sandbox.backend=docker", "sandbox.cpus=2"], "sandbox", DockerSandboxConfig(cpus=2.0)),
     ],
@@ -177,10 +177,10 @@ def test_a_dump_with_other_choices_loads_back(tmp_path) -> None:
         (["store=3"], "store: Input should be a mapping (got 3)"),
         (["store.namespace=run1"], "store.namespace: unknown key (a key of store.type=redis only)"),
         (
-            ["rollout.type=vllm", "rollout.retained_prefixes=0"],
-            "rollout.retained_prefixes: unknown key (a key of rollout.type=embedded only)",
+            ["rollout.type=vllm", "rollout.kv_block_size=8"],
+            "rollout.kv_block_size: unknown key (a key of rollout.type=embedded only)",
         ),
-        (["rollout.retaind_prefixes=0"], "rollout.retaind_prefixes: unknown key (did you mean 'retained_prefixes'?)"),
+        (["rollout.kv_blok_size=8"], "rollout.kv_blok_size: unknown key (did you mean 'kv_block_size'?)"),
         (["rollout.sampling.temprature=1"], "rollout.sampling.temprature: unknown key (did you mean 'temperature'?)"),
         (["rollout.type=vllm", "rollout.sampling.top_p=0"], "rollout.sampling.top_p: Input should be greater than 0 (got 0)"),
         (["sandbox.backend=docker", "sandbox.cpus=0"], "sandbox.cpus: Input should be greater than 0 (got 0)"),
@@ -209,7 +209,7 @@ def test_a_section_moves_to_another_choice_keeping_what_they_share() -> None:
     assert ProcessSandboxConfig(python="/x/python3", timeout_s=2).on_backend("docker") == DockerSandboxConfig(timeout_s=2)
     vllm = VLLMRolloutConfig(max_num_seqs=8, fp8=True, sampling=SamplingConfig(temperature=0.5))
     assert vllm.embedded() == EmbeddedRolloutConfig(max_num_seqs=8, fp8=True, sampling=SamplingConfig(temperature=0.5))
-    embedded = EmbeddedRolloutConfig(retained_prefixes=3)
+    embedded = EmbeddedRolloutConfig(kv_block_size=8)
     assert embedded.embedded() is embedded
 
 
@@ -264,3 +264,9 @@ def test_a_config_from_before_objective_sections_keeps_its_bounds():
     assert LearnerConfig.model_validate({"eps_low": 0.15}).objective.eps_low == 0.15  # the default objective, moved into
     written = LearnerConfig.model_validate({"objective": {"name": "ppo", "eps_low": 0.05}, "eps_low": 0.3})
     assert written.objective.eps_low == 0.05  # the objective's own key wins
+
+
+def test_a_config_from_before_the_paged_cache_still_loads_and_says_its_retained_prefixes_are_ignored() -> None:
+    with pytest.warns(DeprecationWarning, match=r"rollout\.retained_prefixes is ignored: the paged KV cache keeps every finished block"):
+        old = EmbeddedRolloutConfig.model_validate({"retained_prefixes": 64, "max_num_seqs": 8})
+    assert old == EmbeddedRolloutConfig(max_num_seqs=8)

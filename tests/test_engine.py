@@ -1,4 +1,4 @@
-"""Engine behaviour: continuous batching, prefix reuse, weight updates, stopping, bad input."""
+"""Engine behaviour: continuous batching, prefix reuse over the paged cache, weight updates, stopping, bad input."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ from asyncrl.records import RequestError, SamplingParams
 from asyncrl.rollout import EmbeddedEngine
 
 PROMPT = [5, 17, 33, 9, 64, 2, 71]
+BLOCK = 4
+"""Small blocks, so that these short prompts span several and share whole ones."""
+
+
+def reusable(tokens_with_kv: int) -> int:
+    """Positions a later request can reuse of a context whose first `tokens_with_kv` have KV: whole blocks only."""
+    return tokens_with_kv // BLOCK * BLOCK
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +30,7 @@ def model():
 
 
 def new_engine(model, **options) -> EmbeddedEngine:
-    return EmbeddedEngine(model, EmbeddedRolloutConfig(**{"max_num_seqs": 8, "retained_prefixes": 2, **options}))
+    return EmbeddedEngine(model, EmbeddedRolloutConfig(**{"max_num_seqs": 8, "kv_block_size": BLOCK, **options}))
 
 
 def assert_same_sample(a, b) -> None:
@@ -62,38 +69,42 @@ def test_next_turn_of_a_session_reuses_the_prefix_and_samples_the_same(model):
     turn2 = SamplingParams(temperature=1.0, max_tokens=8, seed=2)
     engine = new_engine(model)
     (first,) = run_to_completion(engine, [(PROMPT, turn1)], session_id="rollout-1")
-    assert engine.health()["retained_prefixes"] == 1
+    # The prompt and all but the last sampled token have KV: their whole blocks stay cached.
+    assert engine.health()["kv_blocks_cached"] == reusable(len(PROMPT) + 6 - 1) // BLOCK
     second_prompt = PROMPT + first.token_ids + [11, 12, 13]  # e.g. a tool response
     (second,) = run_to_completion(engine, [(second_prompt, turn2)], session_id="rollout-1")
-    # Every token whose KV exists is reused: the prompt and all but the last sampled token.
-    assert second.cached_prompt_tokens == len(PROMPT) + len(first.token_ids) - 1
-    (fresh,) = run_to_completion(new_engine(model, retained_prefixes=0), [(second_prompt, turn2)])
+    assert second.cached_prompt_tokens == reusable(len(PROMPT) + len(first.token_ids) - 1) > 0
+    (fresh,) = run_to_completion(new_engine(model), [(second_prompt, turn2)])
     assert fresh.cached_prompt_tokens == 0
     assert_same_sample(second, fresh)
 
 
-def test_prefix_reuse_stops_at_the_first_differing_token_and_needs_the_same_session(model):
+def test_prefix_reuse_takes_whole_blocks_up_to_the_first_differing_token_whatever_the_session(model):
+    """The cache is keyed by content: the same tokens under the same weights have the same KV, whoever asks."""
     params = SamplingParams(temperature=0, max_tokens=4)
     engine = new_engine(model)
     run_to_completion(engine, [(PROMPT, params)], session_id="a")
     (other,) = run_to_completion(engine, [([*PROMPT, 3], params)], session_id="b")
-    assert other.cached_prompt_tokens == 0
+    assert other.cached_prompt_tokens == BLOCK  # 8 tokens: the last must be fed, so one whole block is reused
     (edited,) = run_to_completion(engine, [([*PROMPT[:3], 8, 8, 8, 8, 8], params)], session_id="a")
-    assert edited.cached_prompt_tokens == 3
-    (fresh,) = run_to_completion(new_engine(model), [([*PROMPT[:3], 8, 8, 8, 8, 8], params)])
-    assert_same_sample(edited, fresh)
+    assert edited.cached_prompt_tokens == 0  # differs inside the first block
+    (kept,) = run_to_completion(engine, [([*PROMPT[:4], 8, 8, 8, 8, 8], params)])
+    assert kept.cached_prompt_tokens == BLOCK
+    (fresh,) = run_to_completion(new_engine(model), [([*PROMPT[:4], 8, 8, 8, 8, 8], params)])
+    assert_same_sample(kept, fresh)
 
 
-def test_retained_prefixes_are_evicted_least_recently_used(model):
-    params = SamplingParams(temperature=0, max_tokens=3)
-    engine = new_engine(model, retained_prefixes=2)
-    firsts = {s: run_to_completion(engine, [([*PROMPT, i], params)], session_id=s)[0] for i, s in enumerate("abc")}
-    assert engine.health()["retained_prefixes"] == 2
-    follow = {s: r.prompt_token_ids + r.token_ids for s, r in firsts.items()}
-    (a,) = run_to_completion(engine, [(follow["a"], params)], session_id="a")
-    (c,) = run_to_completion(engine, [(follow["c"], params)], session_id="c")
-    assert a.cached_prompt_tokens == 0  # "a" was the oldest when "c" finished
-    assert c.cached_prompt_tokens == len(follow["c"]) - 1
+def test_a_groups_prompt_is_prefilled_once_and_its_members_sample_what_they_would_alone(model):
+    """Members behind the first wait one step for its prompt blocks, then feed only the partial last block."""
+    prompt = list(range(3, 3 + 4 * BLOCK + 2))  # four whole blocks and two tokens
+    params = [SamplingParams(temperature=1.0, max_tokens=5, seed=50 + i) for i in range(8)]
+    alone = [run_to_completion(new_engine(model), [(prompt, p)])[0] for p in params]
+    engine = new_engine(model)
+    group = run_to_completion(engine, [(prompt, p) for p in params])
+    assert engine.health()["prefill_tokens"] == len(prompt) + 7 * (len(prompt) - 4 * BLOCK)
+    assert [r.cached_prompt_tokens for r in group] == [0] + [4 * BLOCK] * 7
+    for mine, expected in zip(group, alone, strict=True):
+        assert_same_sample(mine, expected)
 
 
 def test_weight_update_mid_request_switches_versions_without_dropping_it(model):
@@ -111,6 +122,7 @@ def test_weight_update_mid_request_switches_versions_without_dropping_it(model):
         (result,) = [r for _ in range(20) for r in engine.step()][:1]
         assert result.request_id == request and result.finish_reason == "length"
         assert result.versions == [0] * 5 + [version] * 7
+        assert result.kv_versions == [0] * 5 + [version] * 7  # recomputed under the new weights at the push
         assert result.token_ids[:5] == baseline.token_ids[:5]
         if version == 1:  # the same weights again: nothing else changes
             assert_same_sample(result, baseline)
@@ -118,31 +130,43 @@ def test_weight_update_mid_request_switches_versions_without_dropping_it(model):
             assert result.logprobs[5] != pytest.approx(baseline.logprobs[5], abs=1e-3)
 
 
-def test_weight_update_drops_retained_prefixes(model):
+def test_a_push_under_recompute_serves_no_block_the_old_weights_computed(model):
     engine = new_engine(model)
-    run_to_completion(engine, [(PROMPT, SamplingParams(temperature=0, max_tokens=3))], session_id="s")
+    params = SamplingParams(temperature=0, max_tokens=3)
+    run_to_completion(engine, [(PROMPT, params)], session_id="s")
+    assert engine.health()["kv_blocks_cached"] > 0
     engine.update_weights(model.state_dict(), 1)
-    assert engine.health()["retained_prefixes"] == 0
+    assert engine.health()["kv_blocks_cached"] == 0
+    (again,) = run_to_completion(engine, [(PROMPT, params)], session_id="s")
+    assert again.cached_prompt_tokens == 0 and again.kv_versions == [1] * 3
 
 
-def test_a_turn_that_spans_a_weight_push_is_not_retained_for_the_next_turn(model):
-    """Its K/V mixes two policies: the next turn must prefill under the new weights alone, as the learner
-    scores it (`asyncrl replay score` found next turns off by up to 0.11 in log-prob before this)."""
+def test_a_push_under_keep_reuses_old_blocks_and_says_so_per_token(model):
+    engine = new_engine(model, kv_on_push="keep")
+    params = SamplingParams(temperature=0, max_tokens=3)
+    (first,) = run_to_completion(engine, [(PROMPT, params)])
+    engine.update_weights(model.state_dict(), 1)
+    (again,) = run_to_completion(engine, [([*PROMPT, *first.token_ids, 9], params)])
+    assert again.cached_prompt_tokens == reusable(len(PROMPT) + 2) > 0
+    assert again.versions == [1] * 3 and again.kv_versions == [0] * 3
+
+
+@pytest.mark.parametrize("kv_on_push", ["recompute", "keep"])
+def test_a_request_running_at_a_push_records_the_kv_it_attended_to(model, kv_on_push):
+    """recompute: its context is prefilled again under the new weights, so every later token attended to new KV
+    only; keep: later tokens still attend to the KV the old weights computed."""
     params = SamplingParams(temperature=0, max_tokens=6)
-    engine = new_engine(model)
+    engine = new_engine(model, kv_on_push=kv_on_push)
     request = engine.add_request(PROMPT, params, session_id="s")
     for _ in range(3):
         assert engine.step() == []
     engine.update_weights(model.state_dict(), 1)
     (first,) = [r for _ in range(10) for r in engine.step()][:1]
-    assert first.request_id == request and first.versions[0] == 0 and first.versions[-1] == 1
-    assert engine.health()["retained_prefixes"] == 0
-    follow = PROMPT + first.token_ids + [3, 4]
-    (second,) = run_to_completion(engine, [(follow, params)], session_id="s")
-    assert second.cached_prompt_tokens == 0
-    # A turn wholly under one version is retained as before.
-    (third,) = run_to_completion(engine, [(follow + second.token_ids + [5], params)], session_id="s")
-    assert third.cached_prompt_tokens == len(follow) + len(second.token_ids) - 1
+    assert first.request_id == request and first.versions == [0] * 3 + [1] * 3
+    assert first.kv_versions == [0] * 3 + ([1] * 3 if kv_on_push == "recompute" else [0] * 3)
+    assert engine.health()["preemptions"] == (1 if kv_on_push == "recompute" else 0)
+    (alone,) = run_to_completion(new_engine(model), [(PROMPT, params)])
+    assert_same_sample(first, alone)  # the same weights again: recomputing changes nothing sampled
 
 
 def test_a_bad_state_dict_is_refused_and_the_old_weights_stay(model):
@@ -287,16 +311,16 @@ def test_a_prompt_longer_than_a_prefill_piece_is_prefilled_over_steps_and_sample
     while pieces.has_unfinished():
         done.update((r.request_id, r) for r in pieces.step())
         steps += 1
-        longest = longest or next(r for r in pieces._running if r.id == ids[0])
+        longest = longest or next(r for r in pieces.scheduler.running if r.id == ids[0])
         if steps < 5:  # ceil(70 / 16) pieces: the prompt's KV grows a piece a step, nothing sampled yet
             assert longest.computed == 16 * steps and not longest.output
     assert len(longest.output) == 6
     for request_id, expected in zip(ids, whole, strict=True):
         assert_same_sample(done[request_id], expected)
-    # A retained prefix plus a long new suffix: the suffix is prefilled in pieces after the cached part.
+    # A cached prefix plus a long new suffix: the suffix is prefilled in pieces after the cached part.
     first = run_to_completion(pieces, [(PROMPT, SamplingParams(max_tokens=3, seed=1))], session_id="s")[0]
     follow = [*PROMPT, *first.token_ids, *long_prompt[:40]]
     again = run_to_completion(pieces, [(follow, SamplingParams(temperature=1.0, max_tokens=5, seed=3))], session_id="s")[0]
     fresh = run_to_completion(new_engine(model), [(follow, SamplingParams(temperature=1.0, max_tokens=5, seed=3))])[0]
-    assert again.cached_prompt_tokens == len(PROMPT) + len(first.token_ids) - 1
+    assert again.cached_prompt_tokens == reusable(len(PROMPT) + len(first.token_ids) - 1)
     assert_same_sample(again, fresh)

@@ -60,8 +60,8 @@ class FakeEngine(EngineFront):
     def busy(self) -> bool:
         return bool(self.running)
 
-    def sampled(self, request: FakeRequest) -> tuple[list[int], list[float], list[int]]:
-        return request.tokens, [0.0] * len(request.tokens), request.tokens
+    def sampled(self, request: FakeRequest) -> tuple[list[int], list[float], list[int], None]:
+        return request.tokens, [0.0] * len(request.tokens), request.tokens, None
 
     def load_weights(self, weights, version: int) -> None:
         if weights == "bad":

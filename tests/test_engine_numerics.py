@@ -30,7 +30,7 @@ def assert_matches_hf(model, results, temperature: float = 1.0) -> None:
 
 
 def engine_for(model, **options) -> EmbeddedEngine:
-    return EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=8, retained_prefixes=2, **options))
+    return EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=8, **options))
 
 
 PROMPTS = [[5, 17, 33, 9, 64, 2, 71], [40, 41, 42], list(range(20, 45))]
@@ -90,6 +90,6 @@ def test_qwen3_grouped_query_attention_matches_hf():
 
 def test_from_pretrained_loads_a_model_directory(tmp_path, qwen3_model):
     qwen3_model.save_pretrained(tmp_path)
-    engine = EmbeddedEngine.from_pretrained(tmp_path, EmbeddedRolloutConfig(max_num_seqs=2, retained_prefixes=0))
+    engine = EmbeddedEngine.from_pretrained(tmp_path, EmbeddedRolloutConfig(max_num_seqs=2))
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=1)
     assert_matches_hf(qwen3_model, run_to_completion(engine, [(PROMPTS[1], params)]))

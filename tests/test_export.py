@@ -18,7 +18,12 @@ def store(tmp_path):
     store = open_store(tmp_path / "run.db")
     done = store.open("arithmetic", "g0", {"problem": "2+2", "nested": {"k": [1, None]}})
     logprobs = [-math.pi, math.nextafter(0.0, -1.0)]
-    store.append(Turn(done, [1, 2], [3, 4], logprobs, [0, 1], timings={"total": 0.25}, temperature=0.7, top_p=0.9, top_k=40))
+    store.append(
+        Turn(
+            done, [1, 2], [3, 4], logprobs, [0, 1], timings={"total": 0.25}, temperature=0.7, top_p=0.9, top_k=40,
+            routes=[[[0, 3]], [[1, 2]]], kv_versions=[0, 0],
+        )
+    )  # fmt: skip
     store.append(Turn(done, [1, 2, 3, 4, 9], [5], [-1e-300], [2], finish_reason="length", engine_id="e1"))
     store.finish(done, 1.0, metrics={"tool_calls": 1})
     store.abort(store.open("arithmetic", "g0"), reason="timeout in client")
@@ -59,16 +64,18 @@ def test_an_unknown_format_is_refused(store, tmp_path) -> None:
 
 
 SAMPLING = ("temperature", "top_p", "top_k")
+LATER_FIELDS = (*SAMPLING, "routes", "kv_versions")
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
-def test_files_written_before_turns_carried_sampling_options_read_back_without_them(store, tmp_path, suffix) -> None:
+def test_files_written_before_turns_carried_sampling_options_routes_or_kv_versions_read_back_without_them(store, tmp_path, suffix) -> None:
     stored = store.list()
     assert (stored[0].turns[0].temperature, stored[0].turns[0].top_p, stored[0].turns[0].top_k) == (0.7, 0.9, 40)
+    assert stored[0].turns[0].kv_versions == [0, 0]
     old = [trajectory.to_dict() for trajectory in stored]
     for data in old:
         for turn in data["turns"]:
-            for key in SAMPLING:
+            for key in LATER_FIELDS:
                 del turn[key]
     path = tmp_path / f"old{suffix}"
     if suffix == ".jsonl":
@@ -79,9 +86,10 @@ def test_files_written_before_turns_carried_sampling_options_read_back_without_t
 
         schema = _parquet_schema(pa)
         turn = schema.field("turns").type.value_type
-        old_turn = pa.struct([turn.field(i) for i in range(turn.num_fields) if turn.field(i).name not in SAMPLING])
+        old_turn = pa.struct([turn.field(i) for i in range(turn.num_fields) if turn.field(i).name not in LATER_FIELDS])
         old_schema = schema.set(schema.get_field_index("turns"), pa.field("turns", pa.list_(old_turn)))
         pq.write_table(pa.Table.from_pylist([_to_parquet_row(data) for data in old], schema=old_schema), path)
     got = read_trajectories(path)
-    assert [[(t.temperature, t.top_p, t.top_k) for t in g.turns] for g in got] == [[(None, None, None)] * len(s.turns) for s in stored]
+    unset = [[(None,) * len(LATER_FIELDS)] * len(s.turns) for s in stored]
+    assert [[tuple(getattr(t, key) for key in LATER_FIELDS) for t in g.turns] for g in got] == unset
     assert [[t.logprobs for t in g.turns] for g in got] == [[t.logprobs for t in s.turns] for s in stored]

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import uuid
 
 import pytest
+from conftest import REDIS_URL, redis_or_skip
 from gateway_helpers import TOKENIZER, TOOLS, LiveGateway, make_engine, make_service
 
 from asyncrl.gateway.store import open_store
 from asyncrl.samples import trajectory_to_samples
-
-REDIS_URL = os.environ.get("ASYNCRL_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +25,7 @@ def engine():
 def _store(kind: str, tmp_path):
     if kind == "sqlite":
         return open_store(tmp_path)
-    import redis
-
-    try:
-        redis.Redis.from_url(REDIS_URL).ping()
-    except redis.RedisError as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"Redis unreachable at {REDIS_URL}: {error}")
-        pytest.skip(f"Redis unreachable at {REDIS_URL}: {error}")
+    redis_or_skip().close()
     return open_store(REDIS_URL, namespace=f"test-gateway-{uuid.uuid4().hex}")
 
 

@@ -7,6 +7,7 @@ expires when the test moves the clock past its window, never because a busy mach
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -29,7 +30,8 @@ def engines():
 
 
 def _home(gw: LiveGateway, rollout_id: str) -> str:
-    return gw.on_loop(lambda: gw.service.pool.router.route(rollout_id, {}))
+    """The engine a running rollout's calls go to while no engine is loaded (routed by its group: gateway/routing.py)."""
+    return gw.on_loop(lambda: gw.service.pool.router.route(gw.service.rollouts.live[rollout_id].route_key, {}))
 
 
 def _live_engines(gw: LiveGateway) -> set[str]:
@@ -172,9 +174,10 @@ def test_a_refused_remote_connection_is_retried_elsewhere(engines, tmp_path) -> 
         # capacity 64 (the most) makes it the home of most rollouts
         gone = {"engine_id": "gone", "address": "http://127.0.0.1:9", "capacity": 64.0}
         gw.http.post("/engines/register", json=gone, headers={"Authorization": f"Bearer {gw.engine_token}"}).raise_for_status()
-        rollout_id, key = gw.open()
+        groups = (f"g{i}" for i in itertools.count())
+        rollout_id, key = gw.open(group_id=next(groups))
         while _home(gw, rollout_id) != "gone":  # make it certain
-            rollout_id, key = gw.open()
+            rollout_id, key = gw.open(group_id=next(groups))
         reply = gw.openai(key).chat.completions.create(model="policy", messages=USER)
         assert reply.model_extra["asyncrl"]["engine_id"] == "e0"
         assert gw.service.store.get(rollout_id).turns[0].timings["retries"] == 1.0

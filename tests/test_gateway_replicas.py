@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import secrets
 import time
 import uuid
@@ -16,6 +15,7 @@ import uuid
 import httpx
 import openai
 import pytest
+from conftest import REDIS_URL, redis_or_skip
 from gateway_helpers import TOKENIZER, TOOLS, EngineServer, LiveGateway, Replier, live_engines, make_engine
 
 from asyncrl.configs import ConfigError
@@ -28,7 +28,6 @@ from asyncrl.gateway.routing import Router
 from asyncrl.gateway.service import GatewayService
 from asyncrl.gateway.store import open_store
 
-REDIS_URL = os.environ.get("ASYNCRL_REDIS_URL", "redis://127.0.0.1:6379/0")
 WAIT_S = 60.0
 """Longest wait for what a test waits on (a safety valve on a loaded machine, never the verdict)."""
 
@@ -40,15 +39,7 @@ def engines():
 
 @pytest.fixture
 def namespace():
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.RedisError as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"Redis unreachable at {REDIS_URL}: {error}")
-        pytest.skip(f"Redis unreachable at {REDIS_URL}: {error}")
+    client = redis_or_skip()
     name = f"test-replicas-{uuid.uuid4().hex}"
     yield name
     keys = list(client.scan_iter(match=f"asyncrl:{name}:*", count=1000))

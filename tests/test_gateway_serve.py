@@ -80,6 +80,23 @@ def test_show_marks_sampled_tokens(tmp_path) -> None:
     assert [r[0] for r in rows if r[-1] == "0"] == ["0", "1", "4", "5"]
 
 
+def test_show_adds_the_kv_version_of_each_sampled_token_where_the_engine_recorded_them(tmp_path) -> None:
+    from rich.console import Console
+
+    from asyncrl.records import Turn
+
+    store = open_store(tmp_path)
+    rollout_id = store.open("t")
+    store.append(Turn(rollout_id, [4, 40], [41, 1], [-0.25, -0.5], [3, 3], kv_versions=[2, 3]))
+    store.append(Turn(rollout_id, [4, 40, 41, 1, 5, 42], [43], [-1.0], [4]))  # recorded none: its version stands in
+    console = Console(record=True, width=120)
+    show_trajectory(store, rollout_id, console)
+    text = console.export_text()
+    assert "kv version" in text
+    rows = [[cell.strip() for cell in line.split("│")] for line in text.splitlines() if re.match(r"\s*\d+ │", line)]
+    assert [(r[0], r[4], r[5]) for r in rows if r[-1] == "1"] == [("2", "3", "2"), ("3", "3", "3"), ("6", "4", "4")]
+
+
 def test_show_decodes_a_runs_tokens_with_the_tokenizer_of_the_policy_its_config_names(tmp_path, capsys) -> None:
     """A run of a pretrained policy is shown in that policy's tokens, not the tiny policy's."""
     from gguf_model import tiny_smollm2

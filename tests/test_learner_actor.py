@@ -33,7 +33,7 @@ def test_learner_actor_trains_and_pushes_to_rollout_workers(ray_session):
 
     config = RunConfig(
         policy=PolicyConfig(tiny=TinyModelConfig(arch="qwen3", **SMALL_SHAPE), mtp=MTPConfig(enabled=False)),
-        rollout=EmbeddedRolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4, retained_prefixes=1),
+        rollout=EmbeddedRolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4),
         learner=LearnerConfig(group_size=2, lr=1e-2, num_cpus=0.5),
     )  # fmt: skip
     model, _, _ = build_policy(config.policy, config.seed)  # the learner builds the same weights

@@ -91,7 +91,7 @@ def test_native_moe_families_run_fp8_weights_and_record_routes(family):
 
 def test_generic_path_chunked_prefill_scoring_and_weight_updates_match_transformers():
     model = tiny_family_model("gpt2")
-    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=4, retained_prefixes=0, prefill_chunk_tokens=16))
+    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=4, prefill_chunk_tokens=16))
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=1)
     long_prompt = list(range(30, 90))  # prefilled in four pieces
     assert_matches_hf(model, run_to_completion(engine, [(long_prompt, params)]))

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from asyncrl.learner.objectives import double_sided_is_loss, group_advantages, icepop_grpo_loss
 from asyncrl.learner.selection import select
-from asyncrl.records import Account, oldest_version
+from asyncrl.records import Account, Sample, oldest_version
 
 LN2 = math.log(2.0)  # exp(±ln 2) is exactly 2 and 1/2 in float32 and float64, so edges are exact
 
@@ -98,13 +97,9 @@ def test_group_advantages_hand_computed():
     assert group_advantages(rewards, groups, normalize_std=False).tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0])
 
 
-@dataclass
-class FakeSample:
-    rollout_id: str
-    group_id: str = "g"
-    status: str = "ok"
-    versions: list = field(default_factory=lambda: [0, 5, 5])
-    loss_mask: list = field(default_factory=lambda: [0, 1, 1])
+def fake_sample(rollout_id: str, group_id: str = "g", status: str = "ok") -> Sample:
+    """Three tokens, the last two sampled at version 5."""
+    return Sample([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [0, 5, 5], 0.0, group_id, rollout_id, status)
 
 
 def test_oldest_version_reads_only_sampled_tokens():
@@ -115,12 +110,12 @@ def test_oldest_version_reads_only_sampled_tokens():
 @pytest.mark.parametrize(("current", "expected"), [(7, Account.TRAINED), (8, Account.DROPPED_STALE)])
 def test_staleness_at_tau_and_tau_plus_one(current, expected):
     # oldest sampled version 5, tau = 2: 7 - 5 = 2 is kept, 8 - 5 = 3 is dropped.
-    selection = select([[FakeSample("a", "g1")]], current_version=current, max_staleness=2, group_size=1)
+    selection = select([[fake_sample("a", "g1")]], current_version=current, max_staleness=2, group_size=1)
     assert selection.accounts["a"] is expected
 
 
 def test_crash_and_abort_accounts():
-    samples = [FakeSample("a", status="env_crash"), FakeSample("b", status="aborted"), FakeSample("c"), FakeSample("d")]
+    samples = [fake_sample("a", status="env_crash"), fake_sample("b", status="aborted"), fake_sample("c"), fake_sample("d")]
     selection = select([samples], current_version=5, max_staleness=0, group_size=4)
     assert selection.accounts["a"] is Account.DROPPED_CRASH
     assert selection.accounts["b"] is Account.ABORTED
@@ -129,7 +124,7 @@ def test_crash_and_abort_accounts():
 
 
 def _group(valid: int, size: int):
-    return [FakeSample(f"r{i}", status="ok" if i < valid else "env_crash") for i in range(size)]
+    return [fake_sample(f"r{i}", status="ok" if i < valid else "env_crash") for i in range(size)]
 
 
 def test_group_fill_just_above_half_pads_by_repeating():
@@ -148,8 +143,8 @@ def test_group_fill_odd_size_boundaries():
 
 
 def test_ledger_adds_up_and_forks_share_an_account():
-    g = [*_group(4, 4), FakeSample("r1")]  # r1 forked into two samples
-    h = [FakeSample(f"s{i}", group_id="h", status="aborted" if i == 0 else "ok") for i in range(4)]
+    g = [*_group(4, 4), fake_sample("r1")]  # r1 forked into two samples
+    h = [fake_sample(f"s{i}", group_id="h", status="aborted" if i == 0 else "ok") for i in range(4)]
     selection = select([g, h], current_version=5, max_staleness=0, group_size=4)
     assert sum(selection.ledger().values()) == 8
     assert [s.rollout_id for s in selection.batch].count("r1") == 2

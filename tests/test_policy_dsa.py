@@ -63,7 +63,7 @@ def learner_logprobs(model, prompt: list[int], completion: list[int]) -> torch.T
 @pytest.mark.parametrize("kind", ["all", "relu"])
 def test_engine_and_learner_attend_to_the_same_positions_on_tied_scores(kind):
     model = tied_model(kind)
-    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=4, retained_prefixes=0))
+    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=4))
     params = SamplingParams(temperature=1.0, max_tokens=COMPLETION, seed=3)
     results = run_to_completion(engine, [(p, params) for p in PROMPTS])
     assert all(len(p) + COMPLETION > INDEX_TOPK * 4 for p in PROMPTS)  # the sparse path runs, at most queries

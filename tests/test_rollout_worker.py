@@ -23,7 +23,7 @@ def test_worker_generates_and_takes_new_weights(ray_session):
     from asyncrl.rollout.worker import create_workers
 
     model = make_tiny_model("qwen3", eos_token_id=None)
-    config = EmbeddedRolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4, retained_prefixes=1)
+    config = EmbeddedRolloutConfig(num_workers=2, cpus_per_worker=0.5, max_num_seqs=4)
     workers = create_workers(model, config)
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=9)
 

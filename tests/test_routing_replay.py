@@ -38,7 +38,7 @@ COMPLETION = 10
 
 
 def engine_for(model, **options) -> EmbeddedEngine:
-    return EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=4, retained_prefixes=0, record_routes=True, **options))
+    return EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=4, record_routes=True, **options))
 
 
 def learner_logprobs(model, prompt: list[int], completion: list[int], routes=None) -> torch.Tensor:
@@ -105,7 +105,7 @@ def test_engine_records_the_experts_behind_every_sampled_token(drafting):
     model = make_tiny_model("glm_moe_dsa", num_layers=3, eos_token_id=None)
     options = dict(mtp_drafting=True, mtp_draft_tokens=2) if drafting else {}
     engine = EmbeddedEngine(
-        model, EmbeddedRolloutConfig(max_num_seqs=4, retained_prefixes=0, record_routes=True, **options),
+        model, EmbeddedRolloutConfig(max_num_seqs=4, record_routes=True, **options),
         mtp=build_mtp(model, seed=1) if drafting else None,
     )  # fmt: skip
     prompts = [PROMPT, PROMPT[:5]]
@@ -122,7 +122,7 @@ def test_engine_records_the_experts_behind_every_sampled_token(drafting):
 
 def test_without_record_routes_results_carry_none():
     model = make_tiny_model("glm_moe_dsa")
-    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=2, retained_prefixes=0))
+    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=2))
     (result,) = run_to_completion(engine, [(PROMPT, SamplingParams(max_tokens=3, seed=0))])
     assert getattr(result, "routes", None) is None
 
@@ -205,7 +205,7 @@ def test_recorded_routes_travel_through_turns_and_samples_to_the_learner():
     model = make_tiny_model("glm_moe_dsa", num_layers=4, eos_token_id=None)
     use_shared_selection(model)
     _craft_near_tie(model)
-    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=2, retained_prefixes=2, record_routes=True))
+    engine = EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=2, record_routes=True))
     params = SamplingParams(temperature=1.0, max_tokens=COMPLETION, seed=5)
     (first,) = run_to_completion(engine, [(PROMPT, params)], session_id="r")
     second_prompt = PROMPT + first.token_ids + [60, 61, 62]  # the environment's reply in between

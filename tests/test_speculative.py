@@ -115,7 +115,7 @@ def test_greedy_rows_accept_exactly_the_target_argmax():
 
 
 def engine(model, mtp=None, **options) -> EmbeddedEngine:
-    return EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=64, retained_prefixes=2, **options), mtp=mtp)
+    return EmbeddedEngine(model, EmbeddedRolloutConfig(max_num_seqs=64, **options), mtp=mtp)
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +143,14 @@ def test_native_mtp_layer_matches_the_trained_module(arch):
         expected = mtp_logits(model, mtp, hidden, ids, None, depth=1)[0][0, :-1]
     native = build_model(model.config, model.state_dict(), max_len=64, dtype=torch.float32, device=torch.device("cpu"))
     drafter = NativeMTP(native, mtp.state_dict())
-    cache = KVCache(native.cache_layout(extra_layers=1), 1, 64, dtype=torch.float32, device=torch.device("cpu"))
+    # Blocks of 4 in reverse order: the drafter's reads cross blocks as the engine's do.
+    table, cpu = [16, 12, 8, 4], torch.device("cpu")
+    cache = KVCache(native.cache_layout(extra_layers=1), 17, 4, max_len=64, dtype=torch.float32, device=cpu)
     tokens = ids[0].tolist()
-    target = native.hidden_states(ForwardBatch.build([0], [tokens], [0], torch.device("cpu")), cache)
+    target = native.hidden_states(ForwardBatch.build([table], [tokens], [0], 4, cpu), cache)
     # Positions 0..5 in one forward, then position 6 alone: the drafter's K/V cache is used too.
-    first, _ = drafter.forward(ForwardBatch.build([0], [tokens[1:7]], [0], torch.device("cpu")), cache, target[:, :6])
-    second, _ = drafter.forward(ForwardBatch.build([0], [tokens[7:8]], [6], torch.device("cpu")), cache, target[:, 6:7])
+    first, _ = drafter.forward(ForwardBatch.build([table], [tokens[1:7]], [0], 4, cpu), cache, target[:, :6])
+    second, _ = drafter.forward(ForwardBatch.build([table], [tokens[7:8]], [6], 4, cpu), cache, target[:, 6:7])
     torch.testing.assert_close(first[0], expected[5], atol=1e-4, rtol=0)
     torch.testing.assert_close(second[0], expected[6], atol=1e-4, rtol=0)
 
@@ -239,7 +241,7 @@ def test_serve_gives_drafting_engines_the_policys_mtp_layer(tmp_path):
     mtp = build_mtp(model, seed=1).eval()
     save_policy(tmp_path / "with", model, build_tokenizer(), mtp)
     save_policy(tmp_path / "without", model, build_tokenizer())
-    rollout = {"mtp_drafting": True, "num_workers": 1, "max_num_seqs": 2, "retained_prefixes": 0}
+    rollout = {"mtp_drafting": True, "num_workers": 1, "max_num_seqs": 2}
     config = RunConfig.model_validate({"policy": {"path": str(tmp_path / "with")}, "rollout": rollout})
     loaded, _, loaded_mtp = _policy(config)
     [handle] = _engines(config, loaded, loaded_mtp)
@@ -256,12 +258,14 @@ def test_chained_draft_batches_equal_freshly_built_ones():
     """`ForwardBatch.next_position` (chained drafts) describes the same forward as building it anew."""
     from asyncrl.rollout.kv_cache import ForwardBatch
 
-    first = ForwardBatch.from_tokens([2, 3, 4], torch.tensor([[7], [8], [9]]), [5, 11, 3])
+    tables = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 10, 11, 12]]
+    first = ForwardBatch.from_tokens(tables, torch.tensor([[7], [8], [9]]), [5, 11, 3], 4)
     chained = first.next_position(torch.tensor([[1], [2], [3]]))
-    fresh = ForwardBatch.build([2, 3, 4], [[1], [2], [3]], [6, 12, 4], torch.device("cpu"))
-    for name in ("slots", "tokens", "positions", "last_index", "mask", "write_slots", "write_positions"):
+    fresh = ForwardBatch.build(tables, [[1], [2], [3]], [6, 12, 4], 4, torch.device("cpu"))
+    for name in ("tables", "tokens", "positions", "last_index", "mask", "write_index", "read_index"):
         assert torch.equal(getattr(chained, name), getattr(fresh, name)), name
-    assert (chained.context_len, chained.write_rows, chained.slot_range) == (fresh.context_len, None, (2, 5))
+    assert (chained.context_len, chained.write_rows) == (fresh.context_len, None)
+    assert chained.write_index.tolist() == [2 * 4 + 2, 6 * 4 + 0, 10 * 4 + 0]  # row 0 position 6: its block 2, offset 2
 
 
 def test_drafting_after_a_prompt_prefilled_in_pieces_is_unchanged():

@@ -65,7 +65,7 @@ def _settings(model: type[BaseModel] | None, prefix: str):
 def _engine(config, json_path, options=None):
     from .engine import run
 
-    return run(config, json_path)
+    return run(config, json_path, options)
 
 
 def _gateway(config, json_path, options=None):
@@ -123,10 +123,10 @@ def _objectives(config, json_path, options=None):
 
 
 def _registry() -> dict[str, Benchmark]:
-    from . import agentic, asyncloop, learn, learner, objectives, replay, scale, soak
+    from . import agentic, asyncloop, engine_options, learn, learner, objectives, replay, scale, soak
 
     return {
-        "engine": Benchmark(_engine),
+        "engine": Benchmark(_engine, options=engine_options.EngineBenchOptions),
         "gateway": Benchmark(_gateway),
         "async": Benchmark(_async, asyncloop.PRESET, asyncloop.OVERRIDES, asyncloop.AsyncBenchOptions),
         "agentic": Benchmark(_agentic, agentic.PRESET, options=agentic.AgenticBenchOptions),

@@ -100,7 +100,7 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
     model = model.float().eval()
     if mtp is None:
         raise SystemExit(f"bench engine: {config.policy.path} has no MTP layer to draft with")
-    base = config.rollout.embedded().model_copy(update={"torch_threads": threads, "max_num_seqs": batch, "retained_prefixes": 0})
+    base = _base_config(config, threads, batch)
     plain = EmbeddedEngine(model, base, engine_id="plain")
     drafting = EmbeddedEngine(
         model, base.model_copy(update={"mtp_drafting": True, "mtp_draft_tokens": DRAFT_TOKENS}), engine_id="mtp", mtp=mtp
@@ -148,6 +148,13 @@ def run(config: RunConfig, threads: int, batch: int, progress=None) -> dict:
             "fp32_engine_mean_abs_logprob_gap": fp32_gap,
         },
     }
+
+
+def _base_config(config: RunConfig, threads: int, batch: int):
+    base = config.rollout.embedded()
+    # No prefix kept for a session's next turn (the slot cache's setting; the paged cache has none).
+    retained = {"retained_prefixes": 0} if "retained_prefixes" in type(base).model_fields else {}
+    return base.model_copy(update={"torch_threads": threads, "max_num_seqs": batch, **retained})
 
 
 def _acceptance(model, mtp, drafting, tasks_and_prompts: list[tuple[str, list[int]]]) -> tuple[float, dict]:

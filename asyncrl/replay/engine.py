@@ -74,6 +74,7 @@ class ReplayEngine:
             versions=list(turn.versions),
             finish_reason=cast(FinishReason, turn.finish_reason),
             engine_id=self.engine_id,
+            kv_versions=None if turn.kv_versions is None else list(turn.kv_versions),
         )
 
     async def score(self, sequences: list[list[int]], temperature: float):

@@ -29,6 +29,10 @@ class TokenScore:
     """Policy version that sampled it."""
     staleness: int | None = None
     """Versions between sampling and the step that trained it (or the final checkpoint when untrained)."""
+    kv_version: int | None = None
+    """Oldest policy version among the KV it attended to (`Sample.kv_versions`); None where none is on record."""
+    kv_staleness: int | None = None
+    """Versions between that KV and the step that trained it, as `staleness` (`learner.staleness_by: kv` reads it)."""
     temperature: float | None = None
     logprobs: dict[str, float] = field(default_factory=dict)
     """Re-scored log-prob under each checkpoint (by label)."""

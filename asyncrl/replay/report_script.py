@@ -73,7 +73,10 @@ SCRIPT = r"""
     var head = "token " + t.token_id + " " + JSON.stringify(t.text) + " \u00b7 position " + t.position + " \u00b7 turn " + t.turn;
     if (!t.sampled) return head + "\nnot sampled (prompt, tool output or environment)";
     var lines = [head, "rollout log-p " + fmt(t.rollout_logprob) + " \u00b7 version " + count(t.version) +
-      " \u00b7 staleness " + count(t.staleness) + " \u00b7 temperature " + fmt(t.temperature) +
+      " \u00b7 staleness " + count(t.staleness) +
+      (t.kv_version === null || t.kv_version === undefined ? "" :
+        " \u00b7 KV version " + count(t.kv_version) + " \u00b7 KV staleness " + count(t.kv_staleness)) +
+      " \u00b7 temperature " + fmt(t.temperature) +
       (t.nearest_version === null || t.nearest_version === undefined ? "" : " \u00b7 nearest checkpoint v" + t.nearest_version)];
     labels.forEach(function (label) {
       if (!(label in t.logprobs)) return;

@@ -178,7 +178,7 @@ def _group_advantages(view: RunView, group_id: str, trained: dict[str, int]) -> 
     versions = [v for s in batch.samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
     current = next((trained[t.rollout_id] for t in members if t.rollout_id in trained), max(versions, default=0))
     selection = select(
-        batch.groups, current_version=current, max_staleness=learner.max_staleness,
+        batch.groups, current_version=current, max_staleness=learner.max_staleness, staleness_by=learner.staleness_by,
         group_size=learner.group_size, crash_statuses=learner.crash_statuses,
     )  # fmt: skip
     advantages: dict[tuple[str, int], float] = {}
@@ -246,6 +246,9 @@ def _report(view: RunView, item: _Item, labels: list[str], objectives, texts: _T
             k = order[j]
             token.rollout_logprob, token.version, token.temperature = sample.logprobs[j], sample.versions[j], item.temperatures[j]
             token.staleness, token.nearest_version = item.trained_version - sample.versions[j], item.nearest[j]
+            if sample.kv_versions is not None:
+                token.kv_version = sample.kv_versions[j]
+                token.kv_staleness = item.trained_version - token.kv_version
             token.logprobs = {label: item.logprobs[label][j] for label in labels}
             token.ratios = {label: ratios[label][k] for label in labels}
             token.decisions = {label: {o: decisions[label][o][k] for o in objectives} for label in labels}  # type: ignore[misc]

@@ -108,10 +108,15 @@ def _top_tokens(score: RolloutScore, labels: list[str]) -> Table | None:
     drift = {t.position: max(abs(v - t.rollout_logprob) for v in t.logprobs.values()) for t in sampled}  # type: ignore[operator]
     objectives = _objectives(score)
     title = f"tokens that drifted most (of {len(sampled)} sampled)"
-    table = _table(title, ["pos", "turn", "token", "ver", "stale", "rollout", "ckpt", "lp", "ratio", *objectives])
+    kv = any(t.kv_version is not None for t in sampled)  # a KV column only where the engine recorded KV versions
+    table = _table(
+        title, ["pos", "turn", "token", "ver", "stale", *(["kv", "kv stale"] if kv else []), "rollout", "ckpt", "lp", "ratio", *objectives]
+    )
     for t in sorted(sampled, key=lambda t: -drift[t.position])[:TOP_TOKENS]:
         for n, label in enumerate(labels):
-            head = [str(t.position), str(t.turn), repr(t.text), str(t.version), str(t.staleness), f"{t.rollout_logprob:.3f}"]
+            head = [str(t.position), str(t.turn), repr(t.text), str(t.version), str(t.staleness)]
+            head += [str(t.kv_version), str(t.kv_staleness)] if kv else []
+            head.append(f"{t.rollout_logprob:.3f}")
             decisions = t.decisions.get(label, {})
             table.add_row(*(head if n == 0 else [""] * len(head)), label, _number(t.logprobs.get(label), 3),
                           _number(t.ratios.get(label)), *(decisions.get(o, "-") for o in objectives))  # fmt: skip

@@ -233,7 +233,8 @@ def _shares(learner: RLLearner, batch: Batch, current_version: int, top: int) ->
 
     config = learner.config
     selection = select(batch.groups, current_version=current_version, max_staleness=config.max_staleness,
-                       group_size=config.group_size, crash_statuses=config.crash_statuses)  # fmt: skip
+                       staleness_by=config.staleness_by, group_size=config.group_size,
+                       crash_statuses=config.crash_statuses)  # fmt: skip
     rows = step_rows(selection, config, learner.temperature)[0]
     computed = [row for row in rows if computes(row)]
     totals = StepTotals(tokens=sum(sum(row.loss_mask[1:]) for row in rows), samples=sum(1 for row in rows if any(row.loss_mask[1:])))

@@ -56,10 +56,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved
 
 
 def attention_bias(mask: torch.Tensor, kv_heads: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [B * kv_heads, groups * T, L] (0 visible, -inf hidden) from mask [B, T, L]."""
+    """Additive mask [kv_heads * B, groups * T, L] (0 visible, -inf hidden) from mask [B, T, L], head-major as
+    `attend` batches."""
     batch, width, length = mask.shape
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return bias[:, None, None].expand(batch, kv_heads, groups, width, length).reshape(batch * kv_heads, groups * width, length)
+    return bias[None, :, None].expand(kv_heads, batch, groups, width, length).reshape(kv_heads * batch, groups * width, length)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
@@ -67,15 +68,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 
     `bias` comes from `attention_bias`. Query heads sharing a KV head (GQA) are stacked along the
     query axis, so one batched matmul per step serves every head without repeating K or V; the
-    mask and scale fold into that matmul (baddbmm), which on CPU beats SDPA at these sizes.
+    mask and scale fold into that matmul (baddbmm), which on CPU beats SDPA at these sizes. The
+    batch runs head-major (kv head, row): the paged cache's reads (`KVCache.read`) are gathered in
+    that order, so K and V reach the matmuls as they are, without another copy.
     """
     batch, width, heads, dk = q.shape
     kv_heads, length, dv = k.shape[1], k.shape[2], v.shape[-1]
     groups = heads // kv_heads
-    q = q.view(batch, width, kv_heads, groups, dk).permute(0, 2, 3, 1, 4).reshape(batch * kv_heads, groups * width, dk)
-    scores = torch.baddbmm(bias, q, k.reshape(batch * kv_heads, length, dk).transpose(1, 2), alpha=scale)
-    out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(batch * kv_heads, length, dv))
-    return out.view(batch, kv_heads, groups, width, dv).permute(0, 3, 1, 2, 4).reshape(batch, width, heads * dv)
+    q = q.view(batch, width, kv_heads, groups, dk).permute(2, 0, 3, 1, 4).reshape(kv_heads * batch, groups * width, dk)
+    keys = k.transpose(0, 1).reshape(kv_heads * batch, length, dk)
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1).reshape(kv_heads * batch, length, dv))
+    return out.view(kv_heads, batch, groups, width, dv).permute(1, 3, 0, 2, 4).reshape(batch, width, heads * dv)
 
 
 def swiglu(

@@ -1,10 +1,10 @@
-"""Any causal LM through transformers' own forward, its keys and values in the engine's slot cache.
+"""Any causal LM through transformers' own forward, its keys and values in the engine's paged cache.
 
 The embedded engine's fallback for families without a native forward (`rollout/models/__init__.py`
 chooses). transformers runs every layer as it always does; only two things are the engine's:
 
-- the cache: `SlotCache` is a transformers `Cache` whose layers write each new token's K/V into
-  the engine's `KVCache` (its slot and position) and hand back the slot's positions 0..L-1, so slots,
+- the cache: `PagedCache` is a transformers `Cache` whose layers write each new token's K/V into
+  the engine's `KVCache` (its block and offset) and hand back the row's positions 0..L-1, so blocks,
   batching and prefix reuse work exactly as for the native families;
 - the mask: the batch's own [B, T, L] visibility, passed as an additive 4D mask, which transformers
   uses as given (a 4D mask skips its own mask construction).
@@ -26,24 +26,25 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.initialization import no_init_weights
 
 from ..fp8 import Fp8Error
-from ..kv_cache import CacheLayout, ForwardBatch, KVCache
+from ..kv_cache import CacheLayout, ForwardBatch, KVCache, contiguous_tables
 from .common import check_full_attention, last_tokens
 
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 6
+PROBE_BLOCK = 4
 """Length of the sequence the start-up check runs (prefilled in two pieces, then decoded)."""
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 """Largest log-prob gap to the full forward accepted at start-up; half-precision dtypes get 5e-2."""
 
 
-class _SlotLayer(CacheLayerMixin):
+class _PagedLayer(CacheLayerMixin):
     """One decoder layer's view of the engine's cache for the current forward."""
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, owner: SlotCache, index: int) -> None:
+    def __init__(self, owner: PagedCache, index: int) -> None:
         super().__init__()
         self.owner, self.index = owner, index
         self.is_initialized = True
@@ -66,17 +67,17 @@ class _SlotLayer(CacheLayerMixin):
         return self.owner.cache.max_len if self.owner.cache is not None else -1
 
 
-class SlotCache(Cache):
+class PagedCache(Cache):
     """A transformers `Cache` over the engine's `KVCache` for one `ForwardBatch` at a time."""
 
     def __init__(self, cache: KVCache | None, batch: ForwardBatch | None, num_layers: int) -> None:
-        super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
+        super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
         self.cache, self.batch = cache, batch
         self.shapes: dict[int, dict[str, tuple[int, int]]] = {}
         """Layer -> cache name -> (heads, dim) of what each layer stored (read by the layout probe)."""
 
     def exchange(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store keys/values [B, heads, T, dim] of the batch's real tokens; return [B, heads, L, dim] of its slots."""
+        """Store keys/values [B, heads, T, dim] of the batch's real tokens; return [B, heads, L, dim] of its rows."""
         self.shapes[layer] = {"k": (keys.shape[1], keys.shape[3]), "v": (values.shape[1], values.shape[3])}
         cache, batch = self.cache, self.batch
         if cache is None or batch is None:  # the layout probe: nothing to store yet
@@ -131,7 +132,7 @@ class TransformersModel:
 
     def _probe_layout(self) -> CacheLayout:
         """What each layer stores per position, read off one forward of two tokens."""
-        probe = SlotCache(None, None, self.num_layers)
+        probe = PagedCache(None, None, self.num_layers)
         tokens = torch.zeros(1, 2, dtype=torch.long, device=self.device)
         try:
             with torch.inference_mode():
@@ -154,8 +155,8 @@ class TransformersModel:
         # 0 where visible, the dtype's lowest where hidden: every row sees at least its own position.
         mask = torch.zeros(batch.mask.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~batch.mask, torch.finfo(self.dtype).min)
-        slots = SlotCache(cache, batch, self.num_layers)
-        out = self.decoder(input_ids=batch.tokens, attention_mask=mask[:, None], position_ids=batch.positions, cache=slots, use_cache=True)
+        paged = PagedCache(cache, batch, self.num_layers)
+        out = self.decoder(input_ids=batch.tokens, attention_mask=mask[:, None], position_ids=batch.positions, cache=paged, use_cache=True)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -174,18 +175,20 @@ def _refuse_unsupported(config, max_len: int) -> None:
 
 
 def _check_against_full_forward(model: TransformersModel) -> None:
-    """Refuse a family whose logits through the slot cache and the 4D mask differ from its own full forward:
+    """Refuse a family whose logits through the paged cache and the 4D mask differ from its own full forward:
     prefill two ragged pieces, then decode token by token, and compare every position's log-probs."""
     config, device = model.config, model.device
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (PROBE_TOKENS,), generator=generator).to(device)
-    cache = KVCache(model.layout, 1, PROBE_TOKENS, dtype=model.dtype, device=device)
+    # Small blocks, so that the probe's reads cross block boundaries as the engine's do.
+    (table,) = contiguous_tables(1, PROBE_TOKENS, PROBE_BLOCK)
+    cache = KVCache(model.layout, len(table), PROBE_BLOCK, max_len=PROBE_TOKENS, dtype=model.dtype, device=device)
     pieces = [(0, 3), (3, 4), *((p, p + 1) for p in range(4, PROBE_TOKENS))]
     with torch.inference_mode():
         full = model.module(input_ids=tokens[None], attention_mask=torch.ones_like(tokens[None])).logits[0].float().log_softmax(-1)
         ours = []
         for lo, hi in pieces:
-            batch = ForwardBatch.build([0], [tokens[lo:hi].tolist()], [lo], device)
+            batch = ForwardBatch.build([table], [tokens[lo:hi].tolist()], [lo], PROBE_BLOCK, device)
             ours.append(model.logits(model.hidden_states(batch, cache))[0, : hi - lo])
         ours_logp = torch.cat(ours).float().log_softmax(-1)
     gap = float((full - ours_logp).abs().max())
