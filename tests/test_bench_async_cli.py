@@ -31,6 +31,8 @@ def test_bad_bench_settings_are_refused_by_name(capsys):
     assert main(["bench", "async", "bench.latency.tail_prob=2", "--dry-run"]) == EXIT_CONFIG_ERROR
     assert "bench.latency.tail_prob" in capsys.readouterr().err
     assert main(["bench", "engine", "bench.latency.median_s=1", "--dry-run"]) == EXIT_CONFIG_ERROR
+    assert "bench.latency: unknown key" in capsys.readouterr().err  # the engine bench has settings, not these
+    assert main(["bench", "gateway", "bench.latency.median_s=1", "--dry-run"]) == EXIT_CONFIG_ERROR
     assert "no bench.* settings" in capsys.readouterr().err
 
 
