@@ -48,6 +48,9 @@ class BlockManager:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced keyed blocks, least recently used first
         self._keys: dict[int, _Key] = {}  # block -> its key
         self._index: dict[int, int] = {}  # key value -> block
+        # A prompt's partial last block, while its request holds it: (parent chain key, its tokens) -> (block, version).
+        self._tails: dict[tuple[int | None, tuple[int, ...]], tuple[int, int]] = {}
+        self._tail_of: dict[int, tuple[int | None, tuple[int, ...]]] = {}
 
     @property
     def available(self) -> int:
@@ -99,11 +102,25 @@ class BlockManager:
             fresh.append(block)
         return fresh
 
+    def offer_tail(self, block: int, parent: int | None, tokens: Sequence[int], version: int) -> None:
+        """A prompt's partial last block, computed: a request with the same prompt may copy it (`tail`) while
+        its holder keeps it (its later positions are the holder's own; these ones stay as they are)."""
+        key = (parent, tuple(tokens))
+        if key not in self._tails and block not in self._tail_of:
+            self._tails[key], self._tail_of[block] = (block, version), key
+
+    def tail(self, parent: int | None, tokens: Sequence[int], version: int | None) -> tuple[int, int] | None:
+        """(block, version) of an offered partial block holding exactly `tokens` after the chain `parent`."""
+        found = self._tails.get((parent, tuple(tokens)))
+        return found if found is not None and (version is None or found[1] == version) else None
+
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block; a block no one holds is cached if keyed, else free."""
         for block in blocks:
             self._refs[block] -= 1
             if self._refs[block] == 0:
+                if block in self._tail_of:
+                    del self._tails[self._tail_of.pop(block)]
                 if block in self._keys:
                     self._cached[block] = None
                 else:
@@ -124,6 +141,8 @@ class BlockManager:
         ones are freed when released."""
         for block in list(self._keys):
             self._unkey(block)
+        self._tails.clear()
+        self._tail_of.clear()
         self._free.extend(reversed(self._cached))
         self._cached.clear()
 

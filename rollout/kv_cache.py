@@ -152,6 +152,13 @@ class KVCache:
         rows, length = batch.read_index.shape
         return torch.index_select(buf, 1, batch.read_index.view(-1)).view(buf.shape[0], rows, length, buf.shape[2]).transpose(0, 1)
 
+    def copy_positions(self, source: int, target: int, count: int) -> None:
+        """Copy the first `count` positions of block `source` into block `target`, in every layer."""
+        size = self.block_size
+        for buffers in self.layers:
+            for buf in buffers.values():
+                buf[:, target * size : target * size + count] = buf[:, source * size : source * size + count]
+
     def zero(self, blocks: list[int]) -> None:
         """Clear blocks about to be handed out: positions past a row's end are read under the mask, and stale
         values there (a NaN above all) would leak through the attention matmul (0 x NaN)."""

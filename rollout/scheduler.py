@@ -4,7 +4,8 @@ Each step is either prefill (requests whose context is partly computed, else new
 decode (every running request). Admission takes waiting requests in order while a step's prefill budget
 and the free blocks allow, each reusing the cached blocks that already hold the start of its context
 (`rollout/kv_blocks.py`); a request whose first block another request is computing right now waits a
-step to reuse it, so a GRPO group's prompt is prefilled once. Before a step runs, every request in it gets
+step to reuse it, and copies the partial last block of an identical prompt another request holds, so a
+GRPO group's prompt is prefilled once and each other member feeds only its last prompt token. Before a step runs, every request in it gets
 blocks for the positions it writes; when none are left the latest admitted running request is preempted:
 its blocks go back (its keyed ones stay cached) and it waits first in line to prefill its whole context
 again. After the step, newly completed blocks are keyed for reuse.
@@ -51,6 +52,9 @@ class Scheduler:
             tokens = request.context(i * size, (i + 1) * size)
             request.chain_key = self.blocks.register(request.blocks[i], request.chain_key, tokens, request.kv_oldest)
             request.keyed_blocks += 1
+        start = request.keyed_blocks * size
+        if request.computed == len(request.prompt) > start and not request.output[1:]:  # its prompt, just computed
+            self.blocks.offer_tail(request.blocks[request.keyed_blocks], request.chain_key, request.prompt[start:], request.kv_oldest)
 
     def remove(self, request: Request) -> None:
         """A finished or aborted request leaves; its keyed blocks stay cached (a rollout's next turn starts with its context)."""
@@ -81,17 +85,27 @@ class Scheduler:
             first = self._first_key(request)
             if not hits and first is not None and first in computing:
                 continue
-            piece = min(request.length - len(hits) * size, self.config.prefill_chunk_tokens)
+            reused = len(hits) * size
+            tail = self.blocks.tail(chain_key, request.context(reused, request.length), match_version)
+            piece = 1 if tail else min(request.length - reused, self.config.prefill_chunk_tokens)
             longest = max(longest, piece)
-            need = -(-(len(hits) * size + piece) // size) - len(hits)
+            need = -(-(request.length if tail else reused + piece) // size) - len(hits)
             over_budget = bool(admitted) and (len(admitted) + 1) * longest > MAX_PREFILL_TOKENS
             if over_budget or reserved + need > self.blocks.available - len(hits):
                 break
             self.waiting.remove(request)
             self.blocks.take(hits)
-            reserved += need
             request.blocks, request.keyed_blocks, request.chain_key, request.kv_oldest = hits, len(hits), chain_key, oldest
-            request.computed = len(hits) * size
+            if tail:  # another request holds this prompt's partial last block: copy all of it but the last token
+                fresh = self.blocks.allocate(1)
+                assert fresh is not None  # counted among the available ones above
+                self.cache.zero(fresh)
+                self.cache.copy_positions(tail[0], fresh[0], request.length - 1 - reused)
+                request.blocks = [*hits, *fresh]
+                request.kv_oldest = tail[1] if oldest is None else min(oldest, tail[1])
+                need -= 1
+            reserved += need
+            request.computed = request.length - 1 if tail else reused
             if not request.scheduled:  # its first admission (a preempted request comes back to recompute)
                 request.cached_prompt_tokens = request.computed
                 request.scheduled = time.perf_counter()

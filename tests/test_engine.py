@@ -95,14 +95,15 @@ def test_prefix_reuse_takes_whole_blocks_up_to_the_first_differing_token_whateve
 
 
 def test_a_groups_prompt_is_prefilled_once_and_its_members_sample_what_they_would_alone(model):
-    """Members behind the first wait one step for its prompt blocks, then feed only the partial last block."""
+    """Members behind the first wait one step for its prompt blocks, copy the partial last one, and feed only
+    their last prompt token (its logits are theirs to sample from)."""
     prompt = list(range(3, 3 + 4 * BLOCK + 2))  # four whole blocks and two tokens
     params = [SamplingParams(temperature=1.0, max_tokens=5, seed=50 + i) for i in range(8)]
     alone = [run_to_completion(new_engine(model), [(prompt, p)])[0] for p in params]
     engine = new_engine(model)
     group = run_to_completion(engine, [(prompt, p) for p in params])
-    assert engine.health()["prefill_tokens"] == len(prompt) + 7 * (len(prompt) - 4 * BLOCK)
-    assert [r.cached_prompt_tokens for r in group] == [0] + [4 * BLOCK] * 7
+    assert engine.health()["prefill_tokens"] == len(prompt) + 7
+    assert [r.cached_prompt_tokens for r in group] == [0] + [len(prompt) - 1] * 7
     for mine, expected in zip(group, alone, strict=True):
         assert_same_sample(mine, expected)
 

@@ -51,6 +51,16 @@ def test_a_match_stops_at_the_limit_a_changed_token_and_another_version():
     assert manager.match([1, 2, 3, 4], limit=4, version=None)[0] == []
 
 
+def test_a_prompts_partial_last_block_is_offered_while_held_and_withdrawn_when_released():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    (block,) = manager.allocate(1) or ()
+    manager.offer_tail(block, None, [7, 8, 9], version=2)
+    assert manager.tail(None, [7, 8, 9], version=2) == (block, 2) and manager.tail(None, [7, 8, 9], version=None) == (block, 2)
+    assert manager.tail(None, [7, 8], version=2) is None and manager.tail(None, [7, 8, 9], version=3) is None
+    manager.release([block])  # its holder finished: the block may be handed out and overwritten
+    assert manager.tail(None, [7, 8, 9], version=2) is None
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "glm4_moe", "glm_moe_dsa"])
 def test_paged_attention_gives_the_log_probs_of_one_block_per_request(family):
     """Blocks of 4, scattered by interleaved requests and shared by prefix reuse, against blocks as long as the
