@@ -53,7 +53,7 @@ class Scheduler:
             request.chain_key = self.blocks.register(request.blocks[i], request.chain_key, tokens, request.kv_oldest)
             request.keyed_blocks += 1
         start = request.keyed_blocks * size
-        if request.computed == len(request.prompt) > start and not request.output[1:]:  # its prompt, just computed
+        if request.computed == len(request.prompt) > start and len(request.output) <= 1:  # its prompt, just computed
             self.blocks.offer_tail(request.blocks[request.keyed_blocks], request.chain_key, request.prompt[start:], request.kv_oldest)
 
     def remove(self, request: Request) -> None:
